@@ -1,0 +1,184 @@
+"""Command-line interface: ``kvbridge models | plan | verify | demo | bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import KVBridgeError
+from .layout import LAYOUT_PRESETS, EngineLayout, MemoryLayout
+
+console = Console()
+
+
+def _engine(args, side: str, model, num_blocks: int = 64) -> EngineLayout:
+    g = lambda k: getattr(args, f"{side}_{k}")  # noqa: E731
+    return EngineLayout(model, tp=g("tp"), pp=g("pp"), block_size=g("block_size"),
+                        memory=MemoryLayout.parse(g("layout")), num_blocks=num_blocks, role=side,
+                        mamba_blocks_per_request=g("mamba_blocks"))
+
+
+def _add_topology(p: argparse.ArgumentParser, default_model: str, ptp=4, dtp=2) -> None:
+    p.add_argument("--model", default=default_model, help="preset name (kvbridge models) or path to a HF config.json")
+    for side, tp in (("prefill", ptp), ("decode", dtp)):
+        p.add_argument(f"--{side}-tp", type=int, default=tp)
+        p.add_argument(f"--{side}-pp", type=int, default=1)
+        p.add_argument(f"--{side}-block-size", type=int, default=16)
+        p.add_argument(f"--{side}-layout", default="flash_attn",
+                       help=f"memory layout: a preset {sorted(LAYOUT_PRESETS)} or an axis order over LKBTHD")
+        p.add_argument(f"--{side}-mamba-blocks", type=int, default=None,
+                       help="kernel blocks a Mamba state slot spans (default: exactly the state size)")
+
+
+def cmd_models(args) -> int:
+    from .models import list_presets, preset
+    t = Table(title="model presets")
+    for c in ("name", "layers", "groups", "description"):
+        t.add_column(c)
+    for name, desc in list_presets():
+        m = preset(name)
+        groups = "; ".join(
+            f"{g.name}: {g.kind} x{len(g.layers)}" + (f" heads={g.num_heads}" if g.num_heads else "") +
+            (f" dim={g.head_dim}" if g.head_dim else "") for g in m.groups)
+        t.add_row(name, str(m.num_layers), groups, desc)
+    console.print(t)
+    return 0
+
+
+def _fmt_layers(ls: tuple[int, ...]) -> str:
+    if not ls:
+        return "-"
+    if len(ls) <= 4:
+        return ",".join(map(str, ls))
+    return f"{len(ls)} in {ls[0]}..{ls[-1]}"
+
+
+def cmd_plan(args) -> int:
+    from .cost import choose_modes
+    from .models import load_model
+    from .plan import plan_to_json, plan_transfer
+    model = load_model(args.model)
+    prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
+    plan = plan_transfer(prefill, decode)
+    if args.json:
+        print(json.dumps(plan_to_json(plan), indent=1))
+        return 0
+    doc = plan_to_json(plan)
+    t = Table(title=f"{model.name}: prefill tp={prefill.tp} pp={prefill.pp} -> decode tp={decode.tp} pp={decode.pp}")
+    for c in ("decode (pp,tp)", "prefill (pp,tp)", "group", "layers", "heads", "bytes/token", "bytes/block", "bytes/request"):
+        t.add_column(c, justify="right" if "bytes" in c else "left")
+    for r, jr in zip(plan.reads, doc["reads"]):
+        bpt = jr["bytes_per_token"]
+        t.add_row(f"{r.decode}", f"{r.prefill}", r.group, _fmt_layers(plan.group_layers(r)),
+                  "latent" if jr["heads"] is None and model.group(r.group).kind == "mla" else
+                  (f"{jr['heads'][0]}:{jr['heads'][1]}" if jr["heads"] else "-"),
+                  str(bpt) if bpt is not None else "", str(bpt * decode.block_size) if bpt is not None else "",
+                  str(jr["bytes_per_request"] or ""))
+    console.print(t)
+    modes = choose_modes(plan)
+    mt = Table(title="transfer mode per (decode rank, prefill rank), chosen by the cost model")
+    for c in ("decode", "prefill", "runs/block", "bytes/run", "mode", "why"):
+        mt.add_column(c)
+    for m in modes:
+        mt.add_row(str(m.decode), str(m.prefill), f"{m.runs_per_block:.1f}", str(m.bytes_per_run), m.mode, m.why)
+    console.print(mt)
+    if args.draw:
+        from .draw import draw_plan
+        draw_plan(plan, args.draw)
+        console.print(f"plan drawn to {args.draw}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from rich.progress import Progress
+    from .models import list_presets, load_model
+    from .plan import plan_transfer
+    from .verify import verify
+    cases = []
+    if args.sweep:
+        from .sweep import sweep_cases
+        cases = sweep_cases(quick=not args.full)
+    else:
+        model = load_model(args.model)
+        cases = [(_engine(args, "prefill", model, args.num_blocks), _engine(args, "decode", model, args.num_blocks))]
+    t = Table(title="oracle verification (every decode byte checked)")
+    for c in ("model", "prefill", "decode", "requests", "bytes", "descriptors", "amplification", "mismatched", "result"):
+        t.add_column(c)
+    failed = rejected = 0
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("verifying", total=len(cases))
+        for prefill, decode in cases:
+            try:
+                plan_transfer(prefill, decode)
+                res = verify(prefill, decode, num_requests=args.requests, seed=args.seed)
+            except KVBridgeError as e:
+                rejected += 1
+                if not args.sweep:
+                    raise
+                prog.advance(task)
+                continue
+            ok = res.ok
+            failed += not ok
+            if not args.sweep or not ok or args.verbose:
+                t.add_row(prefill.model.name, _short(prefill), _short(decode), str(res.requests), str(res.bytes_moved),
+                          str(res.descriptors), f"{res.amplification:.3f}", str(res.mismatched_bytes),
+                          "[green]PASS" if ok else "[red]FAIL " + "; ".join(res.errors))
+            prog.advance(task)
+    if args.sweep:
+        t.add_row("all", f"{len(cases) - rejected} cases", "", "", "", "", "", "",
+                  "[green]PASS" if not failed else f"[red]{failed} FAILED")
+    console.print(t)
+    if rejected:
+        console.print(f"{rejected} topologies rejected by the planner with a LayoutError (not counted)")
+    return 1 if failed else 0
+
+
+def _short(e: EngineLayout) -> str:
+    return f"tp{e.tp} pp{e.pp} bs{e.block_size} {e.memory}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("models", help="list model presets").set_defaults(fn=cmd_models)
+
+    p = sub.add_parser("plan", help="print which prefill rank supplies what to each decode rank")
+    _add_topology(p, "llama-3.1-70b", 8, 2)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--draw", metavar="FILE.svg", help="draw the plan as an SVG picture")
+    p.set_defaults(fn=cmd_plan)
+
+    v = sub.add_parser("verify", help="move bytes in-process with the reference transport, check each byte")
+    _add_topology(v, "gemma-4-mini")
+    v.add_argument("--sweep", action="store_true", help="every preset x a grid of topologies, layouts, block sizes")
+    v.add_argument("--full", action="store_true", help="with --sweep: the large grid")
+    v.add_argument("--requests", type=int, default=4)
+    v.add_argument("--num-blocks", type=int, default=64)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--verbose", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+
+    from .demo import add_demo_parser
+    add_demo_parser(sub, _add_topology)
+    try:
+        from .bench import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:  # benchmarks are optional
+        pass
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KVBridgeError as e:
+        console.print(f"[red]error:[/red] {type(e).__name__}: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

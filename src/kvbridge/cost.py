@@ -1,0 +1,91 @@
+"""Cost model: direct head-sliced reads or staged (pack, one contiguous read, scatter)?
+
+Direct reads post one descriptor per contiguous run; NIXL charges ``per_desc_us`` per descriptor on
+top of the wire time. Staged transfers gather the runs into a contiguous buffer on the prefill side,
+read it with a few large descriptors, and scatter on the decode side: two extra copies at
+``copy_gbps``. For each (decode rank, prefill rank) pair the model compares, per full block:
+
+    direct = runs * per_desc_us + bytes / wire_gbps
+    staged = bytes / wire_gbps + 2 * bytes / copy_gbps + runs * gather_ns_per_run
+
+Defaults are the figures measured on the reference CPU machine (shared/research/nixl_cpu.md):
+~4.5 us per descriptor, ~10 GB/s for both memcpy and large NIXL reads. ``kvbridge bench --calibrate``
+measures them on the current machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Rank, TransferPlan
+
+CALIBRATION_FILE = Path(os.environ.get("KVBRIDGE_CALIBRATION", Path.home() / ".cache" / "kvbridge" / "calibration.json"))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    per_desc_us: float = 4.5
+    wire_gbps: float = 10.0
+    copy_gbps: float = 10.0
+    gather_ns_per_run: float = 50.0
+    source: str = "defaults (shared/research/nixl_cpu.md)"
+
+    @classmethod
+    def load(cls) -> "CostModel":
+        try:
+            d = json.loads(CALIBRATION_FILE.read_text())
+            return cls(**{k: d[k] for k in ("per_desc_us", "wire_gbps", "copy_gbps")}, source=str(CALIBRATION_FILE))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
+
+    def save(self) -> None:
+        CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+        CALIBRATION_FILE.write_text(json.dumps({"per_desc_us": self.per_desc_us, "wire_gbps": self.wire_gbps,
+                                                "copy_gbps": self.copy_gbps}))
+
+    def direct_us(self, runs: float, nbytes: float) -> float:
+        return runs * self.per_desc_us + nbytes / (self.wire_gbps * 1e3)
+
+    def staged_us(self, runs: float, nbytes: float) -> float:
+        return nbytes / (self.wire_gbps * 1e3) + 2 * nbytes / (self.copy_gbps * 1e3) + runs * self.gather_ns_per_run / 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class ModeChoice:
+    decode: Rank
+    prefill: Rank
+    runs_per_block: float
+    bytes_per_run: int
+    mode: str
+    why: str
+
+
+def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True) -> list[ModeChoice]:
+    """Pick direct or staged for each (decode rank, prefill rank) pair of ``plan``.
+
+    ``shuffled``: assume blocks are not contiguous (the common case in a busy engine), so runs do not
+    merge across blocks.
+    """
+    from .lower import LoweredPlan
+    model = model or CostModel.load()
+    out = []
+    bs = max(plan.prefill.block_size, plan.decode.block_size)
+    for d in plan.decode.ranks():
+        lp = LoweredPlan(plan, d)
+        for p, lows in lp.by_prefill.items():
+            runs = nbytes = 0.0
+            for low in lows:
+                t = low.templates[lp.chunk_tokens if low.per_token else 1]
+                k = bs // lp.chunk_tokens if low.per_token else 0  # chunks per block; Mamba: per request
+                runs += t.nbytes.size * k
+                nbytes += float(t.nbytes.sum()) * k
+            if runs == 0:
+                continue
+            direct, staged = model.direct_us(runs, nbytes), model.staged_us(runs, nbytes)
+            mode = "staged" if staged < direct else "direct"
+            why = (f"per block: direct {direct:.1f} us ({runs:.0f} descs x {model.per_desc_us} us + wire) vs "
+                   f"staged {staged:.1f} us (wire + 2 copies at {model.copy_gbps} GB/s)")
+            out.append(ModeChoice(d, p, runs, int(nbytes / runs), mode, why))
+    return out

@@ -1,0 +1,354 @@
+"""Layout description: what a model caches, how an engine shards it, how a rank lays it out in memory.
+
+Conventions (used by every other module):
+
+* **Global index space of a cache group.** A group caches, for each of its layers (global layer
+  indices of the model), one or more *components* (``k`` and ``v``; ``latent`` for MLA; ``conv_x``,
+  ``conv_b``, ``conv_c``, ``ssm`` for Mamba). Each component is an array
+  ``[token, unit, elem]`` per layer for per-token groups, or ``[unit, elem]`` per request for
+  Mamba state. ``unit`` is the axis sharded over tensor parallelism: KV heads, Mamba heads or
+  Mamba groups; MLA's latent has one unit, so it is replicated on every rank.
+* **Sharding over TP.** A component with ``U`` units on ``tp`` ranks: if ``tp <= U`` (``U % tp == 0``)
+  rank ``r`` holds units ``[r*U/tp, (r+1)*U/tp)``; if ``tp > U`` (``tp % U == 0``) rank ``r`` holds the
+  single unit ``r*U//tp`` and ``tp/U`` ranks are replicas. Anything else is a :class:`LayoutError`.
+* **Sharding over PP.** Global layers ``[0, num_layers)`` are split into contiguous stages; the
+  default split is vLLM's (``num_layers // pp`` each, the remainder added to the stages just before
+  the last one).
+* **Tokens and blocks.** Token ``t`` of a request lives in the ``t // block_size``-th block of that
+  request's block list, at offset ``t % block_size``. Mamba state has one slot per request.
+* **Memory.** Each rank registers one buffer; each group occupies a contiguous region of it. Inside a
+  per-token group's region the axes are ordered by :class:`MemoryLayout` (outer to inner, e.g.
+  ``"LKBTHD"``: layer, K/V, block, token, head, dim). Mamba regions are ``[layer, slot, state]``
+  (or ``[slot, layer, state]`` for a cross-layer layout), the state being the concatenation of
+  ``conv_x, conv_b, conv_c`` (channel-major, "DS" layout) and ``ssm``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import LayoutError
+
+GroupKind = Literal["full_attention", "sliding_window", "mla", "mamba"]
+GROUP_KINDS: tuple[str, ...] = ("full_attention", "sliding_window", "mla", "mamba")
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+    "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise LayoutError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_SIZES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """One array cached per layer: ``[token, unit, elem]`` (per-token) or ``[unit, elem]`` (state).
+
+    ``num_units`` is the global size of the TP-sharded axis; ``unit_elems`` the elements per unit
+    (per token for per-token groups).
+    """
+
+    name: str
+    num_units: int
+    unit_elems: int
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        if self.num_units < 1 or self.unit_elems < 1 or self.itemsize < 1:
+            raise LayoutError(f"component {self.name!r}: sizes must be positive, got {self!r}")
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.unit_elems * self.itemsize
+
+    def units_per_rank(self, tp: int) -> int:
+        return self.num_units // tp if tp <= self.num_units else 1
+
+    def unit_range(self, tp: int, tp_rank: int) -> tuple[int, int]:
+        """Global half-open unit range held by ``tp_rank`` of ``tp`` ranks."""
+        if tp <= self.num_units:
+            n = self.num_units // tp
+            return (tp_rank * n, tp_rank * n + n)
+        u = tp_rank * self.num_units // tp
+        return (u, u + 1)
+
+    def check_tp(self, tp: int, where: str) -> None:
+        if tp % self.num_units and self.num_units % tp:
+            raise LayoutError(
+                f"{where}: component {self.name!r} has {self.num_units} units (heads/groups) which cannot be "
+                f"sharded over tp={tp}; use a tp that divides {self.num_units} or is a multiple of it "
+                f"(valid tp up to 16: {valid_tps(self.num_units)})")
+
+
+def valid_tps(num_units: int, up_to: int = 16) -> list[int]:
+    return [t for t in range(1, up_to + 1) if t % num_units == 0 or num_units % t == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """Mamba state shape. Mamba2: ``num_heads`` heads of ``head_dim`` channels, ``n_groups`` B/C groups.
+    Mamba1: ``num_heads`` = d_inner channels, ``head_dim`` = 1, ``n_groups`` = 0 (no B/C in the conv)."""
+
+    num_heads: int
+    head_dim: int
+    d_state: int
+    conv_kernel: int
+    n_groups: int = 0
+    ssm_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if min(self.num_heads, self.head_dim, self.d_state, self.conv_kernel) < 1 or self.n_groups < 0:
+            raise LayoutError(f"invalid Mamba state shape {self!r}")
+        if self.n_groups and self.num_heads % self.n_groups:
+            raise LayoutError(f"mamba num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """A set of layers whose cache has the same shape (vLLM's KV-cache group).
+
+    ``num_heads`` is the number of KV heads (attention) or Mamba heads; None for MLA.
+    ``head_dim`` is the per-head size (attention) or the latent size (MLA, e.g. 512+64).
+    """
+
+    name: str
+    kind: GroupKind
+    layers: tuple[int, ...]
+    dtype: str
+    num_heads: int | None = None
+    head_dim: int = 0
+    v_head_dim: int | None = None
+    sliding_window: int | None = None
+    mamba: MambaSpec | None = None
+
+    def __post_init__(self) -> None:
+        where = f"group {self.name!r}"
+        if self.kind not in GROUP_KINDS:
+            raise LayoutError(f"{where}: kind {self.kind!r} is not one of {GROUP_KINDS}")
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise LayoutError(f"{where}: layers must be a non-empty strictly increasing tuple of indices >= 0")
+        dtype_size(self.dtype)
+        if self.kind == "mamba":
+            if self.mamba is None:
+                raise LayoutError(f"{where}: a mamba group needs a MambaSpec")
+            object.__setattr__(self, "num_heads", self.mamba.num_heads)
+        elif self.kind == "mla":
+            if self.num_heads not in (None, 1) or self.head_dim < 1:
+                raise LayoutError(f"{where}: MLA caches one latent vector per token: num_heads=None, head_dim>0")
+            object.__setattr__(self, "num_heads", None)
+        else:
+            if not self.num_heads or self.num_heads < 1 or self.head_dim < 1:
+                raise LayoutError(f"{where}: attention needs num_heads>=1 and head_dim>=1, got "
+                                  f"num_heads={self.num_heads} head_dim={self.head_dim}")
+            if self.kind == "sliding_window" and not self.sliding_window:
+                raise LayoutError(f"{where}: a sliding_window group needs sliding_window > 0")
+
+    @property
+    def per_token(self) -> bool:
+        return self.kind != "mamba"
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        item = dtype_size(self.dtype)
+        if self.kind == "mla":
+            return (Component("latent", 1, self.head_dim, item),)
+        if self.kind == "mamba":
+            m = self.mamba
+            assert m is not None
+            k1 = m.conv_kernel - 1
+            comps = [Component("conv_x", m.num_heads, m.head_dim * k1, item)]
+            if m.n_groups:
+                comps += [Component("conv_b", m.n_groups, m.d_state * k1, item),
+                          Component("conv_c", m.n_groups, m.d_state * k1, item)]
+            comps.append(Component("ssm", m.num_heads, m.head_dim * m.d_state, dtype_size(m.ssm_dtype)))
+            return tuple(comps)
+        assert self.num_heads is not None
+        return (Component("k", self.num_heads, self.head_dim, item),
+                Component("v", self.num_heads, self.v_head_dim or self.head_dim, item))
+
+    @property
+    def head_component(self) -> Component | None:
+        """The component whose unit range is reported as ``heads`` (None for MLA)."""
+        if self.kind == "mla":
+            return None
+        return self.components[-1] if self.kind == "mamba" else self.components[0]
+
+    def check_tp(self, tp: int, where: str) -> None:
+        for c in self.components:
+            c.check_tp(tp, f"{where}, group {self.name!r}")
+
+    def bytes_per_rank(self, tp: int) -> int:
+        """Bytes per token (per-token groups) or per request (Mamba) per layer on one rank."""
+        return sum(c.units_per_rank(tp) * c.unit_bytes for c in self.components)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model's KV cache: ``num_layers`` global layers and the groups that cache some of them."""
+
+    name: str
+    num_layers: int
+    groups: tuple[CacheGroup, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise LayoutError(f"model {self.name!r} has no cache groups")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"model {self.name!r}: group names must be unique, got {names}")
+        seen: set[int] = set()
+        for g in self.groups:
+            if g.layers[-1] >= self.num_layers:
+                raise LayoutError(f"model {self.name!r}: group {g.name!r} has layer {g.layers[-1]} "
+                                  f">= num_layers={self.num_layers}")
+            dup = seen.intersection(g.layers)
+            if dup:
+                raise LayoutError(f"model {self.name!r}: layers {sorted(dup)[:5]} are in more than one group")
+            seen.update(g.layers)
+
+    def group(self, name: str) -> CacheGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise LayoutError(f"model {self.name!r} has no group {name!r}; groups: {[g.name for g in self.groups]}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hash of everything that must match between prefill and decode."""
+        import hashlib
+        return hashlib.sha256(repr((self.num_layers, self.groups)).encode()).hexdigest()[:16]
+
+
+AXES = "LKBTHD"
+LAYOUT_PRESETS: dict[str, str] = {
+    # name: axis order, outer to inner (L layer, K k/v component, B block, T token, H head, D dim)
+    "flash_attn": "LKBTHD",       # per layer [2, num_blocks, block_size, heads, dim] (NHD)
+    "flash_attn_hnd": "LKBHTD",   # per layer [2, num_blocks, heads, block_size, dim] (HND)
+    "flashinfer": "LBKHTD",       # per layer [num_blocks, 2, heads, block_size, dim] (HND, K/V in one page)
+    "flashinfer_nhd": "LBKTHD",   # per layer [num_blocks, 2, block_size, heads, dim]
+    "cross_layer": "BLKHTD",      # one block holds all layers [num_blocks, layers, 2, heads, block_size, dim]
+    "cross_layer_nhd": "BLKTHD",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLayout:
+    """Axis order of a rank's per-token cache regions, outer to inner, over ``LKBTHD``.
+
+    ``D`` must be innermost. Mamba regions follow the position of ``L`` relative to ``B``:
+    ``[layer, slot, state]`` when L is outside B, else ``[slot, layer, state]`` (cross-layer).
+    """
+
+    order: str = "LKBTHD"
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != sorted(AXES) or self.order[-1] != "D":
+            raise LayoutError(f"memory layout order {self.order!r} must be a permutation of {AXES!r} "
+                              f"ending in 'D'; presets: {LAYOUT_PRESETS}")
+
+    @classmethod
+    def parse(cls, text: str) -> "MemoryLayout":
+        return cls(LAYOUT_PRESETS.get(text, text))
+
+    @property
+    def name(self) -> str:
+        for k, v in LAYOUT_PRESETS.items():
+            if v == self.order:
+                return k
+        return self.order
+
+    @property
+    def cross_layer(self) -> bool:
+        return self.order.index("B") < self.order.index("L")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_pp_layers(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """vLLM's default split: ``num_layers // pp`` each, remainder added to stages before the last."""
+    if pp < 1 or pp > num_layers:
+        raise LayoutError(f"pp={pp} must be between 1 and num_layers={num_layers}")
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    out, start = [], 0
+    for n in parts:
+        out.append((start, start + n))
+        start += n
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """One engine: a model, its parallelism, block size and memory layout.
+
+    ``mamba_blocks_per_request``: a Mamba state slot spans this many kernel blocks (vLLM's
+    physical-blocks-per-logical); the slot stride is padded to that many attention pages of the
+    engine's first per-token group. None means the slot is exactly the state size.
+    """
+
+    model: ModelSpec
+    tp: int = 1
+    pp: int = 1
+    block_size: int = 16
+    memory: MemoryLayout = field(default_factory=MemoryLayout)
+    pp_layers: tuple[tuple[int, int], ...] | None = None
+    mamba_blocks_per_request: int | None = None
+    num_blocks: int = 64
+    role: str = "engine"
+
+    def __post_init__(self) -> None:
+        where = f"{self.role} engine (tp={self.tp}, pp={self.pp})"
+        if self.tp < 1 or self.pp < 1:
+            raise LayoutError(f"{where}: tp and pp must be >= 1")
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise LayoutError(f"{where}: block_size and num_blocks must be >= 1")
+        if self.pp_layers is None:
+            object.__setattr__(self, "pp_layers", default_pp_layers(self.model.num_layers, self.pp))
+        pl = tuple(tuple(x) for x in self.pp_layers)  # type: ignore[union-attr]
+        object.__setattr__(self, "pp_layers", pl)
+        if len(pl) != self.pp or pl[0][0] != 0 or pl[-1][1] != self.model.num_layers or any(
+                a[1] != b[0] for a, b in zip(pl, pl[1:])) or any(s >= e for s, e in pl):
+            raise LayoutError(f"{where}: pp_layers {list(pl)} must be {self.pp} contiguous non-empty "
+                              f"[start, stop) ranges covering layers 0..{self.model.num_layers}")
+        for g in self.model.groups:
+            g.check_tp(self.tp, where)
+        if self.mamba_blocks_per_request is not None and self.mamba_blocks_per_request < 1:
+            raise LayoutError(f"{where}: mamba_blocks_per_request must be >= 1")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp * self.pp
+
+    def ranks(self) -> list[tuple[int, int]]:
+        return [(p, t) for p in range(self.pp) for t in range(self.tp)]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for i, (s, e) in enumerate(self.pp_layers):  # type: ignore[union-attr]
+            if s <= layer < e:
+                return i
+        raise LayoutError(f"layer {layer} outside model")
+
+    def stage_layers(self, group: CacheGroup, pp_rank: int) -> tuple[int, ...]:
+        s, e = self.pp_layers[pp_rank]  # type: ignore[index]
+        return tuple(l for l in group.layers if s <= l < e)
+
+    def __str__(self) -> str:
+        return f"{self.model.name}[tp={self.tp},pp={self.pp},bs={self.block_size},{self.memory}]"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "Component", "MambaSpec", "CacheGroup", "ModelSpec", "MemoryLayout", "EngineLayout",
+    "LAYOUT_PRESETS", "default_pp_layers", "dtype_size", "valid_tps", "ceil_div", "math",
+]

@@ -1,0 +1,300 @@
+"""Lowering: turn a plan's reads into byte-range descriptors (src = prefill, dst = decode).
+
+At handshake time (:class:`LoweredPlan`, once per decode rank and remote prefill engine) each read is
+turned into a *chunk template*: the byte runs of one chunk of ``g = gcd(prefill_bs, decode_bs)``
+tokens (one state slot for Mamba), as ``(src_rel, dst_rel, nbytes)`` arrays relative to the two
+rank buffers. The runs are the maximal runs contiguous on **both** sides (the common refinement of
+the two layouts), so different layouts (NHD vs HND, K/V split vs interleaved, cross-layer) and
+different block sizes are handled by finer descriptors, never by a branch.
+
+Per request (:meth:`LoweredPlan.descriptors`) only integer array arithmetic runs: chunk positions
+from the block ids, broadcast against the templates, then adjacent descriptors (contiguous on both
+sides, e.g. consecutive blocks) are merged. No Python loop over blocks or layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import RequestError
+from .layout import EngineLayout, ceil_div
+from .memory import RankMemory, rank_memory
+from .plan import Rank, Read, TransferPlan
+
+
+@dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """One side's blocks of one group for one request.
+
+    ``block_ids[i]`` holds tokens ``[(first_block+i)*block_size, (first_block+i+1)*block_size)``.
+    A decode side with a prefix-cache hit of k blocks has ``first_block=k``; a sliding-window prefill
+    that kept only its last blocks has ``first_block>0``. Mamba groups have exactly one id (the state
+    slot) and ignore ``first_block``.
+    """
+
+    block_ids: np.ndarray
+    first_block: int = 0
+
+    @staticmethod
+    def of(ids, first_block: int = 0) -> "GroupBlocks":
+        return GroupBlocks(np.asarray(ids, dtype=np.int64), first_block)
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptors:
+    """Equal-length descriptor pairs for one (decode rank, prefill rank) transfer of one request.
+
+    Addresses are absolute (buffer base included); ``src`` is in the prefill rank's buffer, ``dst`` in
+    the decode rank's.
+    """
+
+    prefill: Rank
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.nbytes.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
+    """Merge consecutive descriptors contiguous on both sides (vectorised)."""
+    if src.size <= 1:
+        return src, dst, nbytes
+    end_s = src[:-1] + nbytes[:-1]
+    end_d = dst[:-1] + nbytes[:-1]
+    brk = np.empty(src.size, dtype=bool)
+    brk[0] = True
+    np.not_equal(src[1:], end_s, out=brk[1:])
+    brk[1:] |= dst[1:] != end_d
+    starts = np.flatnonzero(brk)
+    if starts.size == src.size:
+        return src, dst, nbytes
+    return src[starts], dst[starts], np.add.reduceat(nbytes, starts)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTemplate:
+    src_rel: np.ndarray  # int64, relative to the prefill buffer start, block 0 token 0
+    dst_rel: np.ndarray
+    nbytes: np.ndarray
+    run_major: bool      # emit (run, chunk) order instead of (chunk, run): lets blocks merge
+    mergeable: bool      # some descriptors can merge across chunks with consecutive block ids
+
+
+def _atoms(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...], ntok: int):
+    gname = read.group
+    pr, dr = p_mem.region(gname), d_mem.region(gname)
+    src, dst, lens = [], [], []
+    for ci, (u0, u1) in enumerate(read.units):
+        if u1 <= u0:
+            continue
+        pv, dv = pr.components[ci], dr.components[ci]
+        pl = np.array([pv.layers.index(l) for l in layers], dtype=np.int64)
+        dl = np.array([dv.layers.index(l) for l in layers], dtype=np.int64)
+        tok = np.arange(ntok, dtype=np.int64)
+        units = np.arange(u0, u1, dtype=np.int64)
+        s = (pv.offset + pl[:, None, None] * pv.layer_stride + tok[None, :, None] * pv.token_stride
+             + (units - pv.unit0)[None, None, :] * pv.unit_stride)
+        d = (dv.offset + dl[:, None, None] * dv.layer_stride + tok[None, :, None] * dv.token_stride
+             + (units - dv.unit0)[None, None, :] * dv.unit_stride)
+        src.append(s.ravel())
+        dst.append(d.ravel())
+        lens.append(np.full(s.size, pv.unit_bytes, dtype=np.int64))
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(lens)
+
+
+def build_template(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...],
+                   ntok: int) -> ChunkTemplate:
+    src, dst, lens = _atoms(p_mem, d_mem, read, layers, ntok)
+    order = np.lexsort((src, dst))
+    src, dst, lens = merge_adjacent(src[order], dst[order], lens[order])
+    # Would two chunks with consecutive blocks merge? Try both emission orders on a 2-chunk sample.
+    pr, dr = p_mem.region(read.group), d_mem.region(read.group)
+    step_s = pr.block_stride if ntok >= pr.tokens_per_block else ntok * pr.token_stride
+    step_d = dr.block_stride if ntok >= dr.tokens_per_block else ntok * dr.token_stride
+    two_s = np.stack([src, src + step_s])
+    two_d = np.stack([dst, dst + step_d])
+    two_n = np.stack([lens, lens])
+    merged_run = merge_adjacent(two_s.T.ravel(), two_d.T.ravel(), two_n.T.ravel())[0].size
+    merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel())[0].size
+    run_major = merged_run < merged_chunk
+    mergeable = min(merged_run, merged_chunk) < 2 * src.size
+    return ChunkTemplate(src, dst, lens, run_major, mergeable)
+
+
+@dataclass
+class _ReadLowering:
+    read: Read
+    group_index: int
+    per_token: bool
+    layers: tuple[int, ...]
+    templates: dict  # ntok -> ChunkTemplate
+
+
+class LoweredPlan:
+    """The reads of one decode rank against one prefill engine, lowered to chunk templates.
+
+    Built once per remote engine (at handshake). :meth:`descriptors` is the per-request hot path.
+    ``prefill_bases`` maps each prefill rank to its buffer's base address; ``decode_base`` is the
+    decode rank's buffer base address (0 and 0 give buffer-relative offsets).
+    """
+
+    def __init__(self, plan: TransferPlan, decode_rank: Rank, prefill_bases: dict[Rank, int] | None = None,
+                 decode_base: int = 0):
+        self.plan = plan
+        self.decode_rank = decode_rank
+        self.prefill: EngineLayout = plan.prefill
+        self.decode: EngineLayout = plan.decode
+        self.d_mem = rank_memory(plan.decode, *decode_rank)
+        self.prefill_ranks = plan.prefill_ranks_for(decode_rank)
+        self.prefill_bases = {r: 0 for r in self.prefill_ranks} | dict(prefill_bases or {})
+        self.decode_base = decode_base
+        self.chunk_tokens = math.gcd(self.prefill.block_size, self.decode.block_size)
+        groups = [g.name for g in self.prefill.model.groups]
+        self.by_prefill: dict[Rank, list[_ReadLowering]] = {r: [] for r in self.prefill_ranks}
+        for read in plan.reads_for(decode_rank):
+            g = self.prefill.model.group(read.group)
+            low = _ReadLowering(read, groups.index(read.group), g.per_token, plan.group_layers(read), {})
+            self._template(low, self.chunk_tokens if g.per_token else 1)
+            self.by_prefill[read.prefill].append(low)
+
+    def _template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
+        t = low.templates.get(ntok)
+        if t is None:
+            p_mem = rank_memory(self.prefill, *low.read.prefill)
+            t = low.templates[ntok] = build_template(p_mem, self.d_mem, low.read, low.layers, ntok)
+        return t
+
+    @property
+    def num_templates_runs(self) -> int:
+        return sum(t.nbytes.size for lows in self.by_prefill.values() for l in lows for t in l.templates.values())
+
+    # ---- per request -------------------------------------------------------------------------
+    def token_range(self, group_index: int, num_tokens: int, prefill: GroupBlocks, decode: GroupBlocks):
+        """Validated token range [t0, t1) the decode side needs for a per-token group."""
+        bsp, bsd = self.prefill.block_size, self.decode.block_size
+        gname = self.prefill.model.groups[group_index].name
+        nd, npf = decode.block_ids.size, prefill.block_ids.size
+        t0 = decode.first_block * bsd
+        t1 = min((decode.first_block + nd) * bsd, num_tokens)
+        if nd and t1 <= t0:
+            raise RequestError(f"group {gname!r}: decode blocks start at token {t0} but the request has only "
+                               f"{num_tokens} tokens; send at most {ceil_div(num_tokens, bsd)} blocks in total")
+        if nd and decode.first_block + nd > ceil_div(num_tokens, bsd):
+            raise RequestError(f"group {gname!r}: decode has {decode.first_block}+{nd} blocks of {bsd} tokens "
+                               f"but the request has {num_tokens} tokens; allocate {ceil_div(num_tokens, bsd)} blocks")
+        p0, p1 = prefill.first_block * bsp, min((prefill.first_block + npf) * bsp, num_tokens)
+        if nd and (t0 < p0 or t1 > p1):
+            raise RequestError(f"group {gname!r}: decode needs tokens [{t0}, {t1}) but the prefill sent blocks "
+                               f"for tokens [{p0}, {p1}); the decode request has more blocks than the prefill sent")
+        return t0, (t1 if nd else t0)
+
+    def descriptors(self, num_tokens: int, prefill_blocks: dict[str, GroupBlocks],
+                    decode_blocks: dict[str, GroupBlocks]) -> list[Descriptors]:
+        """Descriptors of one request, one :class:`Descriptors` per prefill rank of this decode rank.
+
+        Raises :class:`RequestError` (before anything moves) on missing groups, out-of-range block
+        ids, or a decode side asking for tokens the prefill did not send.
+        """
+        ranges = self._validate(num_tokens, prefill_blocks, decode_blocks)
+        out = []
+        for prank, lows in self.by_prefill.items():
+            parts_s, parts_d, parts_n = [], [], []
+            for low in lows:
+                gname = low.read.group
+                s, d, n = self._lower_read(low, ranges[gname], prefill_blocks[gname], decode_blocks[gname])
+                if s.size:
+                    parts_s.append(s)
+                    parts_d.append(d)
+                    parts_n.append(n)
+            if parts_s:
+                src = np.concatenate(parts_s) + self.prefill_bases[prank]
+                dst = np.concatenate(parts_d) + self.decode_base
+                nb = np.concatenate(parts_n)
+            else:
+                src = dst = nb = np.empty(0, dtype=np.int64)
+            out.append(Descriptors(prank, src, dst, nb))
+        return out
+
+    def _validate(self, num_tokens, prefill_blocks, decode_blocks):
+        ranges = {}
+        for gi, g in enumerate(self.prefill.model.groups):
+            if g.name not in {l.read.group for lows in self.by_prefill.values() for l in lows}:
+                continue
+            for side, blocks, eng in (("prefill", prefill_blocks, self.prefill), ("decode", decode_blocks, self.decode)):
+                b = blocks.get(g.name)
+                if b is None:
+                    raise RequestError(f"request has no {side} block ids for group {g.name!r}; "
+                                       f"give one list per group: {[x.name for x in eng.model.groups]}")
+                ids = b.block_ids
+                if ids.size and (ids.min() < 0 or ids.max() >= eng.num_blocks):
+                    bad = ids[(ids < 0) | (ids >= eng.num_blocks)][:3].tolist()
+                    raise RequestError(f"{side} block ids {bad} of group {g.name!r} are out of range "
+                                       f"[0, {eng.num_blocks}); use ids of blocks the {side} engine allocated")
+            if g.per_token:
+                ranges[g.name] = self.token_range(gi, num_tokens, prefill_blocks[g.name], decode_blocks[g.name])
+            else:
+                for side, b in (("prefill", prefill_blocks[g.name]), ("decode", decode_blocks[g.name])):
+                    if b.block_ids.size != 1:
+                        raise RequestError(f"Mamba group {g.name!r} needs exactly one {side} state slot id per "
+                                           f"request, got {b.block_ids.size}")
+                ranges[g.name] = (0, 1)
+        return ranges
+
+    def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks):
+        t0, t1 = trange
+        if not low.per_token:
+            t = low.templates[1]
+            return (t.src_rel + int(pb.block_ids[0]) * rank_memory(self.prefill, *low.read.prefill).region(low.read.group).block_stride,
+                    t.dst_rel + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride, t.nbytes)
+        if t1 <= t0:
+            e = np.empty(0, dtype=np.int64)
+            return e, e, e
+        g = self.chunk_tokens
+        pr = rank_memory(self.prefill, *low.read.prefill).region(low.read.group)
+        dr = self.d_mem.region(low.read.group)
+        bsp, bsd = self.prefill.block_size, self.decode.block_size
+        n_full = (t1 - t0) // g
+        tail = (t1 - t0) - n_full * g
+        pieces = []
+        for start, count, ntok in ((t0, n_full, g), (t0 + n_full * g, 1 if tail else 0, tail)):
+            if not count:
+                continue
+            tpl = self._template(low, ntok)
+            cs = start + np.arange(count, dtype=np.int64) * g
+            s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride
+            d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride
+            if tpl.run_major:
+                s = (tpl.src_rel[:, None] + s_chunk[None, :]).ravel()
+                d = (tpl.dst_rel[:, None] + d_chunk[None, :]).ravel()
+                n = np.repeat(tpl.nbytes, count)
+            else:
+                s = (s_chunk[:, None] + tpl.src_rel[None, :]).ravel()
+                d = (d_chunk[:, None] + tpl.dst_rel[None, :]).ravel()
+                n = np.tile(tpl.nbytes, count)
+            if tpl.mergeable:
+                s, d, n = merge_adjacent(s, d, n)
+            pieces.append((s, d, n))
+        if len(pieces) == 1:
+            return pieces[0]
+        return tuple(np.concatenate(x) for x in zip(*pieces))
+
+    def needed_bytes(self, num_tokens, prefill_blocks, decode_blocks) -> int:
+        """Bytes of the decode rank's box for this request (what an ideal transfer moves)."""
+        ranges = self._validate(num_tokens, prefill_blocks, decode_blocks)
+        total = 0
+        for g in self.decode.model.groups:
+            if g.name not in ranges:
+                continue
+            t0, t1 = ranges[g.name]
+            layers = self.decode.stage_layers(g, self.decode_rank[0])
+            total += (t1 - t0) * len(layers) * g.bytes_per_rank(self.decode.tp)
+        return total

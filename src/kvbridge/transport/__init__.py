@@ -1,0 +1,5 @@
+"""Transports move descriptor pairs. Only :mod:`kvbridge.transport.nixl` imports NIXL."""
+from .base import Transport, XferHandle
+from .reference import ReferenceTransport
+
+__all__ = ["Transport", "XferHandle", "ReferenceTransport"]

@@ -1,0 +1,253 @@
+"""NIXL transport (UCX backend): the only module that imports NIXL.
+
+* Memory: each rank registers its one buffer ("DRAM" for host memory, "VRAM" for GPU memory).
+* Reads: one ``initialize_xfer`` + ``transfer`` per (request, remote rank) with descriptors that
+  kvbridge has already merged (``initialize_xfer`` does not merge; our lowering does), carrying the
+  notification for the remote.
+* ``transfer()`` blocks for the whole copy on the cma transport (GIL released), so posts run on a
+  worker thread: :meth:`read` returns at once and the decode loop never blocks on a copy.
+* Errors come back as typed :class:`~kvbridge.errors.TransferError` / :class:`HandshakeError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import HandshakeError, TransferError, TransportUnavailableError
+
+_API = None
+
+
+def load_nixl_api():
+    """Import NIXL's Python API without importing torch (``import nixl`` may import torch)."""
+    global _API
+    if _API is None:
+        errs = []
+        for mod in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+            try:
+                _API = importlib.import_module(mod)
+                break
+            except Exception as e:  # noqa: BLE001 - try the next wheel
+                errs.append(f"{mod}: {e}")
+        else:
+            raise TransportUnavailableError(
+                "NIXL is not installed: run `pip install --no-deps nixl-cu12` (no torch needed). Tried: " + "; ".join(errs))
+    return _API
+
+
+def nixl_available() -> bool:
+    try:
+        load_nixl_api()
+        return True
+    except TransportUnavailableError:
+        return False
+
+
+def metadata_digest(md: bytes) -> str:
+    return hashlib.sha256(md).hexdigest()
+
+
+@dataclass
+class NixlXfer:
+    peer: str
+    future: Future
+    handle: object = None
+    num_descs: int = 0
+    nbytes: int = 0
+    released: bool = False
+
+
+@dataclass
+class NixlStats:
+    handles_created: int = 0
+    handles_released: int = 0
+    regions_registered: int = 0
+    regions_deregistered: int = 0
+    peers_added: int = 0
+    peers_removed: int = 0
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, agent_name: str, mem_type: str = "DRAM", device_id: int = 0,
+                 ucx_params: dict[str, str] | None = None, telemetry: bool = False):
+        api = load_nixl_api()
+        self.api = api
+        self.agent_name = agent_name
+        self.mem_type = mem_type
+        self.device_id = device_id
+        conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else ["UCX"],
+                                     capture_telemetry=telemetry)
+        try:
+            self.agent = api.nixl_agent(agent_name, conf)
+            if ucx_params:
+                self.agent.create_backend("UCX", dict(ucx_params))
+        except Exception as e:  # noqa: BLE001
+            raise TransportUnavailableError(f"cannot create a NIXL agent with the UCX backend: {e!r}; "
+                                            "check UCX_TLS (it must include tcp) and the nixl install") from e
+        self._regs: dict[int, object] = {}
+        self._peers: set[str] = set()
+        self._live: set[int] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"nixl-post-{agent_name}")
+        self.stats = NixlStats()
+
+    # ---- memory & peers ----------------------------------------------------------------------
+    def register(self, buf: np.ndarray) -> int:
+        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
+        size = int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
+        descs = np.array([[addr, size, self.device_id]], dtype=np.uint64)
+        self._regs[addr] = self.agent.register_memory(descs, self.mem_type)
+        self.stats.regions_registered += 1
+        return addr
+
+    def deregister(self, buf) -> None:
+        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
+        reg = self._regs.pop(addr, None)
+        if reg is not None:
+            self.agent.deregister_memory(reg)
+            self.stats.regions_deregistered += 1
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes, digest: str | None = None) -> str:
+        """Add a remote agent. ``digest`` (sha256 of the metadata, sent separately) is checked first:
+        a corrupted blob can poison a peer name inside NIXL for good."""
+        if digest is not None and metadata_digest(metadata) != digest:
+            raise HandshakeError("NIXL agent metadata does not match its checksum (corrupted or truncated in "
+                                 "transit); not adding it. Retry the handshake")
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as e:  # noqa: BLE001
+            raise HandshakeError(f"NIXL refused the remote agent metadata: {e!r}") from e
+        name = name.decode() if isinstance(name, bytes) else name
+        if name not in self._peers:
+            self._peers.add(name)
+            self.stats.peers_added += 1
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if name in self._peers:
+            self._peers.discard(name)
+            self.stats.peers_removed += 1
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    @property
+    def peers(self) -> frozenset[str]:
+        return frozenset(self._peers)
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def _descs(self, addrs: np.ndarray, nbytes: np.ndarray, dev: int):
+        arr = np.empty((addrs.size, 3), dtype=np.uint64)
+        arr[:, 0] = addrs
+        arr[:, 1] = nbytes
+        arr[:, 2] = dev
+        d = self.agent.get_xfer_descs(arr, self.mem_type)
+        if d is None:
+            raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
+        return d
+
+    def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
+             notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
+        """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`."""
+        x = NixlXfer(peer, Future(), num_descs=int(nbytes.size), nbytes=int(nbytes.sum()))
+        with self._lock:
+            self._live.add(id(x))
+        self.stats.handles_created += 1
+
+        def post():
+            try:
+                h = self.agent.initialize_xfer("READ", self._descs(local, nbytes, self.device_id),
+                                               self._descs(remote, nbytes, remote_device), peer, notif)
+                x.handle = h
+                state = self.agent.transfer(h)
+                if state == "ERR":
+                    raise TransferError(f"NIXL transfer from {peer!r} returned ERR", peer=peer)
+                return state
+            except TransferError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, peer) from e
+
+        self._pool.submit(lambda: _run_into(x.future, post))
+        return x
+
+    def check(self, x: NixlXfer) -> str:
+        if not x.future.done():
+            return "PROC"
+        x.future.result()  # raises TransferError
+        try:
+            state = self.agent.check_xfer_state(x.handle)
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, x.peer) from e
+        if state == "ERR":
+            raise TransferError(f"NIXL transfer from {x.peer!r} failed (state ERR)", peer=x.peer)
+        return state
+
+    def release(self, x: NixlXfer) -> None:
+        if x.released:
+            return
+        if not x.future.done():
+            x.future.exception()  # wait for the post to finish before releasing its handle
+        if x.handle is not None:
+            try:
+                self.agent.release_xfer_handle(x.handle)
+            except Exception:  # noqa: BLE001 - a dead peer's handle may refuse; NIXL frees it at teardown
+                pass
+        x.released = True
+        with self._lock:
+            self._live.discard(id(x))
+        self.stats.handles_released += 1
+
+    def live_handles(self) -> int:
+        return len(self._live)
+
+    # ---- notifications -----------------------------------------------------------------------
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, msg)
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, peer) from e
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for addr in list(self._regs):
+            reg = self._regs.pop(addr)
+            try:
+                self.agent.deregister_memory(reg)
+                self.stats.regions_deregistered += 1
+            except Exception:  # noqa: BLE001
+                pass
+        for p in list(self._peers):
+            self.remove_peer(p)
+
+
+def _run_into(fut: Future, fn) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001
+        fut.set_exception(e)
+
+
+def _wrap(e: Exception, peer: str) -> TransferError:
+    kind = type(e).__name__
+    if "RemoteDisconnect" in kind or "REMOTE_DISCONNECT" in str(e):
+        return TransferError(f"remote agent {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT): the prefill "
+                             "process died or its network went away", peer=peer)
+    if "NotFound" in kind:
+        return TransferError(f"NIXL could not find memory or metadata for {peer!r} ({kind}): descriptors outside "
+                             "the registered region, or the remote was removed; re-handshake", peer=peer)
+    return TransferError(f"NIXL error talking to {peer!r}: {kind}: {e}", peer=peer)
