@@ -27,7 +27,7 @@ def _add_topology(p: argparse.ArgumentParser, default_model: str, ptp=4, dtp=2) 
         p.add_argument(f"--{side}-tp", type=int, default=tp)
         p.add_argument(f"--{side}-pp", type=int, default=1)
         p.add_argument(f"--{side}-block-size", type=int, default=16)
-        p.add_argument(f"--{side}-layout", default="flash_attn",
+        p.add_argument(f"--{side}-layout", default="flash_attn_hnd",
                        help=f"memory layout: a preset {sorted(LAYOUT_PRESETS)} or an axis order over LKBTHD")
         p.add_argument(f"--{side}-mamba-blocks", type=int, default=None,
                        help="kernel blocks a Mamba state slot spans (default: exactly the state size)")

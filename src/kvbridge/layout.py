@@ -352,3 +352,37 @@ __all__ = [
     "Component", "MambaSpec", "CacheGroup", "ModelSpec", "MemoryLayout", "EngineLayout",
     "LAYOUT_PRESETS", "default_pp_layers", "dtype_size", "valid_tps", "ceil_div", "math",
 ]
+
+
+# ---- plain-data form (for the handshake) ---------------------------------------------------------
+def engine_to_dict(e: EngineLayout) -> dict:
+    def group(g: CacheGroup) -> dict:
+        d = {"name": g.name, "kind": g.kind, "layers": list(g.layers), "dtype": g.dtype, "num_heads": g.num_heads,
+             "head_dim": g.head_dim, "v_head_dim": g.v_head_dim, "sliding_window": g.sliding_window, "mamba": None}
+        if g.mamba is not None:
+            m = g.mamba
+            d["mamba"] = {"num_heads": m.num_heads, "head_dim": m.head_dim, "d_state": m.d_state,
+                          "conv_kernel": m.conv_kernel, "n_groups": m.n_groups, "ssm_dtype": m.ssm_dtype}
+        return d
+    return {"model": {"name": e.model.name, "num_layers": e.model.num_layers, "groups": [group(g) for g in e.model.groups]},
+            "tp": e.tp, "pp": e.pp, "block_size": e.block_size, "memory": e.memory.order,
+            "pp_layers": [list(x) for x in e.pp_layers], "mamba_blocks_per_request": e.mamba_blocks_per_request,
+            "num_blocks": e.num_blocks, "role": e.role}
+
+
+def engine_from_dict(d: dict) -> EngineLayout:
+    """Inverse of :func:`engine_to_dict`; raises LayoutError on malformed input."""
+    try:
+        m = d["model"]
+        groups = []
+        for g in m["groups"]:
+            g = dict(g)
+            ms = g.pop("mamba")
+            groups.append(CacheGroup(**{**g, "layers": tuple(g["layers"]), "mamba": MambaSpec(**ms) if ms else None}))
+        model = ModelSpec(m["name"], m["num_layers"], tuple(groups))
+        return EngineLayout(model, tp=d["tp"], pp=d["pp"], block_size=d["block_size"], memory=MemoryLayout(d["memory"]),
+                            pp_layers=tuple(tuple(x) for x in d["pp_layers"]),
+                            mamba_blocks_per_request=d["mamba_blocks_per_request"], num_blocks=d["num_blocks"],
+                            role=d.get("role", "engine"))
+    except (KeyError, TypeError) as e:
+        raise LayoutError(f"malformed engine layout description: {e!r}") from e

@@ -37,6 +37,9 @@ def load_nixl_api():
         else:
             raise TransportUnavailableError(
                 "NIXL is not installed: run `pip install --no-deps nixl-cu12` (no torch needed). Tried: " + "; ".join(errs))
+    import logging
+    import os
+    logging.getLogger("nixl").setLevel(os.environ.get("KVBRIDGE_NIXL_LOG", "WARNING"))
     return _API
 
 

@@ -1,0 +1,71 @@
+"""Counters in the spirit of vLLM's NIXL connector stats, readable as JSON and as Prometheus text."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Metrics:
+    transfers: int = 0
+    transfer_bytes: int = 0
+    descriptors: int = 0
+    failed_transfers: int = 0
+    failed_requests: int = 0
+    finished_requests: int = 0
+    expired_requests: int = 0
+    aborted_requests: int = 0
+    freed_requests: int = 0
+    unknown_notifications: int = 0
+    failed_notifications: int = 0
+    handshakes: int = 0
+    failed_handshakes: int = 0
+    transfer_seconds_sum: float = 0.0
+    post_seconds_sum: float = 0.0
+    durations: list[float] = field(default_factory=list, repr=False)
+
+    def observe_transfer(self, seconds: float) -> None:
+        self.transfer_seconds_sum += seconds
+        if len(self.durations) < 100_000:
+            self.durations.append(seconds)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        durs = sorted(d.pop("durations"))
+        d["transfer_seconds_p50"] = durs[len(durs) // 2] if durs else 0.0
+        d["transfer_seconds_p90"] = durs[int(len(durs) * 0.9)] if durs else 0.0
+        return d
+
+    def merge(self, other: dict) -> None:
+        for k, v in other.items():
+            if hasattr(self, k) and isinstance(v, (int, float)) and not isinstance(getattr(self, k), list):
+                setattr(self, k, getattr(self, k) + v)
+
+
+_HELP = {
+    "transfers": ("counter", "KV transfers posted (one per request and prefill rank)"),
+    "transfer_bytes": ("counter", "bytes moved by KV transfers"),
+    "descriptors": ("counter", "NIXL descriptors posted"),
+    "failed_transfers": ("counter", "KV transfers that failed"),
+    "failed_requests": ("counter", "requests reported failed"),
+    "finished_requests": ("counter", "requests whose KV arrived"),
+    "expired_requests": ("counter", "requests freed by the prefill after their lease expired"),
+    "aborted_requests": ("counter", "requests aborted on the decode side"),
+    "freed_requests": ("counter", "requests whose blocks the prefill freed after all readers were done"),
+    "unknown_notifications": ("counter", "notifications for unknown or expired request ids"),
+    "failed_notifications": ("counter", "notifications that could not be sent"),
+    "handshakes": ("counter", "successful handshakes"),
+    "failed_handshakes": ("counter", "failed handshakes"),
+    "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
+    "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),
+}
+
+
+def to_prometheus(d: dict, labels: dict[str, str] | None = None, prefix: str = "kvbridge_") -> str:
+    lab = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+    lab = "{" + lab + "}" if lab else ""
+    lines = []
+    for k, (typ, help_) in _HELP.items():
+        if k in d:
+            name = prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else "")
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{lab} {d[k]}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,222 @@
+"""One process per rank: start, drive over a pipe (small RPC), stop or kill.
+
+Each worker owns its NIXL agent and, for prefill ranks, its ZMQ side-channel socket. The worker loop
+waits on the control pipe and the ZMQ socket together (no busy spin: on 2 cores a spinning poller
+starves UCX's progress threads) and services notifications, leases and in-flight reads in between.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import errors
+from ..layout import EngineLayout, engine_from_dict, engine_to_dict
+from ..memory import rank_memory
+from ..oracle import count_mismatches, new_buffer, write_expected
+
+Rank = tuple[int, int]
+
+
+def _verify(obj, requests: list) -> dict:
+    """Decode side: rebuild the expected buffer for ``requests`` (in order) and compare every byte."""
+    expected = new_buffer(obj.mem)
+    needed = 0
+    for req_num, req in requests:
+        lp = obj.remotes[req.engine_id].lowered
+        ranges = lp._validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        needed += write_expected(expected, obj.mem, req_num, ranges, req.decode_blocks)
+    return {"mismatched_bytes": count_mismatches(obj.buf, expected), "checked_bytes": int(obj.buf.size),
+            "needed_bytes": needed}
+
+
+def _memcpy_gbps(nbytes: int, reps: int = 3) -> float:
+    """numpy memcpy bandwidth for ``nbytes`` in this process (the physical limit for host memory)."""
+    nbytes = max(int(nbytes), 1 << 20)
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -> None:
+    import logging
+    import zmq
+    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
+    from .decode import DecodeRank
+    from .prefill import PrefillRank
+    try:
+        engine = engine_from_dict(layout)
+        obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, **kw)
+    except Exception as e:  # noqa: BLE001
+        conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+        return
+    if role == "decode":
+        obj.buf.fill(0xA5)  # oracle sentinel: bytes no read touches must stay as they are
+    conn.send(("ok", {"port": getattr(obj, "port", None), "agent": obj.transport.agent_name, "pid": os.getpid()}))
+    poller = zmq.Poller()
+    poller.register(conn.fileno(), zmq.POLLIN)
+    if role == "prefill":
+        poller.register(obj.sock, zmq.POLLIN)
+    done, failed = [], {}
+    while True:
+        busy = role == "decode" and bool(obj.inflight)
+        events = dict(poller.poll(timeout=1 if busy else 2))
+        if conn.fileno() in events or conn.poll():
+            cmd, args, kwargs = conn.recv()
+            if cmd == "stop":
+                try:
+                    obj.close()
+                finally:
+                    conn.send(("ok", None))
+                return
+            try:
+                if cmd == "take":
+                    res = (done, failed)
+                    done, failed = [], {}
+                elif cmd == "wait":
+                    d, f = obj.wait(*args, **kwargs)
+                    res = (done + d, failed | f)
+                    done, failed = [], {}
+                elif cmd == "verify":
+                    res = _verify(obj, *args)
+                elif cmd == "memcpy_gbps":
+                    res = _memcpy_gbps(*args)
+                elif cmd == "fill_many":
+                    for a in args[0]:
+                        obj.fill(*a)
+                    res = None
+                elif cmd == "start_many":
+                    res = {}
+                    for req in args[0]:
+                        try:
+                            obj.start(req)
+                        except errors.KVBridgeError as e:
+                            res[req.req_id] = f"{type(e).__name__}: {e}"
+                else:
+                    res = getattr(obj, cmd)(*args, **kwargs)
+                conn.send(("ok", res))
+            except errors.KVBridgeError as e:
+                conn.send(("err", type(e).__name__, str(e)))
+            except Exception as e:  # noqa: BLE001 - report, keep the rank alive
+                conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+        if role == "prefill":
+            obj.serve_once()
+        elif obj.inflight:
+            d, f = obj.poll()
+            done += d
+            failed |= f
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised something that is not a kvbridge error (a bug), or died."""
+
+
+def _raise(name: str, msg: str):
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.KVBridgeError):
+        raise cls(msg)
+    raise WorkerError(f"{name}: {msg}")
+
+
+class Worker:
+    """Handle on one rank's process."""
+
+    def __init__(self, role: str, engine: EngineLayout, rank: Rank, engine_id: str, **kw):
+        ctx = mp.get_context("spawn")
+        self.role, self.rank, self.engine_id = role, tuple(rank), engine_id
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child, role, engine_to_dict(engine), rank, engine_id, kw),
+                                daemon=True, name=f"kvbridge-{role}-{engine_id}-{rank}")
+        self.proc.start()
+        child.close()
+        self.info: dict | None = None
+
+    def ready(self, timeout: float = 120.0) -> dict:
+        if self.info is None:
+            self.info = self._recv(timeout)
+        return self.info
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise WorkerError(f"{self.role} rank {self.rank} did not answer within {timeout:g} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise WorkerError(f"{self.role} rank {self.rank} process died (exit code {self.proc.exitcode})") from None
+        if msg[0] == "err":
+            _raise(msg[1], msg[2])
+        return msg[1]
+
+    def call(self, cmd: str, *args, timeout: float = 300.0, **kwargs):
+        try:
+            self.conn.send((cmd, args, kwargs))
+        except (BrokenPipeError, OSError):
+            raise WorkerError(f"{self.role} rank {self.rank} process is gone") from None
+        return self._recv(timeout)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout=timeout)
+            except (WorkerError, errors.KVBridgeError):
+                pass
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+
+@dataclass
+class EngineProcs:
+    """All rank processes of one engine."""
+
+    role: str
+    engine_id: str
+    layout: EngineLayout
+    workers: dict
+
+    @classmethod
+    def start(cls, role: str, layout: EngineLayout, engine_id: str, host: str = "127.0.0.1", **kw) -> "EngineProcs":
+        workers = {}
+        try:
+            for r in layout.ranks():
+                extra = dict(kw)
+                if role == "prefill":
+                    extra.setdefault("host", host)
+                workers[r] = Worker(role, layout, r, engine_id, **extra)
+            for w in workers.values():
+                w.ready()
+        except BaseException:
+            for w in workers.values():
+                w.kill()
+            raise
+        return cls(role, engine_id, layout, workers)
+
+    def endpoints(self, host: str = "127.0.0.1") -> dict[Rank, str]:
+        return {r: f"{host}:{w.info['port']}" for r, w in self.workers.items()}
+
+    def call_all(self, cmd: str, *args, **kwargs) -> dict:
+        for w in self.workers.values():
+            w.conn.send((cmd, args, kwargs))
+        return {r: w._recv(300.0) for r, w in self.workers.items()}
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+
+
+def rank_buffer_bytes(layout: EngineLayout) -> int:
+    return max(rank_memory(layout, *r).size for r in layout.ranks())

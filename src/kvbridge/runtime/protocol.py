@@ -1,0 +1,88 @@
+"""Side-channel protocol between a decode rank and a prefill rank (ZMQ + msgspec), versioned.
+
+Every message is three frames: ``[MAGIC, version (u16 big-endian), msgpack payload]``. The version is
+checked before the payload is decoded, so a peer speaking another version gets a clear error, not a
+decode failure. Version history:
+
+1. initial: GetMeta / RankMeta / ErrorReply; Done notifications over NIXL.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from ..errors import HandshakeError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVB1"
+
+
+class GetMeta(msgspec.Struct, tag="get_meta"):
+    decode_engine: str
+    decode_rank: tuple[int, int]
+    prefill_rank: tuple[int, int]
+
+
+class RankMeta(msgspec.Struct, tag="rank_meta"):
+    engine_id: str
+    rank: tuple[int, int]
+    layout: dict
+    model_fingerprint: str
+    agent_name: str
+    agent_metadata: bytes
+    metadata_sha256: str
+    base_addr: int
+    buffer_size: int
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    message: str
+
+
+class Done(msgspec.Struct, tag="done"):
+    """NIXL notification from a decode rank to a prefill rank: this rank is done with the request.
+
+    ``readers``: how many decode ranks of that decode engine read from this prefill rank (from the
+    plan); the prefill frees the request's blocks when it has heard from all of them.
+    """
+
+    req_id: str
+    decode_engine: str
+    decode_rank: tuple[int, int]
+    readers: int
+    ok: bool = True
+
+
+Message = GetMeta | RankMeta | ErrorReply | Done
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Message)
+
+
+def pack(msg: Message, version: int = PROTOCOL_VERSION) -> list[bytes]:
+    return [MAGIC, version.to_bytes(2, "big"), _enc.encode(msg)]
+
+
+def unpack(frames: list[bytes]) -> Message:
+    if len(frames) != 3 or frames[0] != MAGIC:
+        raise HandshakeError("peer did not speak the kvbridge side-channel protocol (bad magic/frames); "
+                             "check the host:port points at a kvbridge prefill rank")
+    version = int.from_bytes(frames[1], "big")
+    if version != PROTOCOL_VERSION:
+        raise HandshakeError(f"peer speaks kvbridge protocol version {version}, this process speaks "
+                             f"{PROTOCOL_VERSION}; run the same kvbridge release on prefill and decode")
+    try:
+        return _dec.decode(frames[2])
+    except msgspec.DecodeError as e:
+        raise HandshakeError(f"malformed side-channel message: {e}") from e
+
+
+def encode_notif(d: Done) -> bytes:
+    return MAGIC + _enc.encode(d)
+
+
+def decode_notif(b: bytes) -> Done:
+    if not b.startswith(MAGIC):
+        raise ValueError("not a kvbridge notification")
+    msg = _dec.decode(b[len(MAGIC):])
+    if not isinstance(msg, Done):
+        raise ValueError("not a Done notification")
+    return msg
