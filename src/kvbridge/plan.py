@@ -65,6 +65,25 @@ class TransferPlan:
         """Decode ranks that read from ``prefill_rank`` (each sends it one notification per request)."""
         return tuple(sorted({r.decode for r in self.reads if r.prefill == prefill_rank}))
 
+    def notifiers_of(self, prefill_rank: Rank) -> tuple[Rank, ...]:
+        """Decode ranks that tell ``prefill_rank`` a request is done, so it can free the blocks.
+
+        Its readers; or, when nobody reads it (its data is a replica read elsewhere, e.g. MLA with
+        prefill tp > decode tp), one designated decode rank: the natural partner on the decode stage
+        that holds the prefill stage's first layer.
+        """
+        readers = self.readers_of(prefill_rank)
+        if readers:
+            return readers
+        ppp, ptp = prefill_rank
+        first_layer = self.prefill.pp_layers[ppp][0]  # type: ignore[index]
+        return ((self.decode.stage_of_layer(first_layer), ptp * self.decode.tp // self.prefill.tp),)
+
+    def ranks_to_notify(self, decode_rank: Rank) -> tuple[Rank, ...]:
+        """Prefill ranks ``decode_rank`` handshakes with and notifies: those it reads, plus unread ones
+        it is the designated notifier of."""
+        return tuple(p for p in self.prefill.ranks() if decode_rank in self.notifiers_of(p))
+
     def group_layers(self, read: Read) -> tuple[int, ...]:
         g = self.prefill.model.group(read.group)
         return tuple(l for l in g.layers if read.layers[0] <= l < read.layers[1])

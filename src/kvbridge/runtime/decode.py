@@ -133,10 +133,10 @@ class DecodeRank:
                                            f"{self.engine.model.name!r}; serve the same model on both")
         plan = plan_transfer(layout, self.engine)
         metas = {(0, 0): first}
-        for prank in plan.prefill_ranks_for(self.rank):
+        needed = plan.ranks_to_notify(self.rank)
+        for prank in needed:
             if prank not in metas:
                 metas[prank] = self._get(engine_id, endpoints, prank)
-        needed = plan.prefill_ranks_for(self.rank)
         agents, bases = {}, {}
         for prank in needed:
             m = metas[prank]
@@ -148,7 +148,7 @@ class DecodeRank:
             agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
             bases[prank] = m.base_addr
         lowered = LoweredPlan(plan, self.rank, bases, self.base)
-        readers = {p: len(plan.readers_of(p)) for p in needed}
+        readers = {p: len(plan.notifiers_of(p)) for p in needed}
         return RemoteEngine(engine_id, layout, plan, lowered, agents, readers)
 
     def forget(self, engine_id: str) -> None:
@@ -171,12 +171,13 @@ class DecodeRank:
             self.failed[req.req_id] = "lease expired before the read: the prefill may have freed the blocks"
             return
         t0 = time.perf_counter()
-        descs = remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        descs = {d.prefill: d for d in remote.lowered.descriptors(req.num_tokens, req.prefill_blocks,
+                                                                    req.decode_blocks)}
         xfers, nbytes, ndescs = [], 0, 0
-        for d in descs:
-            agent = remote.agents[d.prefill]
-            notif = encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[d.prefill]))
-            if d.count == 0:  # nothing to read from this rank (prefix hit): just release the prefill's blocks
+        for prank, agent in remote.agents.items():
+            d = descs.get(prank)
+            notif = encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank]))
+            if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
                 self._notify(agent, notif)
                 continue
             xfers.append(self.transport.read(agent, d.src, d.dst, d.nbytes, notif))

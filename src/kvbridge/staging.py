@@ -1,0 +1,101 @@
+"""Staged transfers: pack a request's byte runs into a contiguous buffer, scatter them back.
+
+``pack(buf, src, nbytes, out)`` copies the runs ``buf[src[i] : src[i] + nbytes[i]]`` one after the
+other into ``out``; ``scatter(staging, buf, dst, nbytes)`` is the inverse (run ``i`` of ``staging``
+goes to ``buf[dst[i] : dst[i] + nbytes[i]]``). Both are vectorised: no Python loop over runs.
+
+How: for each distinct run length ``L`` the byte buffers are viewed as overlapping arrays of
+``np.dtype((np.void, L))`` items with a stride of one byte, so item ``k`` is the ``L`` bytes starting
+at byte ``k``. One fancy-indexed assignment ``out_view[offsets] = buf_view[src]`` then copies every
+run of that length with one memcpy each inside numpy. The Python loop is over *distinct lengths*
+(usually one or two: a head slice, a merged run); when there are many distinct lengths the runs are
+cut into pieces of their common divisor first so the number of groups stays small.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MAX_LENGTH_GROUPS = 8
+
+
+def _byte_view(buf: np.ndarray) -> np.ndarray:
+    b = buf.reshape(-1).view(np.uint8) if buf.dtype != np.uint8 else buf.reshape(-1)
+    if not b.flags.c_contiguous:
+        raise ValueError("staging needs contiguous byte buffers")
+    return b
+
+
+def _items(buf: np.ndarray, length: int) -> np.ndarray:
+    """Overlapping view of ``buf``: item ``k`` is ``buf[k : k + length]`` as one void item."""
+    n = buf.size - length + 1
+    if n <= 0:
+        return np.ndarray((0,), dtype=np.dtype((np.void, length)))
+    return np.ndarray((n,), dtype=np.dtype((np.void, length)), buffer=buf, offset=0, strides=(1,))
+
+
+def _regroup(a: np.ndarray, b: np.ndarray, nbytes: np.ndarray):
+    """Cut runs into pieces of their common length divisor when there are too many distinct lengths."""
+    lengths = np.unique(nbytes)
+    if lengths.size <= MAX_LENGTH_GROUPS:
+        return a, b, nbytes, lengths
+    g = int(np.gcd.reduce(lengths))
+    pieces = nbytes // g
+    idx = np.repeat(np.arange(nbytes.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = (np.arange(idx.size) - np.repeat(first, pieces)) * g
+    return a[idx] + k, b[idx] + k, np.full(idx.size, g, dtype=np.int64), np.array([g])
+
+
+def _copy_runs(dst_buf: np.ndarray, dst: np.ndarray, src_buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+    """``dst_buf[dst[i]:dst[i]+nbytes[i]] = src_buf[src[i]:src[i]+nbytes[i]]`` for every i (runs must not overlap)."""
+    if nbytes.size == 0:
+        return
+    src, dst, nbytes, lengths = _regroup(np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(nbytes, np.int64))
+    for L in lengths.tolist():
+        if L <= 0:
+            continue
+        if lengths.size == 1:
+            s, d = src, dst
+        else:
+            m = nbytes == L
+            s, d = src[m], dst[m]
+        _items(dst_buf, L)[d] = _items(src_buf, L)[s]
+
+
+def offsets(nbytes: np.ndarray) -> np.ndarray:
+    """Start of each run in the packed (staging) buffer."""
+    nbytes = np.asarray(nbytes, np.int64)
+    out = np.empty(nbytes.size, dtype=np.int64)
+    if nbytes.size:
+        out[0] = 0
+        np.cumsum(nbytes[:-1], out=out[1:])
+    return out
+
+
+def pack(buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray, out: np.ndarray, out_offset: int = 0) -> int:
+    """Pack the runs ``(src, nbytes)`` of ``buf`` contiguously into ``out`` from ``out_offset``; returns the bytes packed."""
+    buf, out = _byte_view(buf), _byte_view(out)
+    nbytes = np.asarray(nbytes, np.int64)
+    total = int(nbytes.sum())
+    if out_offset + total > out.size:
+        raise ValueError(f"staging buffer too small: {out_offset + total} bytes needed, {out.size} available")
+    _copy_runs(out, offsets(nbytes) + out_offset, buf, src, nbytes)
+    return total
+
+
+def scatter(staging: np.ndarray, buf: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, staging_offset: int = 0) -> int:
+    """Inverse of :func:`pack`: run ``i`` of ``staging`` (from ``staging_offset``) goes to ``buf[dst[i]:]``."""
+    staging, buf = _byte_view(staging), _byte_view(buf)
+    nbytes = np.asarray(nbytes, np.int64)
+    _copy_runs(buf, dst, staging, offsets(nbytes) + staging_offset, nbytes)
+    return int(nbytes.sum())
+
+
+def copy_runs_reference(dst_buf: np.ndarray, dst, src_buf: np.ndarray, src, nbytes) -> None:
+    """Slow, obviously correct reference (a Python loop), for tests."""
+    d, s = _byte_view(dst_buf), _byte_view(src_buf)
+    for a, b, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(nbytes).tolist()):
+        d[a:a + n] = s[b:b + n]
+
+
+__all__ = ["pack", "scatter", "offsets", "copy_runs_reference"]
