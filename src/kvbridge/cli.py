@@ -67,9 +67,10 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan_to_json(plan), indent=1))
         return 0
     doc = plan_to_json(plan)
-    t = Table(title=f"{model.name}: prefill tp={prefill.tp} pp={prefill.pp} -> decode tp={decode.tp} pp={decode.pp}")
-    for c in ("decode (pp,tp)", "prefill (pp,tp)", "group", "layers", "heads", "bytes/token", "bytes/block", "bytes/request"):
-        t.add_column(c, justify="right" if "bytes" in c else "left")
+    t = Table(title=f"{model.name}: prefill tp={prefill.tp} pp={prefill.pp} -> decode tp={decode.tp} pp={decode.pp} "
+                    "(decode/prefill ranks as (pp, tp); heads and layers are global indices)")
+    for c in ("decode", "prefill", "group", "layers", "heads", "B/token", f"B/block({decode.block_size})", "B/request"):
+        t.add_column(c, justify="right" if c.startswith("B/") else "left", no_wrap=True)
     for r, jr in zip(plan.reads, doc["reads"]):
         bpt = jr["bytes_per_token"]
         t.add_row(f"{r.decode}", f"{r.prefill}", r.group, _fmt_layers(plan.group_layers(r)),
