@@ -311,7 +311,10 @@ class EngineLayout:
         if self.block_size < 1 or self.num_blocks < 1:
             raise LayoutError(f"{where}: block_size and num_blocks must be >= 1")
         if self.pp_layers is None:
-            object.__setattr__(self, "pp_layers", default_pp_layers(self.model.num_layers, self.pp))
+            try:
+                object.__setattr__(self, "pp_layers", default_pp_layers(self.model.num_layers, self.pp))
+            except LayoutError as e:
+                raise LayoutError(f"{where}: {e}") from None
         pl = tuple(tuple(x) for x in self.pp_layers)  # type: ignore[union-attr]
         object.__setattr__(self, "pp_layers", pl)
         if len(pl) != self.pp or pl[0][0] != 0 or pl[-1][1] != self.model.num_layers or any(

@@ -37,6 +37,11 @@ class GroupBlocks:
     block_ids: np.ndarray
     first_block: int = 0
 
+    def __post_init__(self) -> None:
+        # int64 always: block_id * block_stride overflows int32 for large caches
+        if not (isinstance(self.block_ids, np.ndarray) and self.block_ids.dtype == np.int64):
+            object.__setattr__(self, "block_ids", np.asarray(self.block_ids, dtype=np.int64))
+
     @staticmethod
     def of(ids, first_block: int = 0) -> "GroupBlocks":
         return GroupBlocks(np.asarray(ids, dtype=np.int64), first_block)

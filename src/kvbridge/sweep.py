@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .errors import LayoutError
-from .layout import LAYOUT_PRESETS, CacheGroup, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, ceil_div
+from .layout import LAYOUT_PRESETS, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, ceil_div
 from .memory import attention_page_bytes
 from .models import PRESETS, preset
 
@@ -48,23 +48,22 @@ def shrink(model: ModelSpec, max_dim: int = 8) -> ModelSpec:
     return ModelSpec(model.name + "-small", model.num_layers, tuple(groups))
 
 
-def _mamba_state_bytes(engine: EngineLayout) -> int | None:
-    """Bytes of one Mamba layer's state on one rank (None if the model has no Mamba group)."""
-    for g in engine.model.groups:
-        if g.kind == "mamba":
-            return g.bytes_per_rank(engine.tp)
-    return None
+def pad_mamba(engine: EngineLayout, extra: int = 0) -> EngineLayout:
+    """``engine`` with ``mamba_blocks_per_request`` set to the fewest attention pages that hold one
+    Mamba layer's state on a rank (the largest Mamba group's), plus ``extra`` (vLLM pads the state slot to whole pages). Returned
+    unchanged if the model lacks a Mamba group or a per-token group."""
+    state = max((g.bytes_per_rank(engine.tp) for g in engine.model.groups if g.kind == "mamba"), default=None)
+    page = attention_page_bytes(engine)
+    if state is None or page is None:
+        return engine
+    return replace(engine, mamba_blocks_per_request=ceil_div(state, page) + extra)
 
 
 def _engine(model: ModelSpec, tp: int, pp: int, bs: int, layout: str, role: str, padded: int | None) -> EngineLayout:
-    """Build one side; ``padded`` not None: set mamba_blocks_per_request (minimum + ``padded``)."""
+    """Build one side; ``padded`` not None: pad the Mamba slot (see :func:`pad_mamba`)."""
     e = EngineLayout(model, tp=tp, pp=pp, block_size=bs, memory=MemoryLayout.parse(layout),
                      num_blocks=NUM_BLOCKS, role=role)
-    state = _mamba_state_bytes(e)
-    page = attention_page_bytes(e)
-    if padded is not None and state is not None and page is not None:
-        e = replace(e, mamba_blocks_per_request=ceil_div(state, page) + padded)
-    return e
+    return e if padded is None else pad_mamba(e, padded)
 
 
 def sweep_cases(quick: bool = True) -> list[tuple[EngineLayout, EngineLayout]]:
@@ -97,4 +96,4 @@ def sweep_cases(quick: bool = True) -> list[tuple[EngineLayout, EngineLayout]]:
     return cases
 
 
-__all__ = ["shrink", "sweep_cases", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]
+__all__ = ["shrink", "sweep_cases", "pad_mamba", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]
