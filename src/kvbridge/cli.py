@@ -11,7 +11,7 @@ from rich.table import Table
 from .errors import KVBridgeError
 from .layout import LAYOUT_PRESETS, EngineLayout, MemoryLayout
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _engine(args, side: str, model, num_blocks: int = 64) -> EngineLayout:
@@ -109,6 +109,7 @@ def cmd_verify(args) -> int:
     for c in ("model", "prefill", "decode", "requests", "bytes", "descriptors", "amplification", "mismatched", "result"):
         t.add_column(c)
     failed = rejected = 0
+    tot_moved = tot_needed = tot_mismatch = tot_checked = 0
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("verifying", total=len(cases))
         for prefill, decode in cases:
@@ -123,13 +124,18 @@ def cmd_verify(args) -> int:
                 continue
             ok = res.ok
             failed += not ok
+            tot_moved += res.bytes_moved
+            tot_needed += res.bytes_needed
+            tot_mismatch += res.mismatched_bytes
+            tot_checked += res.checked_bytes
             if not args.sweep or not ok or args.verbose:
                 t.add_row(prefill.model.name, _short(prefill), _short(decode), str(res.requests), str(res.bytes_moved),
                           str(res.descriptors), f"{res.amplification:.3f}", str(res.mismatched_bytes),
                           "[green]PASS" if ok else "[red]FAIL " + "; ".join(res.errors))
             prog.advance(task)
     if args.sweep:
-        t.add_row("all", f"{len(cases) - rejected} cases", "", "", "", "", "", "",
+        t.add_row("all", f"{len(cases) - rejected} cases", "", "", f"{tot_moved:,}", "",
+                  f"{tot_moved / max(tot_needed, 1):.3f}", f"{tot_mismatch} of {tot_checked:,}",
                   "[green]PASS" if not failed else f"[red]{failed} FAILED")
     console.print(t)
     if rejected:
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KVBridgeError as e:
-        console.print(f"[red]error:[/red] {type(e).__name__}: {e}")
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,56 @@
+"""The command-line interface end to end (in-process)."""
+import json
+
+import pytest
+
+from kvbridge.cli import main
+
+
+def test_models_lists_presets(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("llama-3.1-70b", "deepseek-v3", "gemma-4-31b", "nemotron-h-56b", "gpt-oss-120b"):
+        assert name in out
+
+
+def test_plan_json_schema(capsys):
+    assert main(["plan", "--model", "gemma-4-31b", "--prefill-tp", "8", "--decode-tp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prefill"] == {"tp": 8, "pp": 1, "pp_layers": [[0, 60]]}
+    assert {g["name"]: g["num_heads"] for g in doc["groups"]} == {"sliding": 16, "full": 4}
+    assert len({(r["decode"]["tp"], r["prefill"]["tp"]) for r in doc["reads"]}) == 8
+    for r in doc["reads"]:
+        assert r["bytes_per_token"] > 0 and r["bytes_per_request"] is None
+
+
+def test_plan_table_and_drawing(tmp_path, capsys):
+    svg = tmp_path / "plan.svg"
+    assert main(["plan", "--model", "nemotron-h-56b", "--prefill-tp", "4", "--decode-tp", "2", "--prefill-pp", "2",
+                 "--draw", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "mamba" in out and "attn" in out and ("direct" in out or "staged" in out)
+    assert svg.read_text().startswith("<svg") and svg.read_text().count("<line") > 0
+
+
+def test_plan_rejects_impossible_topology_with_fix(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--prefill-tp", "3", "--decode-tp", "2"]) == 2
+    out = capsys.readouterr().err
+    assert "LayoutError" in out and "tp=3" in out and "divides 8" in out
+
+
+def test_plan_from_hf_config(capsys):
+    from pathlib import Path
+    cfg = Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json"
+    assert main(["plan", "--model", str(cfg), "--prefill-tp", "4", "--decode-tp", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(r["heads"] is None for r in doc["reads"])
+    assert len(doc["reads"]) == 8  # one read per decode rank: the latent is replicated
+
+
+def test_verify_single_and_sweep(capsys):
+    assert main(["verify", "--model", "tiny-hybrid", "--prefill-tp", "2", "--decode-tp", "4",
+                 "--prefill-layout", "cross_layer", "--decode-block-size", "4"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["verify", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "FAIL" not in out
