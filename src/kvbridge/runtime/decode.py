@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from ..errors import HandshakeError, IncompatibleLayoutsError, RequestError, TransferError
+from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError, RequestError, TransferError
 from ..layout import EngineLayout, engine_from_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import rank_memory
@@ -33,6 +33,8 @@ class RemoteEngine:
     lowered: LoweredPlan
     agents: dict          # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
     readers: dict         # prefill rank -> number of decode ranks reading it (for the notification)
+    endpoints: dict       # prefill rank -> "host:port" of its side channel
+    digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
 
 
 @dataclass(frozen=True)
@@ -100,16 +102,29 @@ class DecodeRank:
     # ---- handshake -----------------------------------------------------------------------------
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
         """Contact the prefill engine's ranks this rank needs; cached per engine id."""
-        if engine_id in self.remotes:
-            return self.remotes[engine_id]
+        endpoints = {tuple(k): v for k, v in endpoints.items()}
+        cached = self.remotes.get(engine_id)
+        if cached is not None:
+            # still the same engine? (same endpoints and the same NIXL agent behind rank (0, 0))
+            if cached.endpoints == endpoints and self._same_agent(cached, endpoints):
+                return cached
+            self.forget(engine_id)
         try:
-            remote = self._handshake(engine_id, {tuple(k): v for k, v in endpoints.items()})
+            remote = self._handshake(engine_id, endpoints)
         except (HandshakeError, IncompatibleLayoutsError):
             self.metrics.failed_handshakes += 1
             raise
         self.remotes[engine_id] = remote
         self.metrics.handshakes += 1
         return remote
+
+    def _same_agent(self, cached: "RemoteEngine", endpoints: dict) -> bool:
+        try:
+            meta = fetch_meta(self.ctx, endpoints[(0, 0)], GetMeta(self.engine_id, self.rank, (0, 0)),
+                              self.handshake_timeout_s)
+        except HandshakeError:
+            return False
+        return meta.metadata_sha256 == cached.digest0
 
     def _get(self, engine_id: str, endpoints: dict, prank: Rank) -> RankMeta:
         if prank not in endpoints:
@@ -124,7 +139,10 @@ class DecodeRank:
 
     def _handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
         first = self._get(engine_id, endpoints, (0, 0))
-        layout = engine_from_dict(first.layout)
+        try:
+            layout = engine_from_dict(first.layout)
+        except LayoutError as e:
+            raise HandshakeError(f"prefill engine {engine_id!r} sent an invalid layout description: {e}") from e
         if first.model_fingerprint != layout.model.fingerprint:
             raise HandshakeError("prefill layout does not match its own model fingerprint (corrupted metadata)")
         if layout.model.fingerprint != self.engine.model.fingerprint:
@@ -149,7 +167,7 @@ class DecodeRank:
             bases[prank] = m.base_addr
         lowered = LoweredPlan(plan, self.rank, bases, self.base)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
-        return RemoteEngine(engine_id, layout, plan, lowered, agents, readers)
+        return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256)
 
     def forget(self, engine_id: str) -> None:
         """Drop a remote engine (dead or gone): remove its agents; a later handshake starts fresh."""
@@ -198,14 +216,26 @@ class DecodeRank:
             self.metrics.failed_notifications += 1
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
-        """Abort a request: tell its prefill ranks to free the blocks (waits for posted copies to end)."""
+        """Abort a request: tell its prefill ranks to free the blocks (waits for posted copies to end).
+
+        In flight: a read that completed already carried its notification, so only the prefill ranks
+        whose read did not complete are told. Not started (``readers_of`` given): every rank is told.
+        """
         f = self.inflight.pop(req_id, None)
         remote = f.remote if f else (self.remotes.get(readers_of.engine_id) if readers_of else None)
+        if remote is None:
+            self.metrics.aborted_requests += 1
+            return
+        to_notify = set(remote.agents.values())
         if f:
+            # a completed read carried its notification; ranks with nothing to read were told at start
+            to_notify = set()
             for x in f.xfers:
+                if not self.transport.settle(x):
+                    to_notify.add(x.peer)
                 self.transport.release(x)
-        if remote is not None:
-            for p, agent in remote.agents.items():
+        for p, agent in remote.agents.items():
+            if agent in to_notify:
                 self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], ok=False)))
         self.metrics.aborted_requests += 1
 
@@ -244,7 +274,7 @@ class DecodeRank:
             self.transport.release(x)
         self.inflight.pop(rid, None)
         self.failed[rid] = reason
-        self.metrics.failed_transfers += 1
+        self.metrics.failed_transfers += max(1, len(f.xfers))
         self.metrics.failed_requests += 1
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, str]]:
@@ -269,3 +299,69 @@ class DecodeRank:
         for rid, f in list(self.inflight.items()):
             self._fail(rid, f, "decode rank closing")
         self.transport.close()
+
+    # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------
+    def timed_read(self, req: ReadRequest, timeout_s: float = 120.0) -> dict:
+        """Post ``req`` and wait for it here (no RPC in the timing); returns seconds, bytes, descriptors."""
+        t0 = time.perf_counter()
+        self.start(req)
+        f = self.inflight.get(req.req_id)
+        nbytes, ndescs = (f.nbytes, f.ndescs) if f else (0, 0)
+        done, failed = self.wait(timeout_s, sleep_s=2e-5)
+        if req.req_id in failed or req.req_id not in done:
+            raise TransferError(f"request {req.req_id} failed: {failed.get(req.req_id, 'timeout')}")
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "descriptors": ndescs}
+
+    def staged_read(self, req: ReadRequest, sources: dict, split_bytes: int = 0) -> dict:
+        """Read bytes a prefill packed with ``PrefillRank.stage`` (``sources``: prefill rank -> (address,
+        bytes)) into a local staging buffer, then scatter them to the request's ``dst`` runs."""
+        from ..staging import scatter
+        remote = self.remotes[req.engine_id]
+        t0 = time.perf_counter()
+        descs = remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        total = sum(d.total_bytes for d in descs)
+        if getattr(self, "staging", None) is None or self.staging.size < total:
+            if getattr(self, "staging", None) is not None:
+                self.transport.deregister(self.staging)
+            self.staging = np.zeros(max(total, 4096), dtype=np.uint8)
+            self.staging_addr = self.transport.register(self.staging)
+        t1 = time.perf_counter()
+        xfers, off, ndescs = [], 0, 0
+        for d in descs:
+            if d.total_bytes == 0:
+                continue
+            addr, n = sources[tuple(d.prefill)]
+            assert n == d.total_bytes, (n, d.total_bytes)
+            step = split_bytes or max(n, 1)
+            starts = np.arange(0, n, step, dtype=np.int64)
+            lens = np.minimum(step, n - starts)
+            xfers.append(self.transport.read(remote.agents[d.prefill], addr + starts, self.staging_addr + off + starts,
+                                             lens))
+            off += n
+            ndescs += int(lens.size)
+        for x in xfers:
+            while self.transport.check(x) != "DONE":
+                time.sleep(2e-5)
+            self.transport.release(x)
+        t2 = time.perf_counter()
+        off = 0
+        for d in descs:
+            scatter(self.staging, self.buf, d.dst - self.base, d.nbytes, off)
+            off += d.total_bytes
+        t3 = time.perf_counter()
+        return {"lower_s": t1 - t0, "read_s": t2 - t1, "scatter_s": t3 - t2, "bytes": total, "descriptors": ndescs}
+
+    def runs_digest(self, req: ReadRequest) -> str:
+        """sha256 of the request's destination runs in this rank's buffer (to compare direct and staged)."""
+        import hashlib
+        from ..staging import pack
+        descs = self.remotes[req.engine_id].lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        h = hashlib.sha256()
+        for d in descs:
+            out = np.empty(d.total_bytes, dtype=np.uint8)
+            pack(self.buf, d.dst - self.base, d.nbytes, out)
+            h.update(out.tobytes())
+        return h.hexdigest()
+
+    def clear(self, value: int = 0xA5) -> None:
+        self.buf.fill(value)

@@ -60,8 +60,13 @@ _HELP = {
 }
 
 
+def escape_label_value(v: str) -> str:
+    """Prometheus text format: backslash, double quote and newline are escaped in label values."""
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def to_prometheus(d: dict, labels: dict[str, str] | None = None, prefix: str = "kvbridge_") -> str:
-    lab = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+    lab = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in (labels or {}).items())
     lab = "{" + lab + "}" if lab else ""
     lines = []
     for k, (typ, help_) in _HELP.items():

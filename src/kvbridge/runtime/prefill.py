@@ -122,3 +122,27 @@ class PrefillRank:
     def close(self) -> None:
         self.sock.close(0)
         self.transport.close()
+
+    # ---- staged transfers (benchmarks; appended) -----------------------------------------------
+    def alloc_staging(self, nbytes: int) -> int:
+        """Allocate and register a staging buffer of ``nbytes`` (before the decode's handshake, so its
+        metadata covers it); returns its address."""
+        self.staging = np.empty(max(int(nbytes), 4096), dtype=np.uint8)
+        self.staging.fill(0)
+        self.staging_addr = self.transport.register(self.staging)
+        return self.staging_addr
+
+    def stage(self, src: np.ndarray, nbytes: np.ndarray) -> tuple[int, int, float]:
+        """Pack the runs ``(src, nbytes)`` (offsets in this rank's buffer) into the staging buffer;
+        returns (staging address, bytes packed, seconds)."""
+        from ..staging import pack
+        t = time.perf_counter()
+        total = pack(self.buf, src, nbytes, self.staging)
+        return self.staging_addr, total, time.perf_counter() - t
+
+    def fill_random(self, seed: int = 0) -> None:
+        """Fill the buffer with a random pattern (period 16 MiB + 4099 B, so no two nearby runs match)."""
+        pat = np.random.default_rng(seed).integers(0, 256, (16 << 20) + 4099, dtype=np.uint8)
+        for i in range(0, self.buf.size, pat.size):
+            n = min(pat.size, self.buf.size - i)
+            self.buf[i:i + n] = pat[:n]

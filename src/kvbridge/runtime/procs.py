@@ -110,7 +110,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                 conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
         if role == "prefill":
             obj.serve_once()
-        elif obj.inflight:
+        elif obj.inflight or obj.finished or obj.failed:
             d, f = obj.poll()
             done += d
             failed |= f

@@ -25,6 +25,9 @@ class Transport(Protocol):
     def check(self, handle: XferHandle) -> str:
         """"DONE" or "PROC"; raises :class:`~kvbridge.errors.TransferError` on failure."""
 
+    def settle(self, handle: XferHandle) -> bool:
+        """Wait until the posted transfer has ended; True if it completed."""
+
     def release(self, handle: XferHandle) -> None: ...
 
     def live_handles(self) -> int:

@@ -197,6 +197,14 @@ class NixlTransport:
             raise TransferError(f"NIXL transfer from {x.peer!r} failed (state ERR)", peer=x.peer)
         return state
 
+    def settle(self, x: NixlXfer) -> bool:
+        """Wait for the post to end; True if the transfer completed (so its notification went out)."""
+        try:
+            x.future.result()
+            return self.agent.check_xfer_state(x.handle) == "DONE"
+        except Exception:  # noqa: BLE001 - failed or cancelled
+            return False
+
     def release(self, x: NixlXfer) -> None:
         if x.released:
             return

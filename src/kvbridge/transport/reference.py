@@ -67,6 +67,9 @@ class ReferenceTransport:
             raise TransferError(f"unknown or released handle {handle}")
         return "DONE"
 
+    def settle(self, handle) -> bool:
+        return handle in self._live
+
     def release(self, handle) -> None:
         self._live.discard(handle)
 

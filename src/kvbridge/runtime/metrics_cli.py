@@ -1,0 +1,141 @@
+"""Write the stats of several ranks as one JSON file and one Prometheus text-exposition file.
+
+``stats_by_rank`` maps a rank key to that rank's ``stats()`` dict (``PrefillRank.stats()`` /
+``DecodeRank.stats()``, or ``EngineProcs.call_all("stats")`` values). A key becomes the series'
+labels: ``(pp, tp)`` -> ``pp``, ``tp``; ``(engine_id, (pp, tp))`` -> ``engine``, ``pp``, ``tp``;
+anything else -> ``rank="<str(key)>"``.
+
+Each metric family gets one ``# HELP``/``# TYPE`` pair followed by one sample per rank (calling
+:func:`kvbridge.runtime.metrics.to_prometheus` per rank and concatenating would repeat them, which the
+format forbids). Label values are escaped as the format requires.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from .metrics import _HELP, Metrics, escape_label_value
+
+# stats() keys outside "metrics": (family suffix, type, help)
+_GAUGES = {
+    "inflight": ("gauge", "requests in flight on a decode rank"),
+    "live_handles": ("gauge", "NIXL transfer handles created and not yet released"),
+    "peers": ("gauge", "NIXL remote agents currently loaded"),
+    "leases": ("gauge", "requests whose blocks a prefill rank holds for readers"),
+}
+_QUANTILES = {
+    "transfer_seconds_p50": ("gauge", "median KV transfer duration (seconds) over the recorded transfers"),
+    "transfer_seconds_p90": ("gauge", "90th percentile KV transfer duration (seconds)"),
+}
+_NIXL = {
+    "handles_created": "NIXL transfer handles created",
+    "handles_released": "NIXL transfer handles released",
+    "regions_registered": "memory regions registered with NIXL",
+    "regions_deregistered": "memory regions deregistered from NIXL",
+    "peers_added": "NIXL remote agents added",
+    "peers_removed": "NIXL remote agents removed",
+}
+
+
+def rank_labels(key) -> dict[str, str]:
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(x, int) for x in key):
+        return {"pp": str(key[0]), "tp": str(key[1])}
+    if (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], tuple) and len(key[1]) == 2
+            and all(isinstance(x, int) for x in key[1])):
+        return {"engine": str(key[0]), "pp": str(key[1][0]), "tp": str(key[1][1])}
+    return {"rank": str(key)}
+
+
+def _value(v) -> str:
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(int(v)) if v.is_integer() and abs(v) < 2 ** 53 else repr(v)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _families(stats_by_rank: dict, prefix: str):
+    """Yield (name, type, help, [(labels, value)]) for every family present in some rank's stats."""
+    fams: dict[str, tuple[str, str, list]] = {}
+
+    def add(name, typ, help_, labels, value):
+        fams.setdefault(name, (typ, help_, []))[2].append((labels, value))
+
+    for key, st in stats_by_rank.items():
+        labels = rank_labels(key)
+        m = st.get("metrics", {})
+        for k, (typ, help_) in _HELP.items():
+            if k in m:
+                add(prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else ""), typ, help_,
+                    labels, m[k])
+        for k, (typ, help_) in _QUANTILES.items():
+            if k in m:
+                add(prefix + k, typ, help_, labels, m[k])
+        for k, (typ, help_) in _GAUGES.items():
+            if isinstance(st.get(k), (int, float)):
+                add(prefix + k, typ, help_, labels, st[k])
+        for k, help_ in _NIXL.items():
+            if k in st.get("nixl", {}):
+                add(prefix + "nixl_" + k + "_total", "counter", help_, labels, st["nixl"][k])
+    for name, (typ, help_, samples) in fams.items():
+        yield name, typ, help_, samples
+
+
+def to_prometheus_text(stats_by_rank: dict, prefix: str = "kvbridge_") -> str:
+    lines = []
+    for name, typ, help_, samples in _families(stats_by_rank, prefix):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}"]
+        lines += [f"{name}{_labels(lab)} {_value(v)}" for lab, v in samples]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(stats_by_rank: dict) -> dict:
+    total = Metrics()
+    for st in stats_by_rank.values():
+        total.merge(st.get("metrics", {}))
+    tj = total.to_json()
+    tj.pop("transfer_seconds_p50", None)  # quantiles do not add up across ranks
+    tj.pop("transfer_seconds_p90", None)
+    return {"ranks": {_key_str(k): st for k, st in stats_by_rank.items()}, "total": tj}
+
+
+def _key_str(key) -> str:
+    return "/".join(f"{k}={v}" for k, v in rank_labels(key).items())
+
+
+def _atomic_write(path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_metrics(stats_by_rank: dict, json_path, prom_path, prefix: str = "kvbridge_") -> str:
+    """Write ``json_path`` (per-rank stats + summed counters) and ``prom_path`` (Prometheus text format,
+    e.g. for node_exporter's textfile collector); either path may be None. Returns the Prometheus text."""
+    text = to_prometheus_text(stats_by_rank, prefix)
+    if json_path is not None:
+        _atomic_write(json_path, json.dumps(to_json(stats_by_rank), indent=1, sort_keys=True, default=str) + "\n")
+    if prom_path is not None:
+        _atomic_write(prom_path, text)
+    return text
+
+
+__all__ = ["write_metrics", "to_prometheus_text", "to_json", "rank_labels", "escape_label_value"]

@@ -1,0 +1,1182 @@
+"""Reliability of the NIXL runtime: remote death, bad input, request lifecycle, load, metrics.
+
+Every test drives real rank processes (:mod:`kvbridge.runtime.procs`, one process per rank, NIXL/UCX
+over host memory) or in-process ranks, checks moved bytes against the oracle (``verify``), and bounds
+every wait with an explicit deadline (no pytest-timeout plugin). Small model (``tiny-dense``: 4 layers,
+4 KV heads x 16, bf16) and block size 4 keep the whole file well under 4 minutes on 2 cores.
+
+Notes on the oracle: ``verify`` (``procs._verify``) rebuilds a decode rank's *whole* expected buffer
+from the requests it is given, so every request whose bytes reached that decode rank must be passed.
+Reads that failed half-way leave partial data in their decode blocks; the death tests bound those
+mismatches by the failed requests' bytes, then re-read the failed requests from a restarted engine and
+require an exact match for everything.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvbridge.errors import HandshakeError, IncompatibleLayoutsError, LayoutError, RequestError
+from kvbridge.layout import EngineLayout, ModelSpec
+from kvbridge.lower import GroupBlocks, LoweredPlan
+from kvbridge.models import preset
+from kvbridge.oracle import SENTINEL
+from kvbridge.plan import plan_transfer
+from kvbridge.runtime import protocol
+from kvbridge.runtime.decode import DecodeRank, ReadRequest, fetch_meta
+from kvbridge.runtime.metrics import Metrics, to_prometheus
+from kvbridge.runtime.prefill import PrefillRank
+from kvbridge.runtime.procs import EngineProcs, Worker, _verify
+from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
+from kvbridge.verify import BlockPool, Request, make_request
+
+pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
+
+MODEL = preset("tiny-dense")
+BS = 4
+INF = float("inf")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def layout(role: str, tp: int, num_blocks: int, model: ModelSpec = MODEL, **kw) -> EngineLayout:
+    return EngineLayout(model, tp=tp, block_size=BS, num_blocks=num_blocks, role=role, **kw)
+
+
+def until(pred, timeout: float, what: str, interval: float = 0.02):
+    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request: ``num`` is the oracle's request number (fill/verify), ``rid`` the runtime id."""
+
+    num: int
+    engine: str
+    req: Request
+    rid: str
+
+    def read(self, expires_at: float = INF, rid: str | None = None) -> ReadRequest:
+        r = self.req
+        return ReadRequest(rid or self.rid, self.engine, r.num_tokens, r.prefill_blocks, r.decode_blocks, expires_at)
+
+    def renamed(self, rid: str) -> "Job":
+        return replace(self, rid=rid)
+
+
+class Jobs:
+    """Allocates requests (blocks on both sides) against one decode engine and several prefill engines."""
+
+    def __init__(self, dlayout: EngineLayout, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.dlayout = dlayout
+        self.dpool = BlockPool(dlayout, self.rng)
+        self.ppools: dict[str, tuple[EngineLayout, BlockPool]] = {}
+        self.next_num = 0
+
+    def engine(self, engine_id: str, playout: EngineLayout) -> None:
+        self.ppools[engine_id] = (playout, BlockPool(playout, self.rng))
+
+    def make(self, engine_id: str, n: int, max_tokens: int = 64, prefix_p: float = 0.3, tag: str = "r",
+             lengths=None) -> list[Job]:
+        pl, pool = self.ppools[engine_id]
+        out = []
+        for i in range(n):
+            num_tokens = int(lengths[i]) if lengths is not None else int(self.rng.integers(1, max_tokens + 1))
+            prefix = int(self.rng.integers(0, num_tokens)) if self.rng.random() < prefix_p else 0
+            num = self.next_num
+            self.next_num += 1
+            req = make_request(num, num_tokens, pl, self.dlayout, pool, self.dpool, prefix)
+            out.append(Job(num, engine_id, req, f"{tag}{num}"))
+        return out
+
+
+def blocks_for(lengths, slack: int = 16) -> int:
+    return int(sum(-(-int(n) // BS) for n in lengths)) + slack
+
+
+def publish(P: EngineProcs, jobs: list[Job], lease_s: float = 120.0) -> dict[str, float]:
+    """Fill the prefill ranks from the oracle and register a lease per request; returns rid -> expiry."""
+    P.call_all("fill_many", [(j.num, j.req.num_tokens, j.req.prefill_blocks) for j in jobs])
+    expiry: dict[str, float] = {}
+    for i in range(0, len(jobs), 100):  # pipelined RPCs (replies stay far below the pipe's buffer)
+        chunk = jobs[i:i + 100]
+        for w in P.workers.values():
+            for j in chunk:
+                w.conn.send(("add_request", (j.rid, j.req.prefill_blocks, lease_s), {}))
+        for w in P.workers.values():
+            for j in chunk:
+                expiry[j.rid] = min(expiry.get(j.rid, INF), w._recv(30))
+    return expiry
+
+
+def start(D: EngineProcs, reads: list[ReadRequest]) -> None:
+    errs = {}
+    for r in D.call_all("start_many", reads).values():
+        errs |= r
+    assert not errs, f"start errors: {list(errs.items())[:3]}"
+
+
+def merge(results, n_ranks: int, counts: dict, failed: dict) -> None:
+    for d, f in results:
+        for rid in d:
+            counts[rid] = counts.get(rid, 0) + 1
+        failed |= f
+
+
+def collect(D: EngineProcs, timeout: float = 60.0) -> tuple[set, dict]:
+    """``wait`` on every decode rank; a request is finished when every decode rank finished it."""
+    counts, failed = {}, {}
+    merge(D.call_all("wait", timeout).values(), len(D.workers), counts, failed)
+    return {r for r, c in counts.items() if c == len(D.workers)}, failed
+
+
+def take_until(D: EngineProcs, rids: set, timeout: float, counts=None, failed=None) -> tuple[set, dict]:
+    """Poll ``take`` until every id in ``rids`` is finished on all decode ranks or failed on one
+    (``counts``/``failed``: what earlier ``take`` calls returned)."""
+    counts, failed = dict(counts or {}), dict(failed or {})
+
+    def settled():
+        merge(D.call_all("take").values(), len(D.workers), counts, failed)
+        return all(r in failed or counts.get(r, 0) == len(D.workers) for r in rids)
+
+    until(settled, timeout, f"{len(rids)} requests to settle")
+    return {r for r, c in counts.items() if c == len(D.workers)}, failed
+
+
+def verify(D: EngineProcs, jobs: list[Job]) -> dict:
+    ver = D.call_all("verify", [(j.num, j.read()) for j in jobs])
+    return {k: sum(v[k] for v in ver.values()) for k in ("mismatched_bytes", "needed_bytes", "checked_bytes")}
+
+
+def needed_bytes(pl: EngineLayout, dl: EngineLayout, jobs: list[Job]) -> int:
+    """Bytes the decode engine needs for ``jobs`` (computed here, from the plan)."""
+    plan = plan_transfer(pl, dl)
+    total = 0
+    for r in dl.ranks():
+        lp = LoweredPlan(plan, r)
+        total += sum(lp.needed_bytes(j.req.num_tokens, j.req.prefill_blocks, j.req.decode_blocks) for j in jobs)
+    return total
+
+
+def expected_traffic(pl: EngineLayout, dl: EngineLayout, jobs: list[Job]) -> dict:
+    """Transfers, bytes and descriptors the decode ranks must post for ``jobs`` (from the lowering)."""
+    plan = plan_transfer(pl, dl)
+    out = {"transfers": 0, "transfer_bytes": 0, "descriptors": 0}
+    for r in dl.ranks():
+        lp = LoweredPlan(plan, r)
+        for j in jobs:
+            for d in lp.descriptors(j.req.num_tokens, j.req.prefill_blocks, j.req.decode_blocks):
+                if d.count:
+                    out["transfers"] += 1
+                    out["transfer_bytes"] += d.total_bytes
+                    out["descriptors"] += d.count
+    return out
+
+
+def wait_freed(P: EngineProcs, rids: set, timeout: float = 15.0, key: str = "freed") -> dict:
+    """Poll ``take_freed`` until every prefill rank reported every id in ``rids`` under ``key``."""
+    seen = {r: {"freed": set(), "expired": set()} for r in P.workers}
+
+    def done():
+        for r, got in P.call_all("take_freed").items():
+            seen[r]["freed"] |= set(got["freed"])
+            seen[r]["expired"] |= set(got["expired"])
+        return all(rids <= s[key] for s in seen.values())
+
+    until(done, timeout, f"prefill {P.engine_id!r} to report {len(rids)} requests {key}")
+    return seen
+
+
+class Cluster(contextlib.AbstractContextManager):
+    """Starts engines (all their rank processes spawned at once, then awaited) and stops every one on
+    exit, whatever happened (in parallel; a rank that does not stop in time is killed)."""
+
+    def __init__(self):
+        self.engines: list[EngineProcs] = []
+
+    def start(self, role: str, lay: EngineLayout, engine_id: str, **kw) -> EngineProcs:
+        return self.start_many([(role, lay, engine_id, kw)])[0]
+
+    def start_many(self, specs) -> list[EngineProcs]:
+        """``specs``: (role, layout, engine_id[, kwargs]) tuples; like ``EngineProcs.start`` for each."""
+        out = []
+        for role, lay, engine_id, *kw in specs:
+            extra = dict(kw[0]) if kw else {}
+            if role == "prefill":
+                extra.setdefault("host", "127.0.0.1")
+            e = EngineProcs(role, engine_id, lay, {})
+            self.engines.append(e)  # stopped on exit even if a later rank fails to start
+            for r in lay.ranks():
+                e.workers[r] = Worker(role, lay, r, engine_id, **extra)
+            out.append(e)
+        for e in out:
+            for w in e.workers.values():
+                w.ready(timeout=60)
+        return out
+
+    def __exit__(self, *exc):
+        def stop(w):
+            try:
+                w.stop(timeout=10)
+            except Exception:  # noqa: BLE001 - best effort, then kill
+                w.kill()
+
+        threads = [threading.Thread(target=stop, args=(w,)) for e in self.engines for w in e.workers.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for e in self.engines:
+            for w in e.workers.values():
+                if w.proc.is_alive():
+                    w.kill()
+        return False
+
+
+def kill(P: EngineProcs) -> None:
+    for w in P.workers.values():
+        w.kill()
+    assert not any(w.proc.is_alive() for w in P.workers.values())
+
+
+@contextlib.contextmanager
+def served(prefill: PrefillRank):
+    """Serve an in-process prefill rank from a thread; yields a lock to hold while touching it."""
+    lock, stop = threading.Lock(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            with lock:
+                prefill.serve_once()
+            time.sleep(2e-4)
+
+    t = threading.Thread(target=loop, daemon=True, name="prefill-server")
+    t.start()
+    try:
+        yield lock
+    finally:
+        stop.set()
+        t.join(5)
+
+
+@contextlib.contextmanager
+def inproc_decode(lay: EngineLayout, engine_id: str, rank=(0, 0), **kw):
+    d = DecodeRank(lay, rank, engine_id, **kw)
+    d.buf.fill(SENTINEL)  # the oracle's sentinel, as the worker processes do
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- a shared prefill/decode pair (prefill tp=2 -> decode tp=1) ----------------------------------
+@dataclass
+class Pair:
+    P: EngineProcs
+    D: EngineProcs
+    pl: EngineLayout
+    dl: EngineLayout
+    jobs: Jobs
+    written: list  # every job whose bytes reached the decode buffer (all must be passed to verify)
+
+    def roundtrip(self, jobs: list[Job], lease_s: float = 60.0, timeout: float = 30.0) -> None:
+        exp = publish(self.P, jobs, lease_s)
+        start(self.D, [j.read(exp[j.rid]) for j in jobs])
+        finished, failed = collect(self.D, timeout)
+        assert not failed and {j.rid for j in jobs} <= finished
+        self.written += jobs
+
+    def verify(self) -> dict:
+        return verify(self.D, self.written)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pl, dl = layout("prefill", 2, 2048), layout("decode", 1, 2048)
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pm"), ("decode", dl, "dm")])
+        D.call_all("handshake", "pm", P.endpoints())
+        jobs = Jobs(dl, seed=7)
+        jobs.engine("pm", pl)
+        yield Pair(P, D, pl, dl, jobs, [])
+
+
+# =================================================================================================
+# 1. Remote death
+# =================================================================================================
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_prefill_engine_death(when):
+    """Kill prefill engine pA (all its ranks) before / during a batch; pB's requests are untouched,
+    exactly pA's unfinished requests fail, pA is forgotten; a restarted pA with the same id works."""
+    # "during": decode tp=1 reads per-token pieces of both prefill ranks (~1,000 descriptors a request),
+    # so its post thread needs about a second for the batch and pA dies with most of it in flight
+    n_per_engine, dtp = (12, 2) if when == "before" else (150, 1)
+    pl = layout("prefill", 2, blocks_for([64] * n_per_engine, 64))
+    dl = layout("decode", dtp, blocks_for([64] * 2 * n_per_engine, 64))
+    reads_per_engine = {r: len(plan_transfer(pl, dl).prefill_ranks_for(r)) for r in dl.ranks()}
+    jobs = Jobs(dl, seed=1 if when == "before" else 2)
+    with Cluster() as c:
+        pa, pb, D = c.start_many([("prefill", pl, "pA"), ("prefill", pl, "pB"), ("decode", dl, "d0")])
+        P = {"pA": pa, "pB": pb}
+        for e, p in P.items():
+            D.call_all("handshake", e, p.endpoints())
+            jobs.engine(e, pl)
+        A, B = jobs.make("pA", n_per_engine), jobs.make("pB", n_per_engine)
+        exp = publish(P["pA"], A) | publish(P["pB"], B)
+        interleaved = [j for ab in zip(A, B) for j in ab]
+        warm = interleaved[:4]  # connections are up before the death
+        start(D, [j.read(exp[j.rid]) for j in warm])
+        fin, fail = collect(D, 30)
+        assert fin == {j.rid for j in warm} and not fail
+        rest = interleaved[4:]
+        early, early_failed = {}, {}
+        t0 = time.monotonic()
+        if when == "before":
+            kill(P["pA"])
+            t0 = time.monotonic()
+            start(D, [j.read(exp[j.rid]) for j in rest])
+        else:  # kill pA as soon as the first reads of the batch are done: the rest are in flight
+            start(D, [j.read(exp[j.rid]) for j in rest])
+            until(lambda: merge(D.call_all("take").values(), len(D.workers), early, early_failed) or early, 10,
+                  "first reads", 0.002)
+            kill(P["pA"])
+        finished, failed = take_until(D, {j.rid for j in rest}, 30, early, early_failed)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15, f"failures took {elapsed:.1f} s to be reported"
+        print(f"{when}: pA finished {len(finished & {j.rid for j in A})}, failed {len(failed)}, {elapsed:.2f} s")
+
+        a_rest = {j.rid for j in rest if j.engine == "pA"}
+        b_rest = {j.rid for j in rest if j.engine == "pB"}
+        assert b_rest <= finished, f"pB requests failed: {[(r, failed.get(r)) for r in b_rest - finished][:3]}"
+        assert set(failed) <= a_rest, f"requests of the live engine failed: {set(failed) - a_rest}"
+        assert not (set(failed) & finished)
+        assert a_rest <= finished | set(failed)
+        if when == "before":
+            assert set(failed) == a_rest  # nothing can be read from a dead engine
+        else:
+            assert failed, "no pA request was in flight when pA died; make the batch larger"
+        for rid, why in failed.items():
+            assert "pA" in why and ("disconnect" in why.lower()), why
+
+        stats = D.call_all("stats")
+        for r, s in stats.items():
+            assert s["live_handles"] == 0 and s["inflight"] == 0, (r, s)
+            assert s["remotes"] == ["pB"], (r, s["remotes"])
+            assert s["peers"] == reads_per_engine[r]  # pB's ranks this decode rank reads
+            nx = s["nixl"]
+            assert nx["handles_created"] == nx["handles_released"]
+            assert nx["peers_removed"] == reads_per_engine[r] and nx["peers_added"] == 2 * reads_per_engine[r]
+
+        # pB's blocks are freed; pB's bytes are all there, and whatever else differs from the oracle lies
+        # within the pA requests' blocks (verify cannot skip them: it checks the whole decode buffer)
+        wait_freed(P["pB"], {j.rid for j in B})
+        ok_b = list(B)
+        ver = verify(D, ok_b)
+        assert ver["needed_bytes"] == needed_bytes(pl, dl, ok_b)
+        warm_ids = {j.rid for j in warm}
+        bad = [j for j in A if j.rid in failed or j.rid in finished or j.rid in warm_ids]
+        assert ver["mismatched_bytes"] <= needed_bytes(pl, dl, bad)
+        if when == "before":  # failed reads wrote nothing: only the warm-up pA bytes are "unexpected"
+            only_warm = needed_bytes(pl, dl, [j for j in A if j.rid in warm_ids])
+            assert 0.95 * only_warm <= ver["mismatched_bytes"] <= only_warm  # (a byte may equal the sentinel)
+
+        # restart pA with the same id; handshake again; read the failed requests again
+        P["pA"] = c.start("prefill", pl, "pA")
+        D.call_all("handshake", "pA", P["pA"].endpoints())
+        retry = [j.renamed(j.rid + "-retry") for j in A if j.rid in failed]
+        exp2 = publish(P["pA"], retry)
+        start(D, [j.read(exp2[j.rid]) for j in retry])
+        finished2, failed2 = collect(D, 30)
+        assert not failed2 and {j.rid for j in retry} <= finished2
+        wait_freed(P["pA"], {j.rid for j in retry})
+        ver = verify(D, A + B)  # every block now holds exactly what the oracle says
+        assert ver["mismatched_bytes"] == 0
+        assert ver["needed_bytes"] == needed_bytes(pl, dl, A + B)
+        for s in D.call_all("stats").values():
+            assert s["remotes"] == ["pA", "pB"] and s["live_handles"] == 0
+        for r, s in D.call_all("stats").items():
+            assert s["peers"] == 2 * reads_per_engine[r]
+
+
+@pytest.mark.parametrize("forget_first", [False,
+                                          True])
+def test_prefill_restart_while_idle(forget_first):
+    """pA dies and comes back (same engine id, new ports, new NIXL agents) while the decode has nothing
+    in flight, so the decode never saw a failure; handshaking again must reach the new engine.
+    (``forget_first``: the workaround, ``DecodeRank.forget(engine_id)`` before the new handshake.)"""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=4)
+    jobs.engine("pA", pl)
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pA"), ("decode", dl, "dI")])
+        D.call_all("handshake", "pA", P.endpoints())
+        first = jobs.make("pA", 3)
+        exp = publish(P, first)
+        start(D, [j.read(exp[j.rid]) for j in first])
+        assert collect(D, 20)[0] == {j.rid for j in first}
+        kill(P)
+        P2 = c.start("prefill", pl, "pA")
+        if forget_first:
+            D.call_all("forget", "pA")
+        D.call_all("handshake", "pA", P2.endpoints())
+        again = jobs.make("pA", 3)
+        exp = publish(P2, again)
+        start(D, [j.read(exp[j.rid]) for j in again])
+        finished, failed = collect(D, 20)
+        assert not failed and finished == {j.rid for j in again}, failed
+        assert verify(D, first + again)["mismatched_bytes"] == 0
+
+
+def test_decode_engine_death_leases_expire():
+    """The decode engine dies after the prefill registered leases: the prefill frees reads that
+    finished (notifications), reports the others expired after their lease, and keeps serving."""
+    pl, dl = layout("prefill", 1, 256), layout("decode", 1, 256)
+    jobs = Jobs(dl, seed=3)
+    jobs.engine("pL", pl)
+    lease = 1.0
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pL"), ("decode", dl, "dL")])
+        D.call_all("handshake", "pL", P.endpoints())
+        read_first, orphans = jobs.make("pL", 3, tag="rd"), jobs.make("pL", 4, tag="or")
+        exp = publish(P, read_first, lease_s=30.0)
+        start(D, [j.read(exp[j.rid]) for j in read_first])
+        fin, fail = collect(D, 20)
+        assert fin == {j.rid for j in read_first} and not fail
+        exp |= publish(P, orphans, lease_s=lease)
+        kill(D)
+        freed, got_expired_at = set(), {}
+
+        def settled():
+            for got in P.call_all("take_freed").values():
+                freed.update(got["freed"])
+                for rid in got["expired"]:
+                    got_expired_at[rid] = time.time()
+            return {j.rid for j in orphans} <= set(got_expired_at)
+
+        until(settled, lease + 5, "orphaned leases to expire")
+        for j in orphans:  # never before the lease, and within the polling slack after it
+            assert exp[j.rid] <= got_expired_at[j.rid] <= exp[j.rid] + 3
+        assert freed == {j.rid for j in read_first}  # freed by their notifications, not expired
+        assert set(got_expired_at) == {j.rid for j in orphans}
+        st = P.call_all("stats")[(0, 0)]
+        assert st["leases"] == 0
+        assert st["metrics"]["expired_requests"] == len(orphans)
+        assert st["metrics"]["freed_requests"] == len(read_first)
+
+        # the prefill still serves a new decode (in-process) and its bytes verify
+        new = jobs.make("pL", 2, tag="new")
+        exp2 = publish(P, new)
+        with inproc_decode(dl, "dL2") as dec:
+            dec.handshake("pL", P.endpoints())
+            for j in new:
+                dec.start(j.read(exp2[j.rid]))
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in new} and not failed
+            assert _verify(dec, [(j.num, j.read()) for j in new])["mismatched_bytes"] == 0
+        wait_freed(P, {j.rid for j in new})
+
+
+# =================================================================================================
+# 2. Bad input: typed errors naming what to change, raised before any byte moves
+# =================================================================================================
+def test_incompatible_topology_is_a_layout_error():
+    with pytest.raises(LayoutError) as ei:
+        EngineLayout(MODEL, tp=3, role="decode")
+    msg = str(ei.value)
+    assert "tp=3" in msg and "4 units" in msg and "valid tp" in msg and "[1, 2, 4, 8" in msg
+    with pytest.raises(LayoutError, match="pp=5"):
+        EngineLayout(MODEL, pp=5)  # 4 layers
+    with pytest.raises(LayoutError, match="block_size"):
+        EngineLayout(MODEL, block_size=0)
+
+
+def _float16(model: ModelSpec) -> ModelSpec:
+    return ModelSpec(model.name, model.num_layers, tuple(replace(g, dtype="float16") for g in model.groups))
+
+
+@pytest.mark.parametrize("other, words", [
+    (preset("tiny-mla"), ["tiny-mla", "tiny-dense", "same model"]),
+    (_float16(MODEL), ["bfloat16", "float16", "dtype"]),
+])
+def test_handshake_with_other_model_or_dtype_is_refused(pair, other, words):
+    before = pair.D.call_all("stats")
+    dl = layout("decode", 1, 64, model=other)
+    with inproc_decode(dl, "dx") as dec:
+        with pytest.raises(IncompatibleLayoutsError) as ei:
+            dec.handshake("pm", pair.P.endpoints())
+        for w in words:
+            assert w in str(ei.value), (w, str(ei.value))
+        s = dec.stats()
+        assert s["remotes"] == [] and s["peers"] == 0  # nothing was added to NIXL
+        assert s["nixl"]["handles_created"] == 0 and s["metrics"]["failed_handshakes"] == 1
+    # the prefill engine and the shared decode are unaffected
+    assert pair.D.call_all("stats") == before
+    pair.roundtrip(pair.jobs.make("pm", 2))
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def _bad_version_frames(msg, version=2):
+    return [protocol.MAGIC, version.to_bytes(2, "big"), protocol._enc.encode(msg)]
+
+
+def test_protocol_version_mismatch():
+    good = protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)))
+    assert isinstance(protocol.unpack(good), protocol.GetMeta)
+    with pytest.raises(HandshakeError) as ei:
+        protocol.unpack(protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)), version=2))
+    assert "version 2" in str(ei.value) and str(protocol.PROTOCOL_VERSION) in str(ei.value)
+    with pytest.raises(HandshakeError, match="magic"):
+        protocol.unpack([b"HTTP", good[1], good[2]])
+    with pytest.raises(HandshakeError, match="magic"):
+        protocol.unpack(good[:2])
+    with pytest.raises(HandshakeError, match="malformed"):
+        protocol.unpack([good[0], good[1], good[2][:-3]])
+
+
+def test_prefill_answers_bad_version_and_keeps_serving(pair):
+    ctx = zmq.Context.instance()
+    endpoint = pair.P.endpoints()[(0, 0)]
+    for frames, expect in [
+        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=2), ["version 2", "speaks 1"]),
+        ([b"GET / HTTP/1.0\r\n\r\n"], ["protocol"]),
+        (protocol.pack(protocol.Done("x", "dz", (0, 0), 1)), ["get_meta"]),
+        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 1))), ["(0, 0)", "(0, 1)"]),
+    ]:
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        try:
+            s.connect(f"tcp://{endpoint}")
+            s.send_multipart(frames)
+            reply = protocol.unpack(s.recv_multipart())
+        finally:
+            s.close(0)
+        assert isinstance(reply, protocol.ErrorReply), reply
+        for w in expect:
+            assert w in reply.message, (w, reply.message)
+    # still serving the right protocol
+    meta = fetch_meta(ctx, endpoint, protocol.GetMeta("dz", (0, 0), (0, 0)), 5.0)
+    assert meta.engine_id == "pm" and meta.metadata_sha256 == metadata_digest(meta.agent_metadata)
+
+
+@contextlib.contextmanager
+def fake_prefill(reply_fn):
+    """A ROUTER on a random port answering every request with ``reply_fn(frames) -> frames``."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def loop():
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(20):
+                fr = sock.recv_multipart()
+                sock.send_multipart([fr[0], b""] + reply_fn(fr[2:]))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop.set()
+        t.join(5)
+        sock.close(0)
+
+
+def test_decode_rejects_prefill_speaking_other_version(pair):
+    real = pair.P.endpoints()
+    ctx = zmq.Context.instance()
+
+    def answer_v2(frames):
+        msg = protocol.unpack(frames)
+        meta = fetch_meta(ctx, real[tuple(msg.prefill_rank)], msg, 5.0)
+        return _bad_version_frames(meta, version=2)
+
+    with fake_prefill(answer_v2) as ep, inproc_decode(pair.dl, "dv") as dec:
+        with pytest.raises(HandshakeError) as ei:
+            dec.handshake("pm", {r: ep for r in real})
+        assert "version 2" in str(ei.value) and "same kvbridge release" in str(ei.value)
+        assert dec.stats()["peers"] == 0 and dec.metrics.failed_handshakes == 1
+        dec.handshake("pm", real)  # the real endpoints still work
+        assert dec.stats()["remotes"] == ["pm"]
+
+
+def test_corrupted_agent_metadata_is_refused_then_correct_one_accepted():
+    """NixlTransport.add_peer: a corrupted or truncated blob fails its sha256 before NIXL sees it
+    (a corrupted-but-parseable blob would poison the peer name in NIXL for good); the correct
+    metadata is accepted afterwards and a read works (two agents in this process)."""
+    a, b = NixlTransport("rel-meta-a"), NixlTransport("rel-meta-b")
+    try:
+        src = np.arange(1 << 16, dtype=np.uint64).view(np.uint8).copy()
+        dst = np.zeros_like(src)
+        abase, bbase = a.register(src), b.register(dst)
+        md = a.metadata()
+        digest = metadata_digest(md)
+        flipped = bytearray(md)
+        flipped[len(md) // 2] ^= 0xFF
+        for bad in (bytes(flipped), md[: len(md) // 2], md[:-1], b"", md + b"\0"):
+            with pytest.raises(HandshakeError, match="checksum"):
+                b.add_peer(bad, digest)
+        for garbage in (b"not nixl metadata", md[:40]):  # no digest: NIXL itself refuses, typed
+            with pytest.raises(HandshakeError, match="NIXL refused"):
+                b.add_peer(garbage)
+        assert b.peers == frozenset() and b.stats.peers_added == 0
+        name = b.add_peer(md, digest)
+        assert name == "rel-meta-a" and b.peers == {name}
+        n = 4096
+        offs = np.arange(0, src.size, n, dtype=np.int64)[::-1].copy()  # reversed blocks
+        x = b.read(name, abase + offs, bbase + np.arange(offs.size, dtype=np.int64) * n,
+                   np.full(offs.size, n, dtype=np.int64), b"tag-1")
+        until(lambda: b.check(x) == "DONE", 10, "in-process read")
+        b.release(x)
+        assert np.array_equal(dst.reshape(-1, n), src.reshape(-1, n)[::-1])
+        notifs = until(lambda: a.get_notifs(), 5, "notification")
+        assert notifs == {"rel-meta-b": [b"tag-1"]}
+        assert b.live_handles() == 0
+    finally:
+        b.close()
+        a.close()
+    for t in (a, b):
+        assert t.stats.regions_registered == t.stats.regions_deregistered == 1
+        assert t.stats.peers_added == t.stats.peers_removed
+
+
+def test_handshake_with_corrupted_metadata_in_transit(pair):
+    """A side channel that corrupts the agent metadata (but forwards the real checksum): the decode
+    refuses with a HandshakeError, adds no peer, and a later correct handshake works and moves bytes."""
+    real = pair.P.endpoints()
+    ctx = zmq.Context.instance()
+
+    def corrupt(frames):
+        msg = protocol.unpack(frames)
+        meta = fetch_meta(ctx, real[tuple(msg.prefill_rank)], msg, 5.0)
+        md = bytearray(meta.agent_metadata)
+        md[len(md) // 2] ^= 0x5A
+        return protocol.pack(msgspec.structs.replace(meta, agent_metadata=bytes(md)))
+
+    jobs = pair.jobs.make("pm", 3, tag="cm")
+    exp = publish(pair.P, jobs)
+    with fake_prefill(corrupt) as ep, inproc_decode(pair.dl, "dc") as dec:
+        with pytest.raises(HandshakeError, match="checksum"):
+            dec.handshake("pm", {r: ep for r in real})
+        assert dec.stats()["peers"] == 0 and dec.stats()["remotes"] == []
+        dec.handshake("pm", real)
+        for j in jobs:
+            dec.start(j.read(exp[j.rid]))
+        done, failed = dec.wait(20)
+        assert set(done) == {j.rid for j in jobs} and not failed
+        assert _verify(dec, [(j.num, j.read()) for j in jobs])["mismatched_bytes"] == 0
+    wait_freed(pair.P, {j.rid for j in jobs})
+
+
+def _mutate_layout_dims(meta):
+    lay = json.loads(json.dumps(meta.layout))
+    lay["model"]["groups"][0]["head_dim"] *= 2  # a different model behind the same fingerprint
+    return msgspec.structs.replace(meta, layout=lay)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda m: msgspec.structs.replace(m, engine_id="other"), "is engine 'other', expected 'pm'"),
+    (lambda m: msgspec.structs.replace(m, rank=(1, 1)), r"is rank \(1, 1\)"),
+    (_mutate_layout_dims, "fingerprint"),
+    (lambda m: msgspec.structs.replace(m, buffer_size=1), "registered 1 B"),
+    (lambda m: msgspec.structs.replace(m, metadata_sha256="0" * 64), "checksum"),
+    (lambda m: msgspec.structs.replace(m, layout={"model": {}}), "invalid layout"),
+], ids=["engine-id", "rank", "layout-vs-fingerprint", "buffer-size", "digest", "malformed-layout"])
+def test_handshake_rejects_inconsistent_rank_metadata(pair, mutate, match):
+    real = pair.P.endpoints()
+    ctx = zmq.Context.instance()
+
+    def answer(frames):
+        msg = protocol.unpack(frames)
+        return protocol.pack(mutate(fetch_meta(ctx, real[tuple(msg.prefill_rank)], msg, 5.0)))
+
+    with fake_prefill(answer) as ep, inproc_decode(pair.dl, "di") as dec:
+        with pytest.raises(HandshakeError, match=match):
+            dec.handshake("pm", {r: ep for r in real})
+        s = dec.stats()
+        assert s["peers"] == 0 and s["remotes"] == [] and s["metrics"]["failed_handshakes"] == 1
+
+
+def test_bad_block_ids_and_too_many_blocks(pair):
+    D = next(iter(pair.D.workers.values()))
+    j = pair.jobs.make("pm", 1, lengths=[24], prefix_p=0.0, tag="bad")[0]
+    r = j.req
+    before = D.call("stats")
+    cases = []
+    pb = dict(r.prefill_blocks)
+    pb["full"] = GroupBlocks(np.append(r.prefill_blocks["full"].block_ids[:-1], pair.pl.num_blocks + 5))
+    cases.append((replace(r, prefill_blocks=pb), ["prefill block ids", str(pair.pl.num_blocks + 5), "out of range"]))
+    db = dict(r.decode_blocks)
+    db["full"] = GroupBlocks(np.append(r.decode_blocks["full"].block_ids[:-1], -1))
+    cases.append((replace(r, decode_blocks=db), ["decode block ids", "[-1]", "out of range"]))
+    # the prefill sent blocks for the first 8 tokens only; the decode asks for all of them
+    n = 20
+    pb = {"full": GroupBlocks(r.prefill_blocks["full"].block_ids[:2])}
+    db = {"full": GroupBlocks(r.decode_blocks["full"].block_ids[:5])}
+    cases.append((Request(r.req_id, n, pb, db), ["more blocks than the prefill sent", "[0, 8)"]))
+    # the decode allocated more blocks than the request has tokens
+    db = {"full": GroupBlocks(np.concatenate([r.decode_blocks["full"].block_ids, [0, 1, 2]]))}
+    cases.append((replace(r, decode_blocks=db), ["allocate"]))
+    cases.append((replace(r, decode_blocks={}), ["no decode block ids", "'full'"]))
+    for i, (bad, words) in enumerate(cases):
+        rr = ReadRequest(f"bad-{i}", "pm", bad.num_tokens, bad.prefill_blocks, bad.decode_blocks)
+        with pytest.raises(RequestError) as ei:
+            D.call("start", rr)
+        for w in words:
+            assert w in str(ei.value), (w, str(ei.value))
+        errs = D.call("start_many", [rr])
+        assert list(errs) == [rr.req_id] and errs[rr.req_id].startswith("RequestError")
+    after = D.call("stats")
+    assert after["metrics"]["transfers"] == before["metrics"]["transfers"]  # nothing was posted
+    assert after["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert after["inflight"] == 0
+    pair.roundtrip([j])  # the same rank still serves the valid version of the request
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def test_unknown_and_malformed_notifications_are_counted(pair):
+    def unknown():
+        return {r: s["metrics"]["unknown_notifications"] for r, s in pair.P.call_all("stats").items()}
+
+    before = unknown()
+    ghost = pair.jobs.make("pm", 1, tag="ghost")[0]  # never published on the prefill
+    pair.D.call_all("abort", ghost.rid, readers_of=ghost.read())
+    until(lambda: all(unknown()[r] >= before[r] + 1 for r in before), 10, "unknown notifications")
+    # malformed notifications, from an agent the prefill never heard of
+    ctx = zmq.Context.instance()
+    t = NixlTransport("rel-stranger")
+    try:
+        for r, ep in pair.P.endpoints().items():
+            meta = fetch_meta(ctx, ep, protocol.GetMeta("stranger", (0, 0), r), 5.0)
+            name = t.add_peer(meta.agent_metadata, meta.metadata_sha256)
+            t.send_notif(name, b"garbage")
+            t.send_notif(name, protocol.MAGIC + b"\xc1\xc1")
+            t.send_notif(name, protocol.MAGIC + protocol._enc.encode(protocol.ErrorReply("not a Done")))
+    finally:
+        t.close()
+    until(lambda: all(unknown()[r] == before[r] + 4 for r in before), 10, "malformed notifications")
+    assert all(w.proc.is_alive() for w in pair.P.workers.values())
+    pair.roundtrip(pair.jobs.make("pm", 2))  # nothing crashed: the engines still move bytes
+    assert pair.verify()["mismatched_bytes"] == 0
+    assert unknown() == {r: before[r] + 4 for r in before}
+
+
+def test_handshake_to_nobody_times_out():
+    timeout = 0.5
+    with inproc_decode(layout("decode", 1, 16), "dn", handshake_timeout_s=timeout) as dec:
+        port = free_port()
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError) as ei:
+            dec.handshake("ghost", {(0, 0): f"127.0.0.1:{port}"})
+        elapsed = time.monotonic() - t0
+        assert elapsed < timeout + 2, elapsed
+        assert str(port) in str(ei.value) and "0.5 s" in str(ei.value) and "running" in str(ei.value)
+        with pytest.raises(HandshakeError, match=r"no endpoint given for prefill rank \(0, 0\)"):
+            dec.handshake("ghost", {(0, 1): f"127.0.0.1:{port}"})
+        assert dec.metrics.failed_handshakes == 2 and dec.stats()["remotes"] == []
+        with pytest.raises(HandshakeError, match="no handshake with prefill engine 'ghost'"):
+            dec.start(ReadRequest("x", "ghost", 1, {}, {}))
+
+
+# =================================================================================================
+# 3. Request lifecycle: abort, lease expiry, late reads
+# =================================================================================================
+def test_abort_frees_prefill_blocks(pair):
+    # never started: the decode tells the prefill it will not read
+    j = pair.jobs.make("pm", 1, tag="ab")[0]
+    publish(pair.P, [j])
+    pair.D.call_all("abort", j.rid, readers_of=j.read())
+    wait_freed(pair.P, {j.rid})
+    # in flight: abort right after posting; its blocks are then read again in full (oracle stays exact)
+    big = pair.jobs.make("pm", 1, lengths=[64], prefix_p=0.0, tag="abf")[0]
+    exp = publish(pair.P, [big])
+    D = next(iter(pair.D.workers.values()))
+    D.call("start", big.read(exp[big.rid]))
+    D.call("abort", big.rid)
+    wait_freed(pair.P, {big.rid})
+    s = D.call("stats")
+    assert s["inflight"] == 0 and s["live_handles"] == 0 and s["metrics"]["aborted_requests"] >= 2
+    fin, failed = collect(pair.D, 5)
+    assert big.rid not in fin and big.rid not in failed  # an aborted request is not reported
+    pair.roundtrip([big.renamed(big.rid + "-again")])
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def test_unread_requests_expire_on_prefill(pair):
+    jobs = pair.jobs.make("pm", 3, tag="exp")
+    before = {r: s["metrics"]["expired_requests"] for r, s in pair.P.call_all("stats").items()}
+    exp = publish(pair.P, jobs, lease_s=0.5)
+    seen = wait_freed(pair.P, {j.rid for j in jobs}, timeout=5, key="expired")
+    assert time.time() >= max(exp.values())
+    for r, s in pair.P.call_all("stats").items():
+        assert s["metrics"]["expired_requests"] == before[r] + 3
+        assert not (seen[r]["freed"] & {j.rid for j in jobs})
+
+
+def test_late_read_is_refused_without_posting(pair):
+    D = next(iter(pair.D.workers.values()))
+    j = pair.jobs.make("pm", 1, tag="late")[0]
+    before = D.call("stats")
+    D.call("start", j.read(expires_at=time.time() - 1.0))
+    done, failed = D.call("wait", 5.0)
+    assert j.rid in failed and "lease expired" in failed[j.rid] and j.rid not in done
+    after = D.call("stats")
+    assert after["metrics"]["transfers"] == before["metrics"]["transfers"]
+    assert after["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert after["metrics"]["failed_requests"] == before["metrics"]["failed_requests"] + 1
+    # within the decode's safety margin of the lease is late too
+    j2 = pair.jobs.make("pm", 1, tag="late")[0]
+    D.call("start", j2.read(expires_at=time.time() + 0.01))
+    assert j2.rid in D.call("wait", 5.0)[1]
+    assert pair.verify()["mismatched_bytes"] == 0  # nothing was written
+
+
+def test_full_prefix_hit_moves_nothing_and_frees_prefill(pair):
+    """The decode already holds every block (prefix-cache hit): no read is posted, the request
+    finishes, and each prefill rank is told to free its blocks."""
+    D = next(iter(pair.D.workers.values()))
+    hit = pair.jobs.make("pm", 1, lengths=[8], prefix_p=0.0, tag="hit")[0]
+    hit = replace(hit, req=replace(hit.req, decode_blocks={"full": GroupBlocks(np.empty(0, dtype=np.int64), 2)}))
+    exp = publish(pair.P, [hit])
+    before = D.call("stats")
+    D.call("start", hit.read(exp[hit.rid]))
+    done, failed = D.call("wait", 5.0)
+    assert hit.rid in done and not failed
+    after = D.call("stats")
+    assert after["metrics"]["transfers"] == before["metrics"]["transfers"]
+    assert after["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert after["metrics"]["finished_requests"] == before["metrics"]["finished_requests"] + 1
+    wait_freed(pair.P, {hit.rid})
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def test_take_reports_requests_settled_without_posting(pair):
+    D = next(iter(pair.D.workers.values()))
+    late = pair.jobs.make("pm", 1, tag="take-late")[0]
+    D.call("start", late.read(expires_at=time.time() - 1.0))
+    # a full prefix hit: the decode already has every block, nothing to read
+    hit = pair.jobs.make("pm", 1, lengths=[8], prefix_p=0.0, tag="take-hit")[0]
+    hit_req = replace(hit.req, decode_blocks={"full": GroupBlocks(np.empty(0, dtype=np.int64), 2)})
+    hit = replace(hit, req=hit_req)
+    exp = publish(pair.P, [hit])
+    D.call("start", hit.read(exp[hit.rid]))
+    got_done, got_failed = [], {}
+    try:
+        def settled():
+            d, f = D.call("take")
+            got_done.extend(d)
+            got_failed.update(f)
+            return late.rid in got_failed and hit.rid in got_done
+        until(settled, 3.0, "take to report both requests")
+    finally:
+        D.call("wait", 1.0)  # drain whatever 'take' did not report, for the next tests
+
+
+# =================================================================================================
+# 4. Load
+# =================================================================================================
+def test_load_1000_requests_two_prefill_engines():
+    """1,000 requests of 1-64 tokens (random prefix hits) over two tp=2 prefill engines, all started
+    before waiting, into a tp=2 decode; every byte checked; no handle, lease or peer left behind."""
+    n = 1000
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 65, size=n)
+    pl = layout("prefill", 2, blocks_for(lengths))
+    dl = layout("decode", 2, blocks_for(lengths))
+    jobs = Jobs(dl, seed=12)
+    t_start = time.monotonic()
+    with Cluster() as c:
+        px, py, D = c.start_many([("prefill", pl, "pX"), ("prefill", pl, "pY"), ("decode", dl, "dL")])
+        P = {"pX": px, "pY": py}
+        for e, p in P.items():
+            D.call_all("handshake", e, p.endpoints())
+            jobs.engine(e, pl)
+        per = {e: jobs.make(e, n // 2, lengths=lengths[i::2], tag=f"{e}-") for i, e in enumerate(P)}
+        exp = {}
+        for e, js in per.items():
+            exp |= publish(P[e], js)
+        alljobs = [j for pair_ in zip(*per.values()) for j in pair_]
+        assert len(alljobs) == n and len({j.rid for j in alljobs}) == n
+        start(D, [j.read(exp[j.rid]) for j in alljobs])  # everything posted before anyone waits
+        posted = D.call_all("stats")
+        for s in posted.values():
+            assert s["nixl"]["handles_created"] == n  # one read per request per decode rank (tp=2 -> tp=2)
+        t0 = time.monotonic()
+        finished, failed = collect(D, 120)
+        wall = time.monotonic() - t0
+        assert not failed, list(failed.items())[:3]
+        assert finished == {j.rid for j in alljobs}
+        ver = verify(D, alljobs)
+        assert ver["mismatched_bytes"] == 0
+        stats = D.call_all("stats")
+        want = expected_traffic(pl, dl, alljobs)
+        for k in want:
+            assert sum(s["metrics"][k] for s in stats.values()) == want[k], k
+        assert sum(s["metrics"]["transfer_bytes"] for s in stats.values()) == ver["needed_bytes"]
+        for s in stats.values():
+            assert s["live_handles"] == 0 and s["inflight"] == 0
+            assert s["nixl"]["handles_created"] == s["nixl"]["handles_released"] == n
+            assert s["metrics"]["finished_requests"] == n and s["metrics"]["failed_requests"] == 0
+        for e, js in per.items():
+            wait_freed(P[e], {j.rid for j in js}, timeout=30)
+            for s in P[e].call_all("stats").values():
+                assert s["leases"] == 0 and s["metrics"]["freed_requests"] == n // 2
+                assert s["metrics"]["unknown_notifications"] == 0 and s["metrics"]["expired_requests"] == 0
+    print(f"load: {n} requests, {ver['needed_bytes']:,} B in {wall:.2f} s "
+          f"(total with start/stop {time.monotonic() - t_start:.1f} s)")
+
+
+def test_inprocess_ranks_release_everything():
+    """Prefill and decode ranks in this process (two NIXL agents): bytes verify, and after close the
+    transport counters balance: handles, peers, registered regions."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=5)
+    jobs.engine("pi", pl)
+    pre = PrefillRank(pl, (0, 0), "pi")
+    dec = None
+    try:
+        with served(pre) as lock:
+            dec = DecodeRank(dl, (0, 0), "di")
+            dec.buf.fill(SENTINEL)
+            dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
+            js = jobs.make("pi", 8)
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    e = pre.add_request(j.rid, j.req.prefill_blocks)
+                dec.start(j.read(e))
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            freed = set()
+
+            def all_freed():
+                with lock:
+                    freed.update(pre.take_freed()["freed"])
+                return freed >= {j.rid for j in js}
+
+            until(all_freed, 10, "in-process prefill to free")
+            assert dec.stats()["live_handles"] == 0
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
+    for t in (pre.transport, dec.transport):
+        s = t.stats
+        assert s.regions_registered == s.regions_deregistered == 1, s
+        assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed, s
+        assert t.live_handles() == 0
+    assert dec.transport.stats.handles_created == 8
+
+
+# =================================================================================================
+# 6. Metrics
+# =================================================================================================
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+_VALUE = r"(?:[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)|[+-]?Inf|NaN)"
+_SAMPLE = re.compile(rf"^(?P<name>{_NAME})(?P<labels>\{{(?:{_LABEL}(?:,{_LABEL})*,?)?\}})?"
+                     rf" (?P<value>{_VALUE})(?: -?\d+)?$")
+
+
+def parse_exposition(text: str) -> dict:
+    """Strict check of the Prometheus text format (0.0.4); returns {(name, labels): value}.
+
+    HELP/TYPE at most once per family, TYPE before its samples, a family's samples contiguous,
+    no duplicate series, valid names, escaped label values, numeric values, final newline.
+    """
+    assert text.endswith("\n"), "exposition must end with a newline"
+    helps, types, samples, order = {}, {}, {}, []
+    for ln in text.splitlines():
+        if not ln.strip():
+            continue
+        if ln.startswith("#"):
+            m = re.match(rf"^# (HELP|TYPE) ({_NAME}) (.*)$", ln)
+            if not m:
+                continue  # a comment
+            kind, name, rest = m.groups()
+            if kind == "HELP":
+                assert name not in helps, f"second HELP for {name}"
+                helps[name] = rest
+            else:
+                assert name not in types, f"second TYPE for {name}"
+                assert name not in {n for n, _ in samples}, f"TYPE after samples for {name}"
+                assert rest in ("counter", "gauge", "histogram", "summary", "untyped"), ln
+                types[name] = rest
+            continue
+        m = _SAMPLE.match(ln)
+        assert m, f"not a valid sample line: {ln!r}"
+        name = m["name"]
+        labels = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m["labels"] or "")))
+        assert len({k for k, _ in labels}) == len(labels), f"duplicate label name in {ln!r}"
+        assert (name, labels) not in samples, f"duplicate series {ln!r}"
+        if order and order[-1] != name:
+            assert name not in order, f"samples of {name} are not contiguous"
+        if not order or order[-1] != name:
+            order.append(name)
+        v = m["value"]
+        samples[(name, labels)] = float(v.replace("Inf", "inf"))
+    for name in {n for n, _ in samples}:
+        assert name in types and name in helps, f"{name} has no HELP/TYPE"
+        if types[name] == "counter":
+            assert all(v >= 0 for (n, _), v in samples.items() if n == name), f"negative counter {name}"
+    return samples
+
+
+def test_metrics_are_consistent_and_export_as_prometheus(pair, tmp_path):
+    D = next(iter(pair.D.workers.values()))
+    d0 = D.call("stats")["metrics"]
+    p0 = {r: s["metrics"] for r, s in pair.P.call_all("stats").items()}
+    jobs = pair.jobs.make("pm", 24, tag="met")
+    pair.roundtrip(jobs)
+    late = pair.jobs.make("pm", 1, tag="met-late")[0]
+    D.call("start", late.read(expires_at=time.time() - 1))
+    assert late.rid in D.call("wait", 5.0)[1]
+    orphan = pair.jobs.make("pm", 1, tag="met-orphan")[0]
+    publish(pair.P, [orphan], lease_s=0.2)
+    wait_freed(pair.P, {j.rid for j in jobs})
+    wait_freed(pair.P, {orphan.rid}, key="expired", timeout=5)
+    d1 = D.call("stats")["metrics"]
+    p1 = {r: s["metrics"] for r, s in pair.P.call_all("stats").items()}
+    delta = {k: d1[k] - d0[k] for k in d0 if isinstance(d0[k], (int, float))}
+
+    want = expected_traffic(pair.pl, pair.dl, jobs)
+    assert delta["transfers"] == want["transfers"] == 2 * len(jobs)  # tp=2 -> tp=1: both prefill ranks
+    assert delta["transfer_bytes"] == want["transfer_bytes"] == needed_bytes(pair.pl, pair.dl, jobs)
+    assert delta["descriptors"] == want["descriptors"]
+    assert delta["finished_requests"] == len(jobs)
+    assert delta["failed_requests"] == 1 and delta["failed_transfers"] == 0  # the late read posted nothing
+    assert delta["transfer_seconds_sum"] > 0 and delta["post_seconds_sum"] > 0
+    assert 0 < d1["transfer_seconds_p50"] <= d1["transfer_seconds_p90"] <= d1["transfer_seconds_sum"]
+    assert d1["handshakes"] == 1 and d1["failed_handshakes"] == 0
+    for r in p1:
+        assert p1[r]["freed_requests"] - p0[r]["freed_requests"] == len(jobs)
+        assert p1[r]["expired_requests"] - p0[r]["expired_requests"] == 1
+        assert p1[r]["transfers"] == 0  # prefill ranks never post
+
+    for engine, role, m in [("dm", "decode", d1), ("pm", "prefill", p1[(0, 0)])]:
+        samples = parse_exposition(to_prometheus(m, labels={"engine": engine, "role": role}))
+        lab = (("engine", engine), ("role", role))
+        for k in ("transfers", "transfer_bytes", "descriptors", "failed_requests", "finished_requests",
+                  "expired_requests", "freed_requests", "unknown_notifications"):
+            assert samples[(f"kvbridge_{k}_total", lab)] == m[k], k
+        assert samples[("kvbridge_transfer_seconds_sum", lab)] == pytest.approx(m["transfer_seconds_sum"])
+        names = {n for n, _ in samples}
+        assert all(re.sub(r"^kvbridge_|_total$", "", n) in m for n in names)  # nothing invented
+    assert parse_exposition(to_prometheus(Metrics().to_json()))  # no labels at all
+
+    # optional CLI helper: JSON + Prometheus files for several ranks
+    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_cli")
+    stats = {("dm", r): s for r, s in pair.D.call_all("stats").items()}
+    stats |= {("pm", r): s for r, s in pair.P.call_all("stats").items()}
+    jp, pp = tmp_path / "m.json", tmp_path / "m.prom"
+    metrics_cli.write_metrics(stats, jp, pp)
+    data = json.loads(jp.read_text())
+    assert len(data["ranks"]) == 3
+    assert data["total"]["transfers"] == sum(s["metrics"]["transfers"] for s in stats.values())
+    samples = parse_exposition(pp.read_text())
+    series = {lab for n, lab in samples if n == "kvbridge_transfers_total"}
+    assert len(series) == 3  # one series per rank, one HELP/TYPE for the family
+    assert samples[("kvbridge_transfers_total", (("engine", "dm"), ("pp", "0"), ("tp", "0")))] == d1["transfers"]
+    assert samples[("kvbridge_live_handles", (("engine", "dm"), ("pp", "0"), ("tp", "0")))] == 0
+
+
+def test_failed_transfer_is_reported_with_reason(pair):
+    """A read whose peers vanished (removed from NIXL) fails at posting time: typed reason, no leak."""
+    with inproc_decode(pair.dl, "dg") as dec:
+        dec.handshake("pm", pair.P.endpoints())
+        for agent in dec.remotes["pm"].agents.values():
+            dec.transport.remove_peer(agent)  # as if the metadata had been invalidated
+        j = pair.jobs.make("pm", 1, tag="gone")[0]
+        dec.start(j.read())
+        done, failed = dec.wait(10)
+        assert not done and list(failed) == [j.rid] and "re-handshake" in failed[j.rid]
+        s = dec.stats()
+        assert s["live_handles"] == 0 and s["inflight"] == 0 and s["metrics"]["failed_requests"] == 1
+        assert s["metrics"]["transfers"] == 2  # tp=2 -> tp=1: one read per prefill rank
+
+
+def test_failed_transfers_counts_transfers_not_requests(pair):
+    with inproc_decode(pair.dl, "dh") as dec:
+        dec.handshake("pm", pair.P.endpoints())
+        for agent in dec.remotes["pm"].agents.values():
+            dec.transport.remove_peer(agent)
+        j = pair.jobs.make("pm", 1, tag="gone2")[0]
+        dec.start(j.read())
+        dec.wait(10)
+        m = dec.stats()["metrics"]
+        assert m["transfers"] == 2
+        assert m["failed_transfers"] == m["transfers"]  # both reads failed
+
+
+def test_prometheus_label_values_are_escaped():
+    text = to_prometheus(Metrics().to_json(), labels={"engine": 'pre"fill\\0\nx'})
+    samples = parse_exposition(text)
+    assert ("kvbridge_transfers_total", (("engine", 'pre\\"fill\\\\0\\nx'),)) in samples
+
+
+def test_write_metrics_groups_families_and_escapes(tmp_path):
+    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_cli")
+    m = Metrics()
+    m.transfers, m.transfer_bytes = 3, 4096
+    m.observe_transfer(0.25)
+    dec = {"metrics": m.to_json(), "inflight": 0, "live_handles": 0, "peers": 2, "remotes": ["p"],
+           "nixl": {"handles_created": 3, "handles_released": 3}}
+    pre = {"metrics": Metrics().to_json(), "leases": 5, "nixl": {}}
+    stats = {(0, 0): dec, ('we"ird\\id', (0, 1)): dec, "prefill-x": pre}
+    text = metrics_cli.write_metrics(stats, tmp_path / "a" / "m.json", tmp_path / "m.prom")
+    assert (tmp_path / "m.prom").read_text() == text
+    samples = parse_exposition(text)
+    assert samples[("kvbridge_transfers_total", (("pp", "0"), ("tp", "0")))] == 3
+    assert samples[("kvbridge_transfers_total", (("engine", 'we\\"ird\\\\id'), ("pp", "0"), ("tp", "1")))] == 3
+    assert samples[("kvbridge_leases", (("rank", "prefill-x"),))] == 5
+    assert samples[("kvbridge_transfer_seconds_p90", (("pp", "0"), ("tp", "0")))] == 0.25
+    assert samples[("kvbridge_nixl_handles_released_total", (("pp", "0"), ("tp", "0")))] == 3
+    assert text.count("# TYPE kvbridge_transfers_total counter") == 1
+    data = json.loads((tmp_path / "a" / "m.json").read_text())
+    assert data["total"]["transfers"] == 6 and data["total"]["transfer_bytes"] == 8192
+    assert set(data["ranks"]) == {"pp=0/tp=0", 'engine=we"ird\\id/pp=0/tp=1', "rank=prefill-x"}
+    assert metrics_cli.write_metrics({}, None, None) == "\n"
+
+
+def test_metrics_json_roundtrip():
+    m = Metrics()
+    for s in (0.3, 0.1, 0.2):
+        m.observe_transfer(s)
+    j = m.to_json()
+    assert j["transfer_seconds_p50"] == 0.2 and j["transfer_seconds_p90"] == 0.3
+    assert math.isclose(j["transfer_seconds_sum"], 0.6)
+    assert json.loads(json.dumps(j)) == j
+    total = Metrics()
+    total.merge(j)
+    total.merge(j)
+    assert total.transfer_seconds_sum == pytest.approx(1.2) and total.durations == []
