@@ -4,10 +4,13 @@
 other into ``out``; ``scatter(staging, buf, dst, nbytes)`` is the inverse (run ``i`` of ``staging``
 goes to ``buf[dst[i] : dst[i] + nbytes[i]]``). Both are vectorised: no Python loop over runs.
 
-How: for each distinct run length ``L`` the byte buffers are viewed as overlapping arrays of
-``np.dtype((np.void, L))`` items with a stride of one byte, so item ``k`` is the ``L`` bytes starting
-at byte ``k``. One fancy-indexed assignment ``out_view[offsets] = buf_view[src]`` then copies every
-run of that length with one memcpy each inside numpy. The Python loop is over *distinct lengths*
+How: for each distinct run length ``L`` the byte buffers are viewed as arrays of
+``np.dtype((np.void, L))`` items: a plain view when every position is a multiple of ``L`` (the usual
+case: head slices and blocks are aligned to their size), else an overlapping view with a stride of one
+byte (item ``k`` is the ``L`` bytes starting at byte ``k``). A fancy-indexed assignment then copies every
+run of that length with one memcpy each inside numpy. Scatter (fancy destination, plain source slice)
+needs no temporary; gather (fancy source) makes numpy copy through a temporary, so it goes in 4 MiB
+chunks that stay in cache (a loop over chunks, not over runs). The Python loop is over *distinct lengths*
 (usually one or two: a head slice, a merged run); when there are many distinct lengths the runs are
 cut into pieces of their common divisor first so the number of groups stays small.
 """
@@ -46,6 +49,40 @@ def _regroup(a: np.ndarray, b: np.ndarray, nbytes: np.ndarray):
     return a[idx] + k, b[idx] + k, np.full(idx.size, g, dtype=np.int64), np.array([g])
 
 
+CHUNK_BYTES = 4 << 20
+
+
+def _view(buf: np.ndarray, length: int, pos: np.ndarray):
+    """A void-item view of ``buf`` and item indices for byte positions ``pos``: a plain (contiguous)
+    view when every position is a multiple of ``length``, else the overlapping stride-1 view."""
+    if length <= 1 << 30 and pos.size and not np.any(pos % length):
+        n = buf.size // length
+        return buf[:n * length].view(np.dtype((np.void, length))), pos // length, True
+    return _items(buf, length), pos, False
+
+
+def _consecutive(idx: np.ndarray, step: int) -> bool:
+    return idx.size <= 1 or bool(np.all(np.diff(idx) == step))
+
+
+def _copy_group(dst_buf, d, src_buf, s, L) -> None:
+    dv, di, d_contig = _view(dst_buf, L, d)
+    sv, si, s_contig = _view(src_buf, L, s)
+    d_step, s_step = (1 if d_contig else L), (1 if s_contig else L)
+    if _consecutive(si, s_step):  # a plain slice on the source side: no temporary
+        dv[di] = sv[si[0]:si[0] + si.size * s_step:s_step]
+    elif _consecutive(di, d_step):  # gather: numpy copies through a temporary; 4 MiB chunks keep it in cache
+        c = max(1, CHUNK_BYTES // L)
+        d0 = int(di[0]) if di.size else 0
+        for k in range(0, si.size, c):
+            part = si[k:k + c]
+            dv[d0 + k * d_step:d0 + (k + part.size) * d_step:d_step] = sv[part]
+    else:  # fancy on both sides
+        c = max(1, CHUNK_BYTES // L)
+        for k in range(0, si.size, c):
+            dv[di[k:k + c]] = sv[si[k:k + c]]
+
+
 def _copy_runs(dst_buf: np.ndarray, dst: np.ndarray, src_buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
     """``dst_buf[dst[i]:dst[i]+nbytes[i]] = src_buf[src[i]:src[i]+nbytes[i]]`` for every i (runs must not overlap)."""
     if nbytes.size == 0:
@@ -59,7 +96,7 @@ def _copy_runs(dst_buf: np.ndarray, dst: np.ndarray, src_buf: np.ndarray, src: n
         else:
             m = nbytes == L
             s, d = src[m], dst[m]
-        _items(dst_buf, L)[d] = _items(src_buf, L)[s]
+        _copy_group(dst_buf, d, src_buf, s, int(L))
 
 
 def offsets(nbytes: np.ndarray) -> np.ndarray:
