@@ -46,3 +46,33 @@ def test_cross_process_transfer_is_exact(name):
     assert res.prefill_freed == res.requests
     assert res.leaked_handles == 0
     assert res.ok
+
+
+STAGED = ["dense P2->D1", "swa+fa heads differ P4->D2", "mamba hybrid P2->D1", "pp on prefill P pp2 -> D",
+          "block sizes 16 -> 64", "mla P2->D1"]
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_staged_transfer_is_exact(name):
+    """Prefill packs, one read per prefill rank, decode scatters: the same bytes as direct reads."""
+    from kvbridge.demo import run_demo
+    prefill, decode = CASES[name]
+    res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=7, show_progress=False,
+                   transfer_mode="staged")
+    assert not res.failed and not res.start_errors, (res.failed, res.start_errors)
+    assert res.staged_transfers > 0 and res.direct_transfers == 0
+    assert res.mismatched_bytes == 0 and res.bytes_moved == res.bytes_needed
+    assert res.prefill_freed == res.requests and res.leaked_handles == 0
+    assert res.ok
+
+
+def test_auto_mode_uses_the_cost_model():
+    from kvbridge.cost import choose_modes
+    from kvbridge.demo import run_demo
+    from kvbridge.plan import plan_transfer
+    prefill, decode = CASES["swa+fa heads differ P4->D2"]
+    chosen = {m.mode for m in choose_modes(plan_transfer(prefill, decode))}
+    res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=3, show_progress=False, transfer_mode="auto")
+    assert res.ok
+    assert (res.staged_transfers > 0) == ("staged" in chosen)
+    assert (res.direct_transfers > 0) == ("direct" in chosen)

@@ -10,9 +10,9 @@ thousand tokens (the model geometry is real; only the number of blocks is small)
 measured in both modes:
 
 * direct: ``DecodeRank.start`` + wait: one NIXL READ per prefill rank with the lowered descriptors;
-* staged: each prefill rank packs its runs into a registered staging buffer (``PrefillRank.stage``),
-  the decode reads each staging buffer with one descriptor and scatters (``DecodeRank.staged_read``).
-  Staged time = sum of the prefill packs (sequential here: 2 cores) + decode lowering + read + scatter.
+* staged: the runtime's staged mode: the decode sends a stage request to each prefill rank, which
+  packs its runs into its registered staging buffer; the decode reads each with one descriptor into
+  its staging buffer and scatters. Timed end to end (request, packs, reads, scatters).
 
 Times are measured inside the worker processes (no RPC in them); best and median of ``reps`` runs
 after one warm-up run. numpy memcpy of the same byte count is measured in the decode process in the
@@ -63,6 +63,7 @@ SCENARIOS = [
     Scenario("mamba-hybrid-p8d4", "nemotron-h-56b", 8, 4, block_size=1024,
              note="54 Mamba-2 + 10 attention layers; block size 1024 keeps the state slots few"),
     Scenario("pp-p4pp2d4", "llama-3.1-70b", 4, 4, p_pp=2, note="prefill tp4 pp2 -> decode tp4 pp1"),
+    Scenario("dense-equal-p4d4", "llama-3.1-70b", 4, 4, note="equal TP: whole blocks, no head slicing"),
 ]
 QUICK = [Scenario("tiny-dense-p2d1", "tiny-dense", 2, 1, tokens=256)]
 LAYOUTS = ("flash_attn_hnd", "cross_layer")
@@ -122,17 +123,17 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
     try:
         t0 = time.perf_counter()
         # the decode handshakes with rank (0, 0) and every rank it notifies (unread replicas included)
-        notify = getattr(plan, "ranks_to_notify", plan.prefill_ranks_for)(DECODE_RANK)
+        notify = plan.ranks_to_notify(DECODE_RANK)
         for r in sorted(set(needed) | set(notify) | {(0, 0)}):
-            workers[r] = Worker("prefill", prefill, r, "prefill-0", host="127.0.0.1")
-        dw = Worker("decode", decode, DECODE_RANK, "decode-0")
+            workers[r] = Worker("prefill", prefill, r, "prefill-0", host="127.0.0.1",
+                                staging_bytes=stage_bytes.get(r, 0) + (1 << 20))
+        dw = Worker("decode", decode, DECODE_RANK, "decode-0", transfer_mode="auto",
+                    staging_bytes=sum(stage_bytes.values()) + (1 << 20))
         for w in list(workers.values()) + [dw]:
             w.ready()
         for i, (r, w) in enumerate(workers.items()):
             w.call("fill_random", seed + i)
-            if r in stage_bytes:
-                w.call("alloc_staging", stage_bytes[r])
-        dw.call("handshake", "prefill-0", {r: f"127.0.0.1:{w.info['port']}" for r, w in workers.items()})
+        endpoints = {r: f"127.0.0.1:{w.info['port']}" for r, w in workers.items()}
         log(f"  [{sc.name} {layout}] {len(workers)} prefill + 1 decode processes ready in {time.perf_counter() - t0:.1f} s")
         k = 0
         for alloc in allocs:
@@ -145,24 +146,20 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
                 k += 1
                 return ReadRequest(f"{alloc}-{k}", "prefill-0", req.num_tokens, req.prefill_blocks, req.decode_blocks)
 
-            direct = [dw.call("timed_read", rr())["seconds"] for _ in range(reps + 1)][1:]
-            digest_direct = dw.call("runs_digest", rr())
-            dw.call("clear")
-            staged, parts = [], []
-            for i in range(reps + 1):
-                sources, pack_s = {}, 0.0
-                for d in descs:
-                    if d.count:
-                        addr, n, s = workers[d.prefill].call("stage", d.src, d.nbytes)
-                        sources[d.prefill] = (addr, n)
-                        pack_s += s
-                res = dw.call("staged_read", rr(), sources)
-                if i:
-                    staged.append(pack_s + res["lower_s"] + res["read_s"] + res["scatter_s"])
-                    parts.append({"pack_s": pack_s, **res})
-            digest_staged = dw.call("runs_digest", rr())
+            def timed(mode):
+                dw.call("set_transfer_mode", mode)
+                dw.call("handshake", "prefill-0", endpoints)
+                for w in workers.values():  # leases for the requests about to be read
+                    for j in range(k + 1, k + reps + 3):
+                        w.call("add_request", f"{alloc}-{j}", req.prefill_blocks, 600.0)
+                times = [dw.call("timed_read", rr())["seconds"] for _ in range(reps + 1)][1:]
+                digest = dw.call("runs_digest", rr())
+                dw.call("clear")
+                return times, digest
+
+            direct, digest_direct = timed("direct")
+            staged, digest_staged = timed("staged")
             memcpy = [dw.call("memcpy_gbps", nbytes) for _ in range(reps)]
-            best_part = parts[staged.index(min(staged))]
             ds, ss, ms = _stats(direct), _stats(staged), _stats(memcpy)
             gb = lambda s: nbytes / s / 1e9  # noqa: E731
             measured = "direct" if ds["best"] <= ss["best"] else "staged"
@@ -175,7 +172,6 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
                 "descriptors_vllm": vllm_descriptor_count(plan, DECODE_RANK, req.decode_blocks),
                 "direct_s": ds, "direct_gbps_best": gb(ds["best"]), "direct_gbps_median": gb(ds["median"]),
                 "staged_s": ss, "staged_gbps_best": gb(ss["best"]), "staged_gbps_median": gb(ss["median"]),
-                "staged_breakdown_best": best_part,
                 "memcpy_gbps": ms,
                 "ratio_direct": gb(ds["best"]) / ms["best"], "ratio_staged": gb(ss["best"]) / ms["best"],
                 "ratio_best_mode": best_gbps / ms["best"],
@@ -442,19 +438,21 @@ def print_results(res: dict) -> None:
 
 # ---- calibration ------------------------------------------------------------------------------------
 def calibrate(reps: int = 3, log=print):
-    """Measure per-descriptor cost, wire and copy GB/s on a shuffled per-layer P8->D4 llama request."""
+    """Measure the cost-model constants here: wire GB/s (one large descriptor: equal TP, cross-layer,
+    contiguous blocks), memcpy GB/s (same run), and the per-descriptor cost (4 KiB head-sliced reads of
+    a shuffled per-layer P8->D4 request, minus their wire time)."""
     from .cost import CostModel
-    sc = Scenario("calibrate", "llama-3.1-70b", 8, 4, tokens=2048)
-    row = run_scenario(sc, "flash_attn_hnd", reps=reps, allocs=("shuffled",), log=log)[0]
-    b = row["staged_breakdown_best"]
-    nbytes = row["bytes"]
-    wire = nbytes / b["read_s"] / 1e9
-    copy = 2 * nbytes / (b["pack_s"] + b["scatter_s"]) / 1e9
-    per_desc = max((row["direct_s"]["best"] - nbytes / (wire * 1e9)) / row["descriptors"] * 1e6, 0.0)
+    big = run_scenario(Scenario("calibrate-wire", "llama-3.1-70b", 4, 4, tokens=2048), "cross_layer", reps=reps,
+                       allocs=("contiguous",), log=log)[0]
+    small = run_scenario(Scenario("calibrate-desc", "llama-3.1-70b", 8, 4, tokens=2048), "flash_attn_hnd", reps=reps,
+                         allocs=("shuffled",), log=log)[0]
+    wire = big["direct_gbps_best"]
+    copy = big["memcpy_gbps"]["best"]
+    per_desc = max((small["direct_s"]["best"] - small["bytes"] / (wire * 1e9)) / small["descriptors"] * 1e6, 0.0)
     cm = CostModel(per_desc_us=round(per_desc, 3), wire_gbps=round(wire, 3), copy_gbps=round(copy, 3),
                    source="kvbridge bench --calibrate")
     cm.save()
-    return cm, row
+    return cm, small
 
 
 def cmd_bench(args) -> int:
@@ -497,14 +495,12 @@ __all__ = ["Scenario", "SCENARIOS", "run_scenario", "hot_path", "startup", "run_
 def results_markdown(res: dict) -> str:
     """Markdown tables of a results dict (for benchmarks/RESULTS.md)."""
     L = ["| scenario | layout | alloc | MiB | descs (ours) | descs (vLLM) | direct GB/s best/med | staged GB/s best/med "
-         "| staged pack/read/scatter ms | memcpy GB/s best/med | ratio best mode | cost model | faster | staged==direct |",
-         "|" + "---|" * 14]
+         "| memcpy GB/s best/med | ratio best mode | cost model | faster | staged==direct |",
+         "|" + "---|" * 13]
     for r in res["scenarios"]:
-        b = r["staged_breakdown_best"]
         L.append(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['bytes'] / 2**20:.0f} | {r['descriptors']:,} | "
                  f"{r['descriptors_vllm']:,} | {r['direct_gbps_best']:.2f} / {r['direct_gbps_median']:.2f} | "
                  f"{r['staged_gbps_best']:.2f} / {r['staged_gbps_median']:.2f} | "
-                 f"{b['pack_s'] * 1e3:.0f} / {b['read_s'] * 1e3:.0f} / {b['scatter_s'] * 1e3:.0f} | "
                  f"{r['memcpy_gbps']['best']:.2f} / {r['memcpy_gbps']['median']:.2f} | {r['ratio_best_mode']:.2f} | "
                  f"{r['cost_model_choice']} | {r['measured_faster']} | {'yes' if r['staged_equals_direct'] else 'NO'} |")
     out = "\n".join(L) + "\n"

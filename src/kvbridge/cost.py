@@ -36,14 +36,16 @@ class CostModel:
     def load(cls) -> "CostModel":
         try:
             d = json.loads(CALIBRATION_FILE.read_text())
-            return cls(**{k: d[k] for k in ("per_desc_us", "wire_gbps", "copy_gbps")}, source=str(CALIBRATION_FILE))
+            return cls(**{k: d[k] for k in ("per_desc_us", "wire_gbps", "copy_gbps") if k in d},
+                       gather_ns_per_run=d.get("gather_ns_per_run", cls.gather_ns_per_run), source=str(CALIBRATION_FILE))
         except (OSError, ValueError, KeyError, TypeError):
             return cls()
 
     def save(self) -> None:
         CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
         CALIBRATION_FILE.write_text(json.dumps({"per_desc_us": self.per_desc_us, "wire_gbps": self.wire_gbps,
-                                                "copy_gbps": self.copy_gbps}))
+                                                "copy_gbps": self.copy_gbps,
+                                                "gather_ns_per_run": self.gather_ns_per_run}))
 
     def direct_us(self, runs: float, nbytes: float) -> float:
         return runs * self.per_desc_us + nbytes / (self.wire_gbps * 1e3)
@@ -62,24 +64,26 @@ class ModeChoice:
     why: str
 
 
-def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True) -> list[ModeChoice]:
+def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True,
+                 decode_ranks=None) -> list[ModeChoice]:
     """Pick direct or staged for each (decode rank, prefill rank) pair of ``plan``.
 
-    ``shuffled``: assume blocks are not contiguous (the common case in a busy engine), so runs do not
-    merge across blocks.
+    ``shuffled``: assume block ids are not consecutive (the common case in a busy engine), so runs do
+    not merge across blocks; otherwise count the runs left after merging consecutive blocks.
     """
     from .lower import LoweredPlan
     model = model or CostModel.load()
     out = []
     bs = max(plan.prefill.block_size, plan.decode.block_size)
-    for d in plan.decode.ranks():
+    for d in decode_ranks if decode_ranks is not None else plan.decode.ranks():
         lp = LoweredPlan(plan, d)
         for p, lows in lp.by_prefill.items():
             runs = nbytes = 0.0
             for low in lows:
                 t = low.templates[lp.chunk_tokens if low.per_token else 1]
                 k = bs // lp.chunk_tokens if low.per_token else 0  # chunks per block; Mamba: per request
-                runs += t.nbytes.size * k
+                per_chunk = t.nbytes.size if shuffled else max(t.runs_two_chunks - t.nbytes.size, t.nbytes.size / 64)
+                runs += per_chunk * k
                 nbytes += float(t.nbytes.sum()) * k
             if runs == 0:
                 continue

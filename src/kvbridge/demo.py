@@ -39,6 +39,8 @@ class DemoResult:
     checked_bytes: int
     prefill_freed: int
     leaked_handles: int
+    staged_transfers: int = 0
+    direct_transfers: int = 0
 
     @property
     def gbps(self) -> float:
@@ -57,7 +59,8 @@ def blocks_needed(prefill: EngineLayout, decode: EngineLayout, lengths) -> int:
 
 
 def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32, max_tokens: int = 2048,
-             seed: int = 0, prefix_hits: bool = True, show_progress: bool = True) -> DemoResult:
+             seed: int = 0, prefix_hits: bool = True, show_progress: bool = True,
+             transfer_mode: str = "auto") -> DemoResult:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_tokens + 1, size=num_requests)
     nb = blocks_needed(prefill, decode, lengths)
@@ -69,7 +72,7 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
         task = prog.add_task("starting engines", total=6)
         try:
             P = EngineProcs.start("prefill", prefill, "prefill-0")
-            D = EngineProcs.start("decode", decode, "decode-0")
+            D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode)
             prog.update(task, advance=1, description="handshake")
             D.call_all("handshake", "prefill-0", P.endpoints())
             prog.update(task, advance=1, description="filling prefill cache from global coordinates")
@@ -131,6 +134,8 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
         checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
         prefill_freed=sum(1 for v in freed.values() if v == len(P.workers)),
         leaked_handles=sum(s["live_handles"] for s in stats.values()),
+        staged_transfers=sum(s["metrics"]["staged_transfers"] for s in stats.values()),
+        direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values()),
     )
 
 
@@ -146,6 +151,7 @@ def print_result(res: DemoResult, prefill: EngineLayout, decode: EngineLayout) -
         ("bytes needed (decode boxes)", f"{res.bytes_needed:,}"),
         ("read amplification", f"{res.bytes_moved / res.bytes_needed:.3f}" if res.bytes_needed else "-"),
         ("descriptors per request", f"{res.descriptors / max(res.requests, 1):.1f}"),
+        ("transfers direct / staged", f"{res.direct_transfers} / {res.staged_transfers}"),
         ("transfer wall time (all ranks, incl. posting)", f"{res.transfer_seconds * 1e3:.1f} ms"),
         ("NIXL GB/s (aggregate)", f"{res.gbps:.2f}"),
         ("numpy memcpy GB/s, same bytes, same run", f"{res.memcpy_gbps:.2f}"),
@@ -167,7 +173,8 @@ def cmd_demo(args) -> int:
     from .models import load_model
     model = load_model(args.model)
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
-    res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits)
+    res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits,
+                   transfer_mode=args.mode)
     print_result(res, prefill, decode)
     return 0 if res.ok else 1
 
@@ -179,6 +186,9 @@ def add_demo_parser(sub, add_topology) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-hits", action="store_true", help="decode never has a prefix-cache hit")
+    p.add_argument("--mode", choices=("auto", "direct", "staged"), default="auto",
+                   help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), or "
+                        "auto: the cost model chooses per (decode rank, prefill rank)")
     p.set_defaults(fn=cmd_demo)
 
 

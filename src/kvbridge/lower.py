@@ -92,6 +92,7 @@ class ChunkTemplate:
     nbytes: np.ndarray
     run_major: bool      # emit (run, chunk) order instead of (chunk, run): lets blocks merge
     mergeable: bool      # some descriptors can merge across chunks with consecutive block ids
+    runs_two_chunks: int  # runs of two chunks with consecutive block ids, after merging
 
 
 def _atoms(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...], ntok: int):
@@ -132,7 +133,7 @@ def build_template(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tup
     merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel())[0].size
     run_major = merged_run < merged_chunk
     mergeable = min(merged_run, merged_chunk) < 2 * src.size
-    return ChunkTemplate(src, dst, lens, run_major, mergeable)
+    return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk))
 
 
 @dataclass
@@ -203,8 +204,9 @@ class LoweredPlan:
         return t0, (t1 if nd else t0)
 
     def descriptors(self, num_tokens: int, prefill_blocks: dict[str, GroupBlocks],
-                    decode_blocks: dict[str, GroupBlocks]) -> list[Descriptors]:
-        """Descriptors of one request, one :class:`Descriptors` per prefill rank of this decode rank.
+                    decode_blocks: dict[str, GroupBlocks], only=None) -> list[Descriptors]:
+        """Descriptors of one request, one :class:`Descriptors` per prefill rank of this decode rank
+        (only those in ``only`` if given).
 
         Raises :class:`RequestError` (before anything moves) on missing groups, out-of-range block
         ids, or a decode side asking for tokens the prefill did not send.
@@ -212,6 +214,8 @@ class LoweredPlan:
         ranges = self._validate(num_tokens, prefill_blocks, decode_blocks)
         out = []
         for prank, lows in self.by_prefill.items():
+            if only is not None and prank not in only:
+                continue
             parts_s, parts_d, parts_n = [], [], []
             for low in lows:
                 gname = low.read.group

@@ -14,13 +14,15 @@ import numpy as np
 import zmq
 
 from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError, RequestError, TransferError
-from ..layout import EngineLayout, engine_from_dict
+from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import rank_memory
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
 from .metrics import Metrics
-from .protocol import Done, ErrorReply, GetMeta, RankMeta, encode_notif, pack, unpack
+from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_to_wire,
+                       encode_notif, pack, unpack)
+from .slots import SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,14 @@ class RemoteEngine:
     readers: dict         # prefill rank -> number of decode ranks reading it (for the notification)
     endpoints: dict       # prefill rank -> "host:port" of its side channel
     digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
+    modes: dict           # prefill rank -> "direct" | "staged" (cost model, or forced)
+    stage_socks: dict     # prefill rank -> DEALER socket for stage requests (staged ranks only)
+
+
+    def summary(self) -> dict:
+        """Plain-data view (what a handshake RPC returns)."""
+        return {"engine_id": self.engine_id, "prefill": str(self.layout),
+                "modes": {str(p): m for p, m in self.modes.items()}, "agents": {str(p): a for p, a in self.agents.items()}}
 
 
 @dataclass(frozen=True)
@@ -50,13 +60,30 @@ class ReadRequest:
 
 
 @dataclass
+class _Read:
+    """One posted READ of a request from one prefill rank (staged: into ``slot`` of our staging buffer)."""
+
+    prefill: Rank
+    xfer: object
+    nbytes: int
+    slot: int | None = None
+    scatter: object = None  # Future of the scatter from staging into the KV buffer
+
+
+@dataclass
 class _InFlight:
     req: ReadRequest
     remote: RemoteEngine
-    xfers: list
+    reads: list
     started: float
     nbytes: int
     ndescs: int
+    pending_stage: set = field(default_factory=set)  # prefill ranks asked to stage, no answer yet
+    stage_deadline: float = 0.0
+
+    @property
+    def xfers(self) -> list:
+        return [r.xfer for r in self.reads]
 
 
 def fetch_meta(ctx: zmq.Context, endpoint: str, msg: GetMeta, timeout_s: float) -> RankMeta:
@@ -84,12 +111,20 @@ def fetch_meta(ctx: zmq.Context, endpoint: str, msg: GetMeta, timeout_s: float) 
 
 class DecodeRank:
     def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, transport=None,
-                 handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05):
+                 handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
+                 transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
+                 stage_timeout_s: float = 10.0):
+        if transfer_mode not in ("auto", "direct", "staged"):
+            raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
         self.mem = rank_memory(engine, *rank)
         self.buf = np.empty(self.mem.size, dtype=np.uint8)
         self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}")
         self.base = self.transport.register(self.buf)
+        self.transfer_mode, self.cost_model, self.stage_timeout_s = transfer_mode, cost_model, stage_timeout_s
+        self.staging = np.zeros(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
+        self.staging_addr = self.transport.register(self.staging) if self.staging.size else 0
+        self.slots = SlotAllocator(self.staging.size)
         self.ctx = zmq.Context.instance()
         self.remotes: dict[str, RemoteEngine] = {}
         self.inflight: dict[str, _InFlight] = {}
@@ -167,7 +202,28 @@ class DecodeRank:
             bases[prank] = m.base_addr
         lowered = LoweredPlan(plan, self.rank, bases, self.base)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
-        return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256)
+        modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
+        socks = {}
+        for prank, mode in modes.items():
+            if mode == "staged":
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{endpoints[prank]}")
+                socks[prank] = sock
+        return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
+                            modes, socks)
+
+    def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
+        """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
+        reads = plan.prefill_ranks_for(self.rank)
+        if self.transfer_mode == "direct" or not self.staging.size:
+            return {p: "direct" for p in reads}
+        if self.transfer_mode == "staged":
+            chosen = {p: "staged" for p in reads}
+        else:
+            from ..cost import choose_modes
+            chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank])}
+        return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}
 
     def forget(self, engine_id: str) -> None:
         """Drop a remote engine (dead or gone): remove its agents; a later handshake starts fresh."""
@@ -175,6 +231,8 @@ class DecodeRank:
         if remote is not None:
             for agent in remote.agents.values():
                 self.transport.remove_peer(agent)
+            for sock in remote.stage_socks.values():
+                sock.close(0)
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
@@ -189,25 +247,81 @@ class DecodeRank:
             self.failed[req.req_id] = "lease expired before the read: the prefill may have freed the blocks"
             return
         t0 = time.perf_counter()
+        direct = [p for p, m in remote.modes.items() if m == "direct"]
+        staged = [p for p, m in remote.modes.items() if m == "staged"]
         descs = {d.prefill: d for d in remote.lowered.descriptors(req.num_tokens, req.prefill_blocks,
-                                                                    req.decode_blocks)}
-        xfers, nbytes, ndescs = [], 0, 0
+                                                                    req.decode_blocks, only=direct)}
+        f = _InFlight(req, remote, [], time.perf_counter(), 0, 0)
         for prank, agent in remote.agents.items():
-            d = descs.get(prank)
-            notif = encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank]))
-            if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
-                self._notify(agent, notif)
+            if prank in staged:
                 continue
-            xfers.append(self.transport.read(agent, d.src, d.dst, d.nbytes, notif))
-            nbytes += d.total_bytes
-            ndescs += d.count
+            d = descs.get(prank)
+            if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
+                self._notify(agent, self._done(req, remote, prank))
+                continue
+            self._post(f, prank, d.src, d.dst, d.nbytes)
+        if staged:
+            wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
+            layout = engine_to_dict(self.engine)
+            for prank in staged:
+                remote.stage_socks[prank].send_multipart(pack(Stage(
+                    req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d)))
+                f.pending_stage.add(prank)
+            f.stage_deadline = time.monotonic() + self.stage_timeout_s
         self.metrics.post_seconds_sum += time.perf_counter() - t0
-        if not xfers:
+        if not f.reads and not f.pending_stage:
             self.finished.append(req.req_id)
             self.metrics.finished_requests += 1
             return
-        self.metrics.transfers += len(xfers)
-        self.inflight[req.req_id] = _InFlight(req, remote, xfers, time.perf_counter(), nbytes, ndescs)
+        self.inflight[req.req_id] = f
+
+    def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
+        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok))
+
+    def _post(self, f: _InFlight, prank: Rank, src, dst, nbytes, slot: int | None = None) -> None:
+        x = self.transport.read(f.remote.agents[prank], src, dst, nbytes, self._done(f.req, f.remote, prank))
+        f.reads.append(_Read(prank, x, int(nbytes.sum()), slot))
+        f.nbytes += int(nbytes.sum())
+        f.ndescs += int(nbytes.size)
+        self.metrics.transfers += 1
+
+    def _on_stage_reply(self, msg: Staged | StageError, msg_prank: Rank) -> None:
+        f = self.inflight.get(msg.req_id)
+        if f is None or msg_prank not in f.pending_stage:
+            return  # the request failed or was aborted meanwhile
+        f.pending_stage.discard(msg_prank)
+        if isinstance(msg, StageError):
+            if msg.expired:
+                self._fail(f.req.req_id, f, f"prefill rank {msg_prank}: {msg.message}")
+                return
+            self._direct_fallback(f, msg_prank)
+            return
+        if msg.nbytes == 0:
+            self._notify(f.remote.agents[msg_prank], self._done(f.req, f.remote, msg_prank))
+            return
+        off = self.slots.alloc((f.req.req_id, msg_prank), msg.nbytes)
+        if off is None:  # our staging is full: the prefill packed for nothing, read directly
+            self._direct_fallback(f, msg_prank)
+            return
+        one = np.ones(1, dtype=np.int64)
+        self._post(f, msg_prank, one * msg.addr, one * (self.staging_addr + off), one * msg.nbytes, slot=off)
+        self.metrics.staged_transfers += 1
+
+    def _direct_fallback(self, f: _InFlight, prank: Rank) -> None:
+        self.metrics.staging_fallbacks += 1
+        req = f.req
+        for d in f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,)):
+            if d.count:
+                self._post(f, prank, d.src, d.dst, d.nbytes)
+            else:
+                self._notify(f.remote.agents[prank], self._done(req, f.remote, prank))
+
+    def _scatter(self, f: _InFlight, r: _Read) -> None:
+        """Staging -> KV buffer for one staged read (runs on a post thread)."""
+        from ..staging import scatter
+        req = f.req
+        (d,) = f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(r.prefill,))
+        scatter(self.staging, self.buf, d.dst - self.base, d.nbytes, r.slot)
 
     def _notify(self, agent: str, msg: bytes) -> None:
         try:
@@ -229,11 +343,11 @@ class DecodeRank:
         to_notify = set(remote.agents.values())
         if f:
             # a completed read carried its notification; ranks with nothing to read were told at start
-            to_notify = set()
-            for x in f.xfers:
-                if not self.transport.settle(x):
-                    to_notify.add(x.peer)
-                self.transport.release(x)
+            to_notify = {remote.agents[p] for p in f.pending_stage}
+            for r in f.reads:
+                if not self.transport.settle(r.xfer):
+                    to_notify.add(r.xfer.peer)
+            self._release_reads(f)
         for p, agent in remote.agents.items():
             if agent in to_notify:
                 self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], ok=False)))
@@ -242,17 +356,33 @@ class DecodeRank:
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """Advance in-flight requests; return (finished ids, {failed id: reason}) since the last call."""
         dead_engines = set()
+        self._drain_stage_replies()
+        now = time.monotonic()
         for rid, f in list(self.inflight.items()):
+            if f.pending_stage:
+                if now > f.stage_deadline:
+                    self._fail(rid, f, f"prefill engine {f.remote.engine_id!r} ranks {sorted(f.pending_stage)} did not "
+                                       f"answer the stage request within {self.stage_timeout_s:g} s (dead or overloaded)")
+                continue
             try:
-                states = [self.transport.check(x) for x in f.xfers]
+                states = [self.transport.check(r.xfer) for r in f.reads]
+                for r, st in zip(f.reads, states):
+                    if st == "DONE" and r.slot is not None and r.scatter is None:
+                        r.scatter = self.transport.submit(self._scatter, f, r)
+                scattering = [r.scatter for r in f.reads if r.scatter is not None]
+                for fut in scattering:
+                    if fut.done():
+                        fut.result()
             except TransferError as e:
                 self._fail(rid, f, str(e))
                 if "disconnect" in str(e).lower():
                     dead_engines.add(f.remote.engine_id)
                 continue
-            if all(s == "DONE" for s in states):
-                for x in f.xfers:
-                    self.transport.release(x)
+            except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
+                self._fail(rid, f, f"scatter failed: {type(e).__name__}: {e}")
+                continue
+            if all(s == "DONE" for s in states) and all(fut.done() for fut in scattering):
+                self._release_reads(f)
                 del self.inflight[rid]
                 self.metrics.observe_transfer(time.perf_counter() - f.started)
                 self.metrics.transfer_bytes += f.nbytes
@@ -269,12 +399,34 @@ class DecodeRank:
         self.finished, self.failed = [], {}
         return out, failed
 
+    def _drain_stage_replies(self) -> None:
+        for remote in self.remotes.values():
+            for prank, sock in remote.stage_socks.items():
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = unpack(frames)
+                    except HandshakeError:
+                        continue
+                    if isinstance(msg, (Staged, StageError)):
+                        self._on_stage_reply(msg, prank)
+
+    def _release_reads(self, f: _InFlight) -> None:
+        for r in f.reads:
+            if r.scatter is not None and not r.scatter.done():
+                r.scatter.exception()  # wait: the slot is in use until the scatter ends
+            self.transport.release(r.xfer)
+            if r.slot is not None:
+                self.slots.free((f.req.req_id, r.prefill))
+
     def _fail(self, rid: str, f: _InFlight, reason: str) -> None:
-        for x in f.xfers:
-            self.transport.release(x)
+        self._release_reads(f)
         self.inflight.pop(rid, None)
         self.failed[rid] = reason
-        self.metrics.failed_transfers += max(1, len(f.xfers))
+        self.metrics.failed_transfers += max(1, len(f.reads))
         self.metrics.failed_requests += 1
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, str]]:
@@ -312,44 +464,15 @@ class DecodeRank:
             raise TransferError(f"request {req.req_id} failed: {failed.get(req.req_id, 'timeout')}")
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "descriptors": ndescs}
 
-    def staged_read(self, req: ReadRequest, sources: dict, split_bytes: int = 0) -> dict:
-        """Read bytes a prefill packed with ``PrefillRank.stage`` (``sources``: prefill rank -> (address,
-        bytes)) into a local staging buffer, then scatter them to the request's ``dst`` runs."""
-        from ..staging import scatter
-        remote = self.remotes[req.engine_id]
-        t0 = time.perf_counter()
-        descs = remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
-        total = sum(d.total_bytes for d in descs)
-        if getattr(self, "staging", None) is None or self.staging.size < total:
-            if getattr(self, "staging", None) is not None:
-                self.transport.deregister(self.staging)
-            self.staging = np.zeros(max(total, 4096), dtype=np.uint8)
-            self.staging_addr = self.transport.register(self.staging)
-        t1 = time.perf_counter()
-        xfers, off, ndescs = [], 0, 0
-        for d in descs:
-            if d.total_bytes == 0:
-                continue
-            addr, n = sources[tuple(d.prefill)]
-            assert n == d.total_bytes, (n, d.total_bytes)
-            step = split_bytes or max(n, 1)
-            starts = np.arange(0, n, step, dtype=np.int64)
-            lens = np.minimum(step, n - starts)
-            xfers.append(self.transport.read(remote.agents[d.prefill], addr + starts, self.staging_addr + off + starts,
-                                             lens))
-            off += n
-            ndescs += int(lens.size)
-        for x in xfers:
-            while self.transport.check(x) != "DONE":
-                time.sleep(2e-5)
-            self.transport.release(x)
-        t2 = time.perf_counter()
-        off = 0
-        for d in descs:
-            scatter(self.staging, self.buf, d.dst - self.base, d.nbytes, off)
-            off += d.total_bytes
-        t3 = time.perf_counter()
-        return {"lower_s": t1 - t0, "read_s": t2 - t1, "scatter_s": t3 - t2, "bytes": total, "descriptors": ndescs}
+    def set_transfer_mode(self, mode: str) -> None:
+        """Force direct/staged/auto for later handshakes (forgets cached engines so they re-handshake)."""
+        if mode not in ("auto", "direct", "staged"):
+            raise ValueError(f"transfer_mode must be auto, direct or staged, not {mode!r}")
+        if mode != "direct" and not self.staging.size:
+            raise ValueError("this decode rank was created without a staging buffer (transfer_mode='direct')")
+        self.transfer_mode = mode
+        for eid in list(self.remotes):
+            self.forget(eid)
 
     def runs_digest(self, req: ReadRequest) -> str:
         """sha256 of the request's destination runs in this rank's buffer (to compare direct and staged)."""

@@ -18,6 +18,8 @@ class Metrics:
     unknown_notifications: int = 0
     failed_notifications: int = 0
     handshakes: int = 0
+    staged_transfers: int = 0
+    staging_fallbacks: int = 0
     failed_handshakes: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
@@ -54,6 +56,8 @@ _HELP = {
     "unknown_notifications": ("counter", "notifications for unknown or expired request ids"),
     "failed_notifications": ("counter", "notifications that could not be sent"),
     "handshakes": ("counter", "successful handshakes"),
+    "staged_transfers": ("counter", "transfers done staged (packed by the prefill, one read, scattered)"),
+    "staging_fallbacks": ("counter", "staged transfers that fell back to direct reads (no staging room)"),
     "failed_handshakes": ("counter", "failed handshakes"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
     "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),

@@ -8,15 +8,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from ..layout import EngineLayout, engine_to_dict
-from ..lower import GroupBlocks
+from ..layout import EngineLayout, engine_from_dict, engine_to_dict
+from ..lower import GroupBlocks, LoweredPlan
+from ..plan import plan_transfer
 from ..memory import rank_memory
 from ..oracle import fill_prefill
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
-from .protocol import Done, ErrorReply, GetMeta, RankMeta, decode_notif, pack, unpack
+from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_from_wire,
+                       decode_notif, pack, unpack)
+from .slots import SlotAllocator
 
 log = logging.getLogger(__name__)
+
+
+def json_key(d: dict) -> str:
+    import json
+    return json.dumps(d, sort_keys=True)
 
 
 @dataclass
@@ -26,16 +34,22 @@ class Lease:
     expires_at: float
     done_ranks: set = field(default_factory=set)
     readers: int | None = None
+    staged: set = field(default_factory=set)  # staging slots held for this request
 
 
 class PrefillRank:
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, host: str = "127.0.0.1",
-                 port: int = 0, lease_s: float = 30.0, transport=None):
+                 port: int = 0, lease_s: float = 30.0, transport=None, staging_bytes: int = 64 << 20):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
         self.mem = rank_memory(engine, *rank)
         self.buf = np.zeros(self.mem.size, dtype=np.uint8)
         self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}")
         self.base = self.transport.register(self.buf)
+        # staged transfers: runs packed here for one decode rank, read with one descriptor
+        self.staging = np.zeros(staging_bytes, dtype=np.uint8)
+        self.staging_addr = self.transport.register(self.staging) if staging_bytes else 0
+        self.slots = SlotAllocator(staging_bytes)
+        self._lowered: dict = {}  # (decode layout, decode rank) -> LoweredPlan (relative offsets)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -72,14 +86,16 @@ class PrefillRank:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            ident, body = frames[0], frames[2:] if len(frames) > 2 and frames[1] == b"" else frames[1:]
-            self.sock.send_multipart([ident, b""] + self._answer(body))
+            # REQ peers (handshake) put an empty delimiter frame after the identity; DEALER peers
+            # (stage requests) do not: answer in the same envelope
+            envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
+            self.sock.send_multipart(envelope + self._answer(frames[len(envelope):]))
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
                 self._on_notif(agent, m)
         now = time.time()
         for rid in [r for r, l in self.leases.items() if l.expires_at < now]:
-            del self.leases[rid]
+            self._release(rid)
             self.expired.append(rid)
             self.metrics.expired_requests += 1
 
@@ -88,13 +104,45 @@ class PrefillRank:
             msg = unpack(body)
         except Exception as e:  # noqa: BLE001 - answer the peer, keep serving
             return pack(ErrorReply(str(e)))
+        if isinstance(msg, Stage):
+            return pack(self._stage(msg))
         if not isinstance(msg, GetMeta):
-            return pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta"))
+            return pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta or stage"))
         if tuple(msg.prefill_rank) != self.rank:
             return pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}"))
         md = self.transport.metadata()
         return pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
-                             self.transport.agent_name, md, metadata_digest(md), self.base, self.buf.size))
+                             self.transport.agent_name, md, metadata_digest(md), self.base, self.buf.size,
+                             self.staging.size))
+
+    def _stage(self, msg: Stage):
+        """Pack this rank's runs of a request for one decode rank into the staging buffer."""
+        from ..staging import pack as pack_runs
+        lease = self.leases.get(msg.req_id)
+        if lease is None:
+            return StageError(msg.req_id, f"request {msg.req_id!r} is unknown or its lease expired on prefill "
+                                          f"rank {self.rank}; its blocks may be reused: do not read them", expired=True)
+        try:
+            key = (json_key(msg.decode_layout), tuple(msg.decode_rank))
+            lp = self._lowered.get(key)
+            if lp is None:
+                decode = engine_from_dict(msg.decode_layout)
+                lp = self._lowered[key] = LoweredPlan(plan_transfer(self.engine, decode), tuple(msg.decode_rank))
+            descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
+                                                          blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
+        except Exception as e:  # noqa: BLE001 - a bad request must not take the rank down
+            return StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
+        d = descs.get(self.rank)
+        total = d.total_bytes if d is not None else 0
+        slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
+        off = self.slots.alloc(slot_key, total)
+        if off is None:
+            return StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
+                                          f"used, {total} B asked); read directly")
+        if total:
+            pack_runs(self.buf, d.src, d.nbytes, self.staging[off:off + total])
+        lease.staged.add(slot_key)
+        return Staged(msg.req_id, self.staging_addr + off, total)
 
     def _on_notif(self, agent: str, raw: bytes) -> None:
         try:
@@ -110,10 +158,18 @@ class PrefillRank:
             return
         lease.done_ranks.add((d.decode_engine, tuple(d.decode_rank)))
         lease.readers = d.readers
+        slot_key = (d.req_id, d.decode_engine, tuple(d.decode_rank))
+        if self.slots.free(slot_key):
+            lease.staged.discard(slot_key)
         if len(lease.done_ranks) >= d.readers:
-            del self.leases[d.req_id]
+            self._release(d.req_id)
             self.freed.append(d.req_id)
             self.metrics.freed_requests += 1
+
+    def _release(self, req_id: str) -> None:
+        lease = self.leases.pop(req_id)
+        for key in lease.staged:
+            self.slots.free(key)
 
     def stats(self) -> dict:
         return {"metrics": self.metrics.to_json(), "leases": len(self.leases),
@@ -123,23 +179,7 @@ class PrefillRank:
         self.sock.close(0)
         self.transport.close()
 
-    # ---- staged transfers (benchmarks; appended) -----------------------------------------------
-    def alloc_staging(self, nbytes: int) -> int:
-        """Allocate and register a staging buffer of ``nbytes`` (before the decode's handshake, so its
-        metadata covers it); returns its address."""
-        self.staging = np.empty(max(int(nbytes), 4096), dtype=np.uint8)
-        self.staging.fill(0)
-        self.staging_addr = self.transport.register(self.staging)
-        return self.staging_addr
-
-    def stage(self, src: np.ndarray, nbytes: np.ndarray) -> tuple[int, int, float]:
-        """Pack the runs ``(src, nbytes)`` (offsets in this rank's buffer) into the staging buffer;
-        returns (staging address, bytes packed, seconds)."""
-        from ..staging import pack
-        t = time.perf_counter()
-        total = pack(self.buf, src, nbytes, self.staging)
-        return self.staging_addr, total, time.perf_counter() - t
-
+    # ---- benchmarks ------------------------------------------------------------------------------
     def fill_random(self, seed: int = 0) -> None:
         """Fill the buffer with a random pattern (period 16 MiB + 4099 B, so no two nearby runs match)."""
         pat = np.random.default_rng(seed).integers(0, 256, (16 << 20) + 4099, dtype=np.uint8)

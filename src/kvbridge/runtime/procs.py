@@ -88,6 +88,8 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                     done, failed = [], {}
                 elif cmd == "verify":
                     res = _verify(obj, *args)
+                elif cmd == "handshake":
+                    res = obj.handshake(*args, **kwargs).summary()
                 elif cmd == "memcpy_gbps":
                     res = _memcpy_gbps(*args)
                 elif cmd == "fill_many":

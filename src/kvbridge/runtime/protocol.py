@@ -4,7 +4,9 @@ Every message is three frames: ``[MAGIC, version (u16 big-endian), msgpack paylo
 checked before the payload is decoded, so a peer speaking another version gets a clear error, not a
 decode failure. Version history:
 
-1. initial: GetMeta / RankMeta / ErrorReply; Done notifications over NIXL.
+1. initial: GetMeta / RankMeta / ErrorReply; Stage / Staged / StageError (staged transfers: the
+   prefill packs a request's runs for one decode rank into its staging buffer); Done notifications
+   over NIXL.
 """
 from __future__ import annotations
 
@@ -32,6 +34,36 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     metadata_sha256: str
     base_addr: int
     buffer_size: int
+    staging_bytes: int = 0
+
+
+class Stage(msgspec.Struct, tag="stage"):
+    """Ask a prefill rank to pack its part of ``req_id`` for ``decode_rank`` into its staging buffer.
+
+    Block ids travel as little-endian int64 bytes, per group, with the group's first block index.
+    """
+
+    req_id: str
+    decode_engine: str
+    decode_rank: tuple[int, int]
+    decode_layout: dict
+    num_tokens: int
+    prefill_blocks: dict[str, tuple[bytes, int]]
+    decode_blocks: dict[str, tuple[bytes, int]]
+
+
+class Staged(msgspec.Struct, tag="staged"):
+    req_id: str
+    addr: int
+    nbytes: int
+
+
+class StageError(msgspec.Struct, tag="stage_error"):
+    """The prefill cannot stage ``req_id``: ``expired`` (lease gone: do not read) or no room (read directly)."""
+
+    req_id: str
+    message: str
+    expired: bool = False
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -52,7 +84,7 @@ class Done(msgspec.Struct, tag="done"):
     ok: bool = True
 
 
-Message = GetMeta | RankMeta | ErrorReply | Done
+Message = GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 
@@ -73,6 +105,17 @@ def unpack(frames: list[bytes]) -> Message:
         return _dec.decode(frames[2])
     except msgspec.DecodeError as e:
         raise HandshakeError(f"malformed side-channel message: {e}") from e
+
+
+def blocks_to_wire(blocks: dict) -> dict[str, tuple[bytes, int]]:
+    import numpy as np
+    return {g: (np.ascontiguousarray(b.block_ids, dtype="<i8").tobytes(), int(b.first_block)) for g, b in blocks.items()}
+
+
+def blocks_from_wire(wire: dict) -> dict:
+    import numpy as np
+    from ..lower import GroupBlocks
+    return {g: GroupBlocks(np.frombuffer(ids, dtype="<i8").astype(np.int64), first) for g, (ids, first) in wire.items()}
 
 
 def encode_notif(d: Done) -> bytes:

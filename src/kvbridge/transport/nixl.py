@@ -79,14 +79,16 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, agent_name: str, mem_type: str = "DRAM", device_id: int = 0,
-                 ucx_params: dict[str, str] | None = None, telemetry: bool = False):
+                 ucx_params: dict[str, str] | None = None, telemetry: bool = False, post_threads: int = 2):
         api = load_nixl_api()
         self.api = api
         self.agent_name = agent_name
         self.mem_type = mem_type
         self.device_id = device_id
+        # the agent is used from the caller's thread (poll, notify) and the post threads: RW sync
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else ["UCX"],
-                                     capture_telemetry=telemetry)
+                                     capture_telemetry=telemetry,
+                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         try:
             self.agent = api.nixl_agent(agent_name, conf)
             if ucx_params:
@@ -98,7 +100,9 @@ class NixlTransport:
         self._peers: set[str] = set()
         self._live: set[int] = set()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"nixl-post-{agent_name}")
+        # transfer() blocks for the copy (GIL released): several post threads let reads from
+        # different prefill ranks run at the same time
+        self._pool = ThreadPoolExecutor(max(1, post_threads), thread_name_prefix=f"nixl-post-{agent_name}")
         self.stats = NixlStats()
 
     # ---- memory & peers ----------------------------------------------------------------------
@@ -182,8 +186,12 @@ class NixlTransport:
             except Exception as e:  # noqa: BLE001
                 raise _wrap(e, peer) from e
 
-        self._pool.submit(lambda: _run_into(x.future, post))
+        self._pool.submit(_run_into, x.future, post)
         return x
+
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn`` on a post thread (local copies such as a staged scatter, off the caller's thread)."""
+        return self._pool.submit(fn, *args)
 
     def check(self, x: NixlXfer) -> str:
         if not x.future.done():
