@@ -193,7 +193,11 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
 # ---- hot path ---------------------------------------------------------------------------------------
 def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens: int = 32768,
              layouts=LAYOUTS, reps: int = 30, transport=None) -> list[dict]:
-    """µs per request of ``LoweredPlan.descriptors`` + building NIXL descriptor lists (both sides)."""
+    """µs per request of ``LoweredPlan.descriptors`` + building NIXL descriptor lists (both sides), and
+    of the staged posting path (stage request encoding + one descriptor per prefill rank)."""
+    from .layout import engine_to_dict
+    from .runtime.protocol import Stage, blocks_to_wire
+    from .runtime.protocol import pack as pack_msg
     bs = 16
     n = ceil_div(tokens, bs)
     out = []
@@ -211,9 +215,20 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
             ids = (lambda: rng.permutation(2 * n)[:n]) if alloc == "shuffled" else (lambda: np.arange(n))
             pb = {g.name: GroupBlocks(ids().astype(np.int64)) for g in prefill.model.groups}
             db = {g.name: GroupBlocks(ids().astype(np.int64)) for g in prefill.model.groups}
-            t_low, t_all = [], []
+            t_low, t_all, t_staged = [], [], []
             count = 0
+            layout_dict = engine_to_dict(decode)
             for _ in range(reps + 2):
+                # staged posting path (what DecodeRank.start does for a staged prefill rank): encode the
+                # stage request; when the reply comes, one descriptor per prefill rank
+                t0 = time.perf_counter()
+                wire_p, wire_d = blocks_to_wire(pb), blocks_to_wire(db)
+                for prank in plan.prefill_ranks_for(DECODE_RANK):
+                    pack_msg(Stage("r", "d", DECODE_RANK, layout_dict, tokens, wire_p, wire_d))
+                    one = np.ones(1, dtype=np.int64)
+                    arr = np.empty((1, 3), dtype=np.uint64)
+                    arr[:, 0], arr[:, 1], arr[:, 2] = one, one, 0
+                t_staged.append((time.perf_counter() - t0) * 1e6)
                 t0 = time.perf_counter()
                 descs = lp.descriptors(tokens, pb, db)
                 t1 = time.perf_counter()
@@ -231,10 +246,11 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
                 t_low.append((t1 - t0) * 1e6)
                 t_all.append((t2 - t0) * 1e6)
                 count = sum(d.count for d in descs)
-            t_low, t_all = t_low[2:], t_all[2:]
+            t_low, t_all, t_staged = t_low[2:], t_all[2:], t_staged[2:]
             out.append({"model": model, "prefill_tp": p_tp, "decode_tp": d_tp, "tokens": tokens, "layout": layout,
                         "alloc": alloc, "descriptors": count, "prefill_ranks": len(descs),
                         "descriptors_us": _stats(t_low), "with_nixl_dlists_us": _stats(t_all),
+                        "staged_post_us": _stats(t_staged),
                         "nixl_dlists": "get_xfer_descs (both sides)" if transport is not None else "numpy Nx3 only"})
     return out
 
@@ -372,7 +388,8 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
             if quick:
                 res["hot_path"] = hot_path("tiny-dense", 2, 1, tokens=2048, reps=5, transport=transport)
             else:
-                res["hot_path"] = hot_path(reps=reps * 10, transport=transport)
+                res["hot_path"] = (hot_path(reps=reps * 10, transport=transport)
+                                   + hot_path(p_tp=4, d_tp=4, reps=reps * 10, transport=transport))
             for h in res["hot_path"]:
                 log(f"  [hot path {h['layout']} {h['alloc']}] {h['descriptors']} descs: descriptors() "
                     f"{h['descriptors_us']['median']:.0f} us, + NIXL dlists {h['with_nixl_dlists_us']['median']:.0f} us (median)")
@@ -416,12 +433,14 @@ def print_results(res: dict) -> None:
     con.print(t)
     if res["hot_path"]:
         h = Table(title="hot path: LoweredPlan.descriptors (+ NIXL descriptor lists) per request, per decode rank")
-        for c in ("model", "P->D", "tokens", "layout", "alloc", "descs", "descriptors() us med/best", "+ dlists us med/best"):
+        for c in ("model", "P->D", "tokens", "layout", "alloc", "descs", "descriptors() us med/best", "+ dlists us med/best",
+                  "staged post us med/best"):
             h.add_column(c)
         for r in res["hot_path"]:
             h.add_row(r["model"], f"tp{r['prefill_tp']}->tp{r['decode_tp']}", str(r["tokens"]), r["layout"], r["alloc"],
                       f"{r['descriptors']:,}", f"{r['descriptors_us']['median']:.0f} / {r['descriptors_us']['best']:.0f}",
-                      f"{r['with_nixl_dlists_us']['median']:.0f} / {r['with_nixl_dlists_us']['best']:.0f}")
+                      f"{r['with_nixl_dlists_us']['median']:.0f} / {r['with_nixl_dlists_us']['best']:.0f}",
+                      f"{r['staged_post_us']['median']:.0f} / {r['staged_post_us']['best']:.0f}")
         con.print(h)
     if res["startup"]:
         s = Table(title="start-up: plan + lowered plan + NIXL registration vs vLLM per-(layer,K/V,block) table")
@@ -505,12 +524,14 @@ def results_markdown(res: dict) -> str:
                  f"{r['cost_model_choice']} | {r['measured_faster']} | {'yes' if r['staged_equals_direct'] else 'NO'} |")
     out = "\n".join(L) + "\n"
     if res.get("hot_path"):
-        H = ["| model | P->D | tokens | layout | alloc | descriptors | descriptors() µs med / best | + NIXL dlists µs med / best |",
-             "|" + "---|" * 8]
+        H = ["| model | P->D | tokens | layout | alloc | descriptors (direct) | descriptors() µs med / best "
+             "| + NIXL dlists µs med / best | staged posting µs med / best |",
+             "|" + "---|" * 9]
         for h in res["hot_path"]:
             H.append(f"| {h['model']} | tp{h['prefill_tp']}->tp{h['decode_tp']} | {h['tokens']} | {h['layout']} | {h['alloc']} | "
                      f"{h['descriptors']:,} | {h['descriptors_us']['median']:.0f} / {h['descriptors_us']['best']:.0f} | "
-                     f"{h['with_nixl_dlists_us']['median']:.0f} / {h['with_nixl_dlists_us']['best']:.0f} |")
+                     f"{h['with_nixl_dlists_us']['median']:.0f} / {h['with_nixl_dlists_us']['best']:.0f} | "
+                     f"{h['staged_post_us']['median']:.0f} / {h['staged_post_us']['best']:.0f} |")
         out += "\n" + "\n".join(H) + "\n"
     if res.get("startup"):
         S = ["| layout | blocks | ours: plan / lowered / register / total ms | ours tracemalloc peak MB | ours RSS Δ MB "
