@@ -60,7 +60,7 @@ def blocks_needed(prefill: EngineLayout, decode: EngineLayout, lengths) -> int:
 
 def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32, max_tokens: int = 2048,
              seed: int = 0, prefix_hits: bool = True, show_progress: bool = True,
-             transfer_mode: str = "auto") -> DemoResult:
+             transfer_mode: str = "auto", metrics_dir: str | None = None) -> DemoResult:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_tokens + 1, size=num_requests)
     nb = blocks_needed(prefill, decode, lengths)
@@ -116,6 +116,15 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 if sum(1 for v in freed.values() if v == len(P.workers)) == num_requests:
                     break
                 time.sleep(0.02)
+            if metrics_dir:
+                from pathlib import Path
+                from .runtime.metrics_cli import write_metrics
+                out = Path(metrics_dir)
+                out.mkdir(parents=True, exist_ok=True)
+                write_metrics({("decode-0", r): s for r, s in D.call_all("stats").items()},
+                              out / "decode.json", out / "decode.prom")
+                write_metrics({("prefill-0", r): s for r, s in P.call_all("stats").items()},
+                              out / "prefill.json", out / "prefill.prom")
             prog.update(task, advance=1)
         finally:
             for e in (D, P):
@@ -174,7 +183,7 @@ def cmd_demo(args) -> int:
     model = load_model(args.model)
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
     res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits,
-                   transfer_mode=args.mode)
+                   transfer_mode=args.mode, metrics_dir=args.metrics_dir)
     print_result(res, prefill, decode)
     return 0 if res.ok else 1
 
@@ -186,6 +195,7 @@ def add_demo_parser(sub, add_topology) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-hits", action="store_true", help="decode never has a prefix-cache hit")
+    p.add_argument("--metrics-dir", help="write each side's counters there as JSON and Prometheus text")
     p.add_argument("--mode", choices=("auto", "direct", "staged"), default="auto",
                    help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), or "
                         "auto: the cost model chooses per (decode rank, prefill rank)")
