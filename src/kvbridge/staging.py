@@ -9,8 +9,9 @@ How: for each distinct run length ``L`` the byte buffers are viewed as arrays of
 case: head slices and blocks are aligned to their size), else an overlapping view with a stride of one
 byte (item ``k`` is the ``L`` bytes starting at byte ``k``). A fancy-indexed assignment then copies every
 run of that length with one memcpy each inside numpy. Scatter (fancy destination, plain source slice)
-needs no temporary; gather (fancy source) makes numpy copy through a temporary, so it goes in 4 MiB
-chunks that stay in cache (a loop over chunks, not over runs). The Python loop is over *distinct lengths*
+needs no temporary; gather (fancy source) uses ``np.take(..., out=, mode="clip")`` on plain views,
+which writes the destination directly (indices are in range by construction), and otherwise copies
+through a temporary in 4 MiB chunks that stay in cache. The Python loop is over *distinct lengths*
 (usually one or two: a head slice, a merged run); when there are many distinct lengths the runs are
 cut into pieces of their common divisor first so the number of groups stays small.
 """
@@ -71,7 +72,12 @@ def _copy_group(dst_buf, d, src_buf, s, L) -> None:
     d_step, s_step = (1 if d_contig else L), (1 if s_contig else L)
     if _consecutive(si, s_step):  # a plain slice on the source side: no temporary
         dv[di] = sv[si[0]:si[0] + si.size * s_step:s_step]
-    elif _consecutive(di, d_step):  # gather: numpy copies through a temporary; 4 MiB chunks keep it in cache
+    elif _consecutive(di, d_step) and s_contig and d_contig:
+        # gather straight into the destination (mode="clip": no buffering). Only on plain views: with
+        # the overlapping stride-1 views numpy's overlap check for ``out`` can take very long.
+        d0 = int(di[0]) if di.size else 0
+        np.take(sv, si, out=dv[d0:d0 + si.size], mode="clip")
+    elif _consecutive(di, d_step):  # gather through a temporary, in 4 MiB chunks that stay in cache
         c = max(1, CHUNK_BYTES // L)
         d0 = int(di[0]) if di.size else 0
         for k in range(0, si.size, c):
@@ -109,6 +115,18 @@ def offsets(nbytes: np.ndarray) -> np.ndarray:
     return out
 
 
+def segment_bounds(nbytes: np.ndarray, segment_bytes: int) -> list[tuple[int, int]]:
+    """Split runs into consecutive ``[start, stop)`` run ranges of about ``segment_bytes`` each (at run
+    boundaries), so packing, reading and scattering of a staged transfer can overlap."""
+    n = int(np.asarray(nbytes).size)
+    if n == 0:
+        return []
+    seg = offsets(nbytes) // max(1, int(segment_bytes))
+    cuts = (np.flatnonzero(np.diff(seg)) + 1).tolist()
+    edges = [0, *cuts, n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def pack(buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray, out: np.ndarray, out_offset: int = 0) -> int:
     """Pack the runs ``(src, nbytes)`` of ``buf`` contiguously into ``out`` from ``out_offset``; returns the bytes packed."""
     buf, out = _byte_view(buf), _byte_view(out)
@@ -135,4 +153,4 @@ def copy_runs_reference(dst_buf: np.ndarray, dst, src_buf: np.ndarray, src, nbyt
         d[a:a + n] = s[b:b + n]
 
 
-__all__ = ["pack", "scatter", "offsets", "copy_runs_reference"]
+__all__ = ["pack", "scatter", "offsets", "segment_bounds", "copy_runs_reference"]

@@ -66,8 +66,19 @@ class _Read:
     prefill: Rank
     xfer: object
     nbytes: int
-    slot: int | None = None
-    scatter: object = None  # Future of the scatter from staging into the KV buffer
+    slot: int | None = None    # staged: our staging offset of the segment
+    runs: tuple | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
+    scatter: object = None     # Future of the scatter from staging into the KV buffer
+
+
+@dataclass
+class _Staging:
+    """A staged prefill rank of one request: our staging slot and the runs the packed stream feeds."""
+
+    slot: int
+    dst: np.ndarray      # run destinations (absolute), in packed order
+    nbytes: np.ndarray
+    starts: np.ndarray   # offset of each run in the packed stream
 
 
 @dataclass
@@ -78,8 +89,11 @@ class _InFlight:
     started: float
     nbytes: int
     ndescs: int
-    pending_stage: set = field(default_factory=set)  # prefill ranks asked to stage, no answer yet
+    pending_stage: set = field(default_factory=set)  # prefill ranks asked to stage, last segment not in yet
+    staged: dict = field(default_factory=dict)       # prefill rank -> _Staging
+    notify_at_end: set = field(default_factory=set)  # staged ranks: their reads carry no notification
     stage_deadline: float = 0.0
+    stage_sent: float = 0.0
 
     @property
     def xfers(self) -> list:
@@ -122,7 +136,8 @@ class DecodeRank:
         self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}")
         self.base = self.transport.register(self.buf)
         self.transfer_mode, self.cost_model, self.stage_timeout_s = transfer_mode, cost_model, stage_timeout_s
-        self.staging = np.zeros(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
+        self.staging = np.empty(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
+        self.staging.fill(0)  # touch every page now, not on the first request's critical path
         self.staging_addr = self.transport.register(self.staging) if self.staging.size else 0
         self.slots = SlotAllocator(self.staging.size)
         self.ctx = zmq.Context.instance()
@@ -268,6 +283,7 @@ class DecodeRank:
                     req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d)))
                 f.pending_stage.add(prank)
             f.stage_deadline = time.monotonic() + self.stage_timeout_s
+            f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
         if not f.reads and not f.pending_stage:
             self.finished.append(req.req_id)
@@ -278,34 +294,52 @@ class DecodeRank:
     def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok))
 
-    def _post(self, f: _InFlight, prank: Rank, src, dst, nbytes, slot: int | None = None) -> None:
-        x = self.transport.read(f.remote.agents[prank], src, dst, nbytes, self._done(f.req, f.remote, prank))
-        f.reads.append(_Read(prank, x, int(nbytes.sum()), slot))
+    def _post(self, f: _InFlight, prank: Rank, src, dst, nbytes, notif: bytes | None = None,
+              slot: int | None = None, runs=None) -> None:
+        notif = self._done(f.req, f.remote, prank) if notif is None else notif
+        x = self.transport.read(f.remote.agents[prank], src, dst, nbytes, notif)
+        f.reads.append(_Read(prank, x, int(nbytes.sum()), slot, runs))
         f.nbytes += int(nbytes.sum())
         f.ndescs += int(nbytes.size)
         self.metrics.transfers += 1
 
-    def _on_stage_reply(self, msg: Staged | StageError, msg_prank: Rank) -> None:
+    def _on_stage_reply(self, msg: Staged | StageError, prank: Rank) -> None:
+        from ..staging import offsets
         f = self.inflight.get(msg.req_id)
-        if f is None or msg_prank not in f.pending_stage:
-            return  # the request failed or was aborted meanwhile
-        f.pending_stage.discard(msg_prank)
+        if f is None or prank not in f.pending_stage:
+            return  # the request failed or was aborted meanwhile, or we fell back to direct reads
+        f.stage_deadline = time.monotonic() + self.stage_timeout_s
         if isinstance(msg, StageError):
+            f.pending_stage.discard(prank)
             if msg.expired:
-                self._fail(f.req.req_id, f, f"prefill rank {msg_prank}: {msg.message}")
+                self._fail(f.req.req_id, f, f"prefill rank {prank}: {msg.message}")
+            else:
+                self._direct_fallback(f, prank)
+            return
+        if msg.last:
+            f.pending_stage.discard(prank)
+            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
+        st = f.staged.get(prank)
+        if st is None:  # first segment
+            if msg.total == 0:
+                f.notify_at_end.add(prank)  # nothing to read: Done goes out when the request completes
                 return
-            self._direct_fallback(f, msg_prank)
-            return
-        if msg.nbytes == 0:
-            self._notify(f.remote.agents[msg_prank], self._done(f.req, f.remote, msg_prank))
-            return
-        off = self.slots.alloc((f.req.req_id, msg_prank), msg.nbytes)
-        if off is None:  # our staging is full: the prefill packed for nothing, read directly
-            self._direct_fallback(f, msg_prank)
-            return
+            off = self.slots.alloc((f.req.req_id, prank), msg.total)
+            if off is None:  # our staging is full: read directly, ignore the rest of the segments
+                f.pending_stage.discard(prank)
+                self._direct_fallback(f, prank)
+                return
+            req = f.req
+            (d,) = f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
+            st = f.staged[prank] = _Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
+            f.notify_at_end.add(prank)
+            self.metrics.staged_transfers += 1
+        a, b = np.searchsorted(st.starts, [msg.offset, msg.offset + msg.nbytes])
         one = np.ones(1, dtype=np.int64)
-        self._post(f, msg_prank, one * msg.addr, one * (self.staging_addr + off), one * msg.nbytes, slot=off)
-        self.metrics.staged_transfers += 1
+        # no notification on segment reads: Done is sent once every segment is read (the prefill frees
+        # its staging slot on Done, and segments may complete out of order)
+        self._post(f, prank, one * msg.addr, one * (self.staging_addr + st.slot + msg.offset), one * msg.nbytes,
+                   notif=b"", slot=st.slot + msg.offset, runs=(st.dst[a:b], st.nbytes[a:b]))
 
     def _direct_fallback(self, f: _InFlight, prank: Rank) -> None:
         self.metrics.staging_fallbacks += 1
@@ -316,12 +350,13 @@ class DecodeRank:
             else:
                 self._notify(f.remote.agents[prank], self._done(req, f.remote, prank))
 
-    def _scatter(self, f: _InFlight, r: _Read) -> None:
-        """Staging -> KV buffer for one staged read (runs on a post thread)."""
+    def _scatter(self, r: _Read) -> None:
+        """Staging -> KV buffer for one staged segment (runs on a post thread)."""
         from ..staging import scatter
-        req = f.req
-        (d,) = f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(r.prefill,))
-        scatter(self.staging, self.buf, d.dst - self.base, d.nbytes, r.slot)
+        t0 = time.perf_counter()
+        dst, nbytes = r.runs
+        scatter(self.staging, self.buf, dst - self.base, nbytes, r.slot)
+        self.metrics.scatter_seconds_sum += time.perf_counter() - t0
 
     def _notify(self, agent: str, msg: bytes) -> None:
         try:
@@ -343,7 +378,7 @@ class DecodeRank:
         to_notify = set(remote.agents.values())
         if f:
             # a completed read carried its notification; ranks with nothing to read were told at start
-            to_notify = {remote.agents[p] for p in f.pending_stage}
+            to_notify = {remote.agents[p] for p in f.pending_stage | f.notify_at_end}
             for r in f.reads:
                 if not self.transport.settle(r.xfer):
                     to_notify.add(r.xfer.peer)
@@ -367,8 +402,8 @@ class DecodeRank:
             try:
                 states = [self.transport.check(r.xfer) for r in f.reads]
                 for r, st in zip(f.reads, states):
-                    if st == "DONE" and r.slot is not None and r.scatter is None:
-                        r.scatter = self.transport.submit(self._scatter, f, r)
+                    if st == "DONE" and r.runs is not None and r.scatter is None:
+                        r.scatter = self.transport.submit(self._scatter, r)
                 scattering = [r.scatter for r in f.reads if r.scatter is not None]
                 for fut in scattering:
                     if fut.done():
@@ -384,6 +419,8 @@ class DecodeRank:
             if all(s == "DONE" for s in states) and all(fut.done() for fut in scattering):
                 self._release_reads(f)
                 del self.inflight[rid]
+                for prank in f.notify_at_end:  # staged reads carry no notification: tell the prefill now
+                    self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
                 self.metrics.observe_transfer(time.perf_counter() - f.started)
                 self.metrics.transfer_bytes += f.nbytes
                 self.metrics.descriptors += f.ndescs
@@ -419,8 +456,8 @@ class DecodeRank:
             if r.scatter is not None and not r.scatter.done():
                 r.scatter.exception()  # wait: the slot is in use until the scatter ends
             self.transport.release(r.xfer)
-            if r.slot is not None:
-                self.slots.free((f.req.req_id, r.prefill))
+        for prank in f.staged:
+            self.slots.free((f.req.req_id, prank))
 
     def _fail(self, rid: str, f: _InFlight, reason: str) -> None:
         self._release_reads(f)

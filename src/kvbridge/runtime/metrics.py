@@ -23,6 +23,8 @@ class Metrics:
     failed_handshakes: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
+    stage_wait_seconds_sum: float = 0.0
+    scatter_seconds_sum: float = 0.0
     durations: list[float] = field(default_factory=list, repr=False)
 
     def observe_transfer(self, seconds: float) -> None:
@@ -61,6 +63,8 @@ _HELP = {
     "failed_handshakes": ("counter", "failed handshakes"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
     "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),
+    "stage_wait_seconds_sum": ("counter", "total seconds from a stage request to the prefill's answer (its pack)"),
+    "scatter_seconds_sum": ("counter", "total seconds spent scattering staged bytes into KV blocks"),
 }
 
 

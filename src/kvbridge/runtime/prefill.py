@@ -43,10 +43,11 @@ class PrefillRank:
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
         self.mem = rank_memory(engine, *rank)
         self.buf = np.zeros(self.mem.size, dtype=np.uint8)
-        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}")
+        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False)
         self.base = self.transport.register(self.buf)
         # staged transfers: runs packed here for one decode rank, read with one descriptor
-        self.staging = np.zeros(staging_bytes, dtype=np.uint8)
+        self.staging = np.empty(staging_bytes, dtype=np.uint8)
+        self.staging.fill(0)  # touch every page now, not on the first request's critical path
         self.staging_addr = self.transport.register(self.staging) if staging_bytes else 0
         self.slots = SlotAllocator(staging_bytes)
         self._lowered: dict = {}  # (decode layout, decode rank) -> LoweredPlan (relative offsets)
@@ -89,7 +90,8 @@ class PrefillRank:
             # REQ peers (handshake) put an empty delimiter frame after the identity; DEALER peers
             # (stage requests) do not: answer in the same envelope
             envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
-            self.sock.send_multipart(envelope + self._answer(frames[len(envelope):]))
+            for answer in self._answers(frames[len(envelope):]):
+                self.sock.send_multipart(envelope + answer)
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
                 self._on_notif(agent, m)
@@ -99,29 +101,39 @@ class PrefillRank:
             self.expired.append(rid)
             self.metrics.expired_requests += 1
 
-    def _answer(self, body: list[bytes]) -> list[bytes]:
+    def _answers(self, body: list[bytes]):
+        """Replies to one side-channel message (a stage request gets one per packed segment, as packed)."""
         try:
             msg = unpack(body)
         except Exception as e:  # noqa: BLE001 - answer the peer, keep serving
-            return pack(ErrorReply(str(e)))
+            yield pack(ErrorReply(str(e)))
+            return
         if isinstance(msg, Stage):
-            return pack(self._stage(msg))
+            for reply in self._stage(msg):
+                yield pack(reply)
+            return
         if not isinstance(msg, GetMeta):
-            return pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta or stage"))
+            yield pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta or stage"))
+            return
         if tuple(msg.prefill_rank) != self.rank:
-            return pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}"))
+            yield pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}"))
+            return
         md = self.transport.metadata()
-        return pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
+        yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.base, self.buf.size,
                              self.staging.size))
 
     def _stage(self, msg: Stage):
-        """Pack this rank's runs of a request for one decode rank into the staging buffer."""
+        """Pack this rank's runs of a request for one decode rank into the staging buffer, segment by
+        segment, yielding a Staged reply as soon as each segment is packed (the decode reads segment k
+        while segment k+1 is packed)."""
         from ..staging import pack as pack_runs
+        from ..staging import segment_bounds
         lease = self.leases.get(msg.req_id)
         if lease is None:
-            return StageError(msg.req_id, f"request {msg.req_id!r} is unknown or its lease expired on prefill "
-                                          f"rank {self.rank}; its blocks may be reused: do not read them", expired=True)
+            yield StageError(msg.req_id, f"request {msg.req_id!r} is unknown or its lease expired on prefill "
+                                         f"rank {self.rank}; its blocks may be reused: do not read them", expired=True)
+            return
         try:
             key = (json_key(msg.decode_layout), tuple(msg.decode_rank))
             lp = self._lowered.get(key)
@@ -131,18 +143,26 @@ class PrefillRank:
             descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
                                                           blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
         except Exception as e:  # noqa: BLE001 - a bad request must not take the rank down
-            return StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
+            yield StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
+            return
         d = descs.get(self.rank)
         total = d.total_bytes if d is not None else 0
         slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
         off = self.slots.alloc(slot_key, total)
         if off is None:
-            return StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
-                                          f"used, {total} B asked); read directly")
-        if total:
-            pack_runs(self.buf, d.src, d.nbytes, self.staging[off:off + total])
+            yield StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
+                                         f"used, {total} B asked); read directly")
+            return
         lease.staged.add(slot_key)
-        return Staged(msg.req_id, self.staging_addr + off, total)
+        if not total:
+            yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True)
+            return
+        bounds = segment_bounds(d.nbytes, msg.segment_bytes)
+        pos = 0
+        for i, (a, b) in enumerate(bounds):
+            n = pack_runs(self.buf, d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
+            yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1)
+            pos += n
 
     def _on_notif(self, agent: str, raw: bytes) -> None:
         try:

@@ -5,8 +5,8 @@ checked before the payload is decoded, so a peer speaking another version gets a
 decode failure. Version history:
 
 1. initial: GetMeta / RankMeta / ErrorReply; Stage / Staged / StageError (staged transfers: the
-   prefill packs a request's runs for one decode rank into its staging buffer); Done notifications
-   over NIXL.
+   prefill packs a request's runs for one decode rank into its staging buffer, answering one Staged
+   per packed segment); Done notifications over NIXL.
 """
 from __future__ import annotations
 
@@ -50,12 +50,20 @@ class Stage(msgspec.Struct, tag="stage"):
     num_tokens: int
     prefill_blocks: dict[str, tuple[bytes, int]]
     decode_blocks: dict[str, tuple[bytes, int]]
+    segment_bytes: int = 16 << 20
 
 
 class Staged(msgspec.Struct, tag="staged"):
+    """One packed segment: bytes ``[offset, offset + nbytes)`` of the ``total``-byte packed stream (the
+    runs in lowered-plan order) are at ``addr``. Segments are answered as they are packed (pipelined);
+    ``last`` marks the final one."""
+
     req_id: str
     addr: int
     nbytes: int
+    offset: int = 0
+    total: int = 0
+    last: bool = True
 
 
 class StageError(msgspec.Struct, tag="stage_error"):

@@ -79,16 +79,18 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, agent_name: str, mem_type: str = "DRAM", device_id: int = 0,
-                 ucx_params: dict[str, str] | None = None, telemetry: bool = False, post_threads: int = 2):
+                 ucx_params: dict[str, str] | None = None, telemetry: bool = False, post_threads: int = 2,
+                 multi_threaded: bool = True):
         api = load_nixl_api()
         self.api = api
         self.agent_name = agent_name
         self.mem_type = mem_type
         self.device_id = device_id
-        # the agent is used from the caller's thread (poll, notify) and the post threads: RW sync
+        # an initiator uses the agent from the caller's thread (poll, notify) and the post threads: RW
+        # sync; a target (prefill) only calls it from its event loop: no locking
+        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if multi_threaded else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else ["UCX"],
-                                     capture_telemetry=telemetry,
-                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+                                     capture_telemetry=telemetry, sync_mode=sync)
         try:
             self.agent = api.nixl_agent(agent_name, conf)
             if ucx_params:
