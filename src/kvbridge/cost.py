@@ -64,12 +64,56 @@ class ModeChoice:
     why: str
 
 
+@dataclass(frozen=True, slots=True)
+class PairShape:
+    """Descriptor shape of one (decode rank, prefill rank) pair, per chunk of ``chunk_tokens`` tokens
+    (per-token groups) and per request (Mamba state)."""
+
+    runs_shuffled: float   # runs per chunk when consecutive chunks do not merge
+    runs_contiguous: float  # extra runs per chunk when block ids are consecutive (after merging)
+    bytes_per_chunk: float
+    state_runs: float
+    state_bytes: float
+
+    def runs(self, chunks: float, consecutive: float = 0.0) -> float:
+        """Descriptors for ``chunks`` chunks, ``consecutive`` (0..1) of them following their predecessor."""
+        per = consecutive * self.runs_contiguous + (1 - consecutive) * self.runs_shuffled
+        return chunks * per + self.state_runs
+
+    def nbytes(self, chunks: float) -> float:
+        return chunks * self.bytes_per_chunk + self.state_bytes
+
+
+def pair_shapes(lp) -> dict:
+    """:class:`PairShape` of each prefill rank of a :class:`~kvbridge.lower.LoweredPlan`."""
+    out = {}
+    for p, lows in lp.by_prefill.items():
+        rs = rc = b = sr = sb = 0.0
+        for low in lows:
+            t = low.templates[lp.chunk_tokens if low.per_token else 1]
+            if low.per_token:
+                rs += t.nbytes.size
+                rc += max(t.runs_two_chunks - t.nbytes.size, 0)
+                b += float(t.nbytes.sum())
+            else:
+                sr += t.nbytes.size
+                sb += float(t.nbytes.sum())
+        out[p] = PairShape(rs, rc, b, sr, sb)
+    return out
+
+
+def pick(model: CostModel, runs: float, nbytes: float) -> str:
+    return "staged" if model.staged_us(runs, nbytes) < model.direct_us(runs, nbytes) else "direct"
+
+
 def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True,
                  decode_ranks=None) -> list[ModeChoice]:
-    """Pick direct or staged for each (decode rank, prefill rank) pair of ``plan``.
+    """Pick direct or staged for each (decode rank, prefill rank) pair of ``plan``, per block.
 
     ``shuffled``: assume block ids are not consecutive (the common case in a busy engine), so runs do
-    not merge across blocks; otherwise count the runs left after merging consecutive blocks.
+    not merge across blocks; otherwise count the runs left after merging consecutive blocks. At run
+    time, ``auto`` mode re-decides per request from the request's own block ids
+    (:meth:`PairShape.runs`).
     """
     from .lower import LoweredPlan
     model = model or CostModel.load()
@@ -77,18 +121,14 @@ def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: b
     bs = max(plan.prefill.block_size, plan.decode.block_size)
     for d in decode_ranks if decode_ranks is not None else plan.decode.ranks():
         lp = LoweredPlan(plan, d)
-        for p, lows in lp.by_prefill.items():
-            runs = nbytes = 0.0
-            for low in lows:
-                t = low.templates[lp.chunk_tokens if low.per_token else 1]
-                k = bs // lp.chunk_tokens if low.per_token else 0  # chunks per block; Mamba: per request
-                per_chunk = t.nbytes.size if shuffled else max(t.runs_two_chunks - t.nbytes.size, t.nbytes.size / 64)
-                runs += per_chunk * k
-                nbytes += float(t.nbytes.sum()) * k
-            if runs == 0:
+        for p, shape in pair_shapes(lp).items():
+            chunks = bs / lp.chunk_tokens if shape.bytes_per_chunk else 0
+            runs = shape.runs(chunks, 0.0 if shuffled else 1.0) - shape.state_runs
+            nbytes = shape.nbytes(chunks) - shape.state_bytes
+            if runs <= 0:
                 continue
             direct, staged = model.direct_us(runs, nbytes), model.staged_us(runs, nbytes)
-            mode = "staged" if staged < direct else "direct"
+            mode = pick(model, runs, nbytes)
             why = (f"per block: direct {direct:.1f} us ({runs:.0f} descs x {model.per_desc_us} us + wire) vs "
                    f"staged {staged:.1f} us (wire + 2 copies at {model.copy_gbps} GB/s)")
             out.append(ModeChoice(d, p, runs, int(nbytes / runs), mode, why))

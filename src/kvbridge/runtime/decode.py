@@ -37,8 +37,9 @@ class RemoteEngine:
     readers: dict         # prefill rank -> number of decode ranks reading it (for the notification)
     endpoints: dict       # prefill rank -> "host:port" of its side channel
     digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
-    modes: dict           # prefill rank -> "direct" | "staged" (cost model, or forced)
-    stage_socks: dict     # prefill rank -> DEALER socket for stage requests (staged ranks only)
+    modes: dict           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
+    stage_socks: dict     # prefill rank -> DEALER socket for stage requests (ranks that can stage)
+    shapes: dict          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
 
 
     def summary(self) -> dict:
@@ -135,7 +136,9 @@ class DecodeRank:
         self.buf = np.empty(self.mem.size, dtype=np.uint8)
         self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}")
         self.base = self.transport.register(self.buf)
-        self.transfer_mode, self.cost_model, self.stage_timeout_s = transfer_mode, cost_model, stage_timeout_s
+        from ..cost import CostModel
+        self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
+        self.cost_model = cost_model or CostModel.load()
         self.staging = np.empty(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
         self.staging.fill(0)  # touch every page now, not on the first request's critical path
         self.staging_addr = self.transport.register(self.staging) if self.staging.size else 0
@@ -218,15 +221,17 @@ class DecodeRank:
         lowered = LoweredPlan(plan, self.rank, bases, self.base)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
+        can_stage = {p for p in plan.prefill_ranks_for(self.rank)
+                     if metas[p].staging_bytes and self.staging.size and self.transfer_mode != "direct"}
         socks = {}
-        for prank, mode in modes.items():
-            if mode == "staged":
-                sock = self.ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"tcp://{endpoints[prank]}")
-                socks[prank] = sock
+        for prank in can_stage:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{endpoints[prank]}")
+            socks[prank] = sock
+        from ..cost import pair_shapes
         return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
-                            modes, socks)
+                            modes, socks, pair_shapes(lowered))
 
     def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
         """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
@@ -262,8 +267,9 @@ class DecodeRank:
             self.failed[req.req_id] = "lease expired before the read: the prefill may have freed the blocks"
             return
         t0 = time.perf_counter()
-        direct = [p for p, m in remote.modes.items() if m == "direct"]
-        staged = [p for p, m in remote.modes.items() if m == "staged"]
+        modes = self._request_modes(remote, req) if self.transfer_mode == "auto" else remote.modes
+        direct = [p for p, m in modes.items() if m == "direct"]
+        staged = [p for p, m in modes.items() if m == "staged"]
         descs = {d.prefill: d for d in remote.lowered.descriptors(req.num_tokens, req.prefill_blocks,
                                                                     req.decode_blocks, only=direct)}
         f = _InFlight(req, remote, [], time.perf_counter(), 0, 0)
@@ -290,6 +296,31 @@ class DecodeRank:
             self.metrics.finished_requests += 1
             return
         self.inflight[req.req_id] = f
+
+    def _request_modes(self, remote: RemoteEngine, req: ReadRequest) -> dict:
+        """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
+        mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
+        from ..cost import pick
+        model = self.cost_model
+        chunks, frac = 0.0, 0.0
+        for g in remote.layout.model.groups:
+            if not g.per_token or g.name not in req.decode_blocks:
+                continue
+            ids_d, ids_p = req.decode_blocks[g.name].block_ids, req.prefill_blocks[g.name].block_ids
+            n = ids_d.size * self.engine.block_size / remote.lowered.chunk_tokens
+            if n > chunks:
+                chunks = n
+                fd = float(np.mean(np.diff(ids_d) == 1)) if ids_d.size > 1 else 0.0
+                fp = float(np.mean(np.diff(ids_p) == 1)) if ids_p.size > 1 else 0.0
+                frac = min(fd, fp)
+        out = {}
+        for p, m in remote.modes.items():
+            shape = remote.shapes.get(p)
+            if p not in remote.stage_socks or shape is None:
+                out[p] = "direct"
+            else:
+                out[p] = pick(model, shape.runs(chunks, frac), shape.nbytes(chunks))
+        return out
 
     def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok))
