@@ -80,7 +80,9 @@ def cmd_plan(args) -> int:
                   str(jr["bytes_per_request"] or ""))
     console.print(t)
     modes = choose_modes(plan)
-    mt = Table(title="transfer mode per (decode rank, prefill rank), chosen by the cost model")
+    from .cost import CostModel
+    mt = Table(title="transfer mode per (decode rank, prefill rank), chosen by the cost model for shuffled blocks "
+                     f"({CostModel.load().source}); auto mode re-decides per request from its block ids")
     for c in ("decode", "prefill", "runs/block", "bytes/run", "mode", "why"):
         mt.add_column(c)
     for m in modes:
