@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from strategies import random_models
 from hypothesis import strategies as st
 
 from kvbridge.errors import RequestError
@@ -346,35 +347,10 @@ def test_oracle_sweep(prefill, decode):
     assert res.ok
 
 
-HEADS = [1, 2, 4, 8, 3, 6, 12, 16]
 
 
-@st.composite
-def small_models(draw):
-    ng = draw(st.integers(1, 3))
-    nl = draw(st.integers(ng, 8))
-    owner = draw(st.lists(st.integers(-1, ng - 1), min_size=nl, max_size=nl))
-    for gi, pos in enumerate(draw(st.permutations(range(nl)))[:ng]):
-        owner[pos] = gi
-    groups = []
-    for gi in range(ng):
-        layers = tuple(i for i, o in enumerate(owner) if o == gi)
-        kind = draw(st.sampled_from(["full_attention", "sliding_window", "mla", "mamba"]))
-        dtype = draw(st.sampled_from(["bfloat16", "float32", "fp8"]))
-        if kind == "mla":
-            groups.append(CacheGroup(f"g{gi}", kind, layers, dtype, head_dim=draw(st.integers(1, 8))))
-        elif kind == "mamba":
-            nh = draw(st.sampled_from(HEADS))
-            groups.append(CacheGroup(f"g{gi}", kind, layers, dtype, mamba=MambaSpec(
-                num_heads=nh, head_dim=draw(st.integers(1, 2)), d_state=draw(st.integers(1, 4)),
-                conv_kernel=draw(st.integers(2, 4)),
-                n_groups=draw(st.sampled_from([0] + [x for x in HEADS if nh % x == 0])),
-                ssm_dtype=draw(st.sampled_from(["float32", "bfloat16"])))))
-        else:
-            groups.append(CacheGroup(f"g{gi}", kind, layers, dtype, num_heads=draw(st.sampled_from(HEADS)),
-                                     head_dim=draw(st.integers(1, 8)),
-                                     sliding_window=draw(st.integers(1, 24)) if kind == "sliding_window" else None))
-    return ModelSpec("rand", nl, tuple(groups))
+def small_models():
+    return random_models(max_layers=8, max_window=24)
 
 
 @st.composite

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from strategies import random_models
 from hypothesis import strategies as st
 
 from kvbridge.errors import IncompatibleLayoutsError, LayoutError
@@ -551,37 +552,10 @@ def test_json_mamba_heads_are_ssm_heads():
 # Properties over random models and topologies
 # --------------------------------------------------------------------------------------------------
 
-HEADS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 
-@st.composite
-def models(draw):
-    ng = draw(st.integers(1, 3))
-    nl = draw(st.integers(ng, 12))
-    owner = draw(st.lists(st.integers(-1, ng - 1), min_size=nl, max_size=nl))
-    forced = draw(st.permutations(range(nl)))[:ng]
-    for gi, pos in enumerate(forced):
-        owner[pos] = gi
-    groups = []
-    for gi in range(ng):
-        layers = tuple(i for i, o in enumerate(owner) if o == gi)
-        kind = draw(st.sampled_from(["full_attention", "sliding_window", "mla", "mamba"]))
-        dtype = draw(st.sampled_from(["bfloat16", "float32", "fp8"]))
-        name = f"g{gi}"
-        if kind == "mla":
-            groups.append(CacheGroup(name, kind, layers, dtype, head_dim=draw(st.integers(1, 8))))
-        elif kind == "mamba":
-            nh = draw(st.sampled_from(HEADS))
-            ng_ = draw(st.sampled_from([0] + [d for d in HEADS if nh % d == 0]))
-            groups.append(CacheGroup(name, kind, layers, dtype, mamba=MambaSpec(
-                num_heads=nh, head_dim=draw(st.integers(1, 2)), d_state=draw(st.integers(1, 4)),
-                conv_kernel=draw(st.integers(2, 4)), n_groups=ng_,
-                ssm_dtype=draw(st.sampled_from(["float32", "bfloat16"])))))
-        else:
-            groups.append(CacheGroup(name, kind, layers, dtype, num_heads=draw(st.sampled_from(HEADS)),
-                                     head_dim=draw(st.integers(1, 8)),
-                                     sliding_window=draw(st.integers(1, 40)) if kind == "sliding_window" else None))
-    return ModelSpec("rand", nl, tuple(groups))
+def models():
+    return random_models(max_layers=12, max_window=40)
 
 
 def model_tps(model: ModelSpec, up_to: int) -> list[int]:
