@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ import numpy as np
 from ..errors import HandshakeError, TransferError, TransportUnavailableError
 
 _API = None
+# NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
+# small CPU machine every idle rank then burns a whole core (measured: 100% per process). kvbridge
+# sets a delay (microseconds) between progress calls instead; 0 restores NIXL's behaviour.
+PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "200"))
 
 
 def load_nixl_api():
@@ -92,7 +97,7 @@ class NixlTransport:
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else ["UCX"],
                                      capture_telemetry=telemetry, sync_mode=sync)
         try:
-            self.agent = api.nixl_agent(agent_name, conf)
+            self.agent = _make_agent(api, agent_name, conf, PROGRESS_DELAY_US)
             if ucx_params:
                 self.agent.create_backend("UCX", dict(ucx_params))
         except Exception as e:  # noqa: BLE001
@@ -254,6 +259,22 @@ class NixlTransport:
                 pass
         for p in list(self._peers):
             self.remove_peer(p)
+
+
+def _make_agent(api, name: str, conf, progress_delay_us: int):
+    """``nixl_agent(name, conf)`` with the progress thread's delay set (the Python API hard-codes 0)."""
+    bind = api.nixlBind
+    real = bind.nixlAgent
+
+    def agent_with_delay(agent_name, agent_config):
+        agent_config.pthrDelay = progress_delay_us
+        return real(agent_name, agent_config)
+
+    bind.nixlAgent = agent_with_delay
+    try:
+        return api.nixl_agent(name, conf)
+    finally:
+        bind.nixlAgent = real
 
 
 def _run_into(fut: Future, fn) -> None:
