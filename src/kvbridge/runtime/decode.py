@@ -95,6 +95,7 @@ class _InFlight:
     notify_at_end: set = field(default_factory=set)  # staged ranks: their reads carry no notification
     stage_deadline: float = 0.0
     stage_sent: float = 0.0
+    started_mono: float = field(default_factory=time.monotonic)
 
     @property
     def xfers(self) -> list:
@@ -128,7 +129,7 @@ class DecodeRank:
     def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, transport=None,
                  handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
-                 stage_timeout_s: float = 10.0):
+                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -138,6 +139,9 @@ class DecodeRank:
         self.base = self.transport.register(self.buf)
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
+        self.transfer_timeout_s, self.release_timeout_s = transfer_timeout_s, release_timeout_s
+        self._layout_dict = engine_to_dict(engine)  # sent with stage requests
+        self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()
         self.staging = np.empty(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
         self.staging.fill(0)  # touch every page now, not on the first request's critical path
@@ -209,15 +213,12 @@ class DecodeRank:
             if prank not in metas:
                 metas[prank] = self._get(engine_id, endpoints, prank)
         agents, bases = {}, {}
-        for prank in needed:
-            m = metas[prank]
-            if m.model_fingerprint != first.model_fingerprint or m.layout != first.layout:
-                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} reports a different layout than rank (0,0)")
-            if m.buffer_size < rank_memory(layout, *prank).size:
-                raise HandshakeError(f"prefill rank {prank} registered {m.buffer_size} B, its layout needs "
-                                     f"{rank_memory(layout, *prank).size} B")
-            agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
-            bases[prank] = m.base_addr
+        try:
+            self._add_peers(engine_id, layout, first, metas, needed, agents, bases)
+        except BaseException:
+            for agent in agents.values():  # no half-added engine
+                self.transport.remove_peer(agent)
+            raise
         lowered = LoweredPlan(plan, self.rank, bases, self.base)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
@@ -233,6 +234,17 @@ class DecodeRank:
         return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
                             modes, socks, pair_shapes(lowered))
 
+    def _add_peers(self, engine_id, layout, first, metas, needed, agents, bases) -> None:
+        for prank in needed:
+            m = metas[prank]
+            if m.model_fingerprint != first.model_fingerprint or m.layout != first.layout:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} reports a different layout than rank (0,0)")
+            if m.buffer_size < rank_memory(layout, *prank).size:
+                raise HandshakeError(f"prefill rank {prank} registered {m.buffer_size} B, its layout needs "
+                                     f"{rank_memory(layout, *prank).size} B")
+            agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
+            bases[prank] = m.base_addr
+
     def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
         """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
         reads = plan.prefill_ranks_for(self.rank)
@@ -245,8 +257,13 @@ class DecodeRank:
             chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank])}
         return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}
 
-    def forget(self, engine_id: str) -> None:
-        """Drop a remote engine (dead or gone): remove its agents; a later handshake starts fresh."""
+    def forget(self, engine_id: str, reason: str = "the prefill engine was forgotten (re-handshake)",
+               dead: bool = False) -> None:
+        """Drop a remote engine (dead or gone): fail its requests in flight, remove its agents; a later
+        handshake starts fresh."""
+        for rid, f in list(self.inflight.items()):
+            if f.remote.engine_id == engine_id:
+                self._fail(rid, f, reason, notify=not dead)
         remote = self.remotes.pop(engine_id, None)
         if remote is not None:
             for agent in remote.agents.values():
@@ -283,11 +300,14 @@ class DecodeRank:
             self._post(f, prank, d.src, d.dst, d.nbytes)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
-            layout = engine_to_dict(self.engine)
+            layout = self._layout_dict
             for prank in staged:
-                remote.stage_socks[prank].send_multipart(pack(Stage(
-                    req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d)))
-                f.pending_stage.add(prank)
+                try:
+                    remote.stage_socks[prank].send_multipart(pack(Stage(
+                        req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d)), zmq.NOBLOCK)
+                    f.pending_stage.add(prank)
+                except zmq.Again:  # prefill not connected or its queue is full: read directly
+                    self._direct_fallback(f, prank)
             f.stage_deadline = time.monotonic() + self.stage_timeout_s
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
@@ -362,10 +382,20 @@ class DecodeRank:
                 return
             req = f.req
             (d,) = f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
+            if d.total_bytes != msg.total:
+                self.slots.free((req.req_id, prank))
+                self._fail(req.req_id, f, f"prefill rank {prank} packed {msg.total} B but this rank expects "
+                                          f"{d.total_bytes} B: the two sides lower differently (same kvbridge release?)")
+                return
             st = f.staged[prank] = _Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
             f.notify_at_end.add(prank)
             self.metrics.staged_transfers += 1
         a, b = np.searchsorted(st.starts, [msg.offset, msg.offset + msg.nbytes])
+        if (msg.offset + msg.nbytes > msg.total or a >= st.starts.size or st.starts[a] != msg.offset
+                or int(st.nbytes[a:b].sum()) != msg.nbytes):
+            self._fail(f.req.req_id, f, f"prefill rank {prank} sent a segment [{msg.offset}, +{msg.nbytes}) that "
+                                        "does not start and end on run boundaries of this rank's lowering")
+            return
         one = np.ones(1, dtype=np.int64)
         # no notification on segment reads: Done is sent once every segment is read (the prefill frees
         # its staging slot on Done, and segments may complete out of order)
@@ -396,76 +426,77 @@ class DecodeRank:
             self.metrics.failed_notifications += 1
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
-        """Abort a request: tell its prefill ranks to free the blocks (waits for posted copies to end).
+        """Abort a request: tell its prefill ranks to free the blocks.
 
-        In flight: a read that completed already carried its notification, so only the prefill ranks
-        whose read did not complete are told. Not started (``readers_of`` given): every rank is told.
+        In flight: reads are settled first (a read still in progress keeps its memory until it ends);
+        a completed direct read carried its notification, every other prefill rank is told now. Not
+        started (``readers_of`` given): every prefill rank this rank notifies is told.
         """
         f = self.inflight.pop(req_id, None)
-        remote = f.remote if f else (self.remotes.get(readers_of.engine_id) if readers_of else None)
-        if remote is None:
-            self.metrics.aborted_requests += 1
-            return
-        to_notify = set(remote.agents.values())
-        if f:
-            # a completed read carried its notification; ranks with nothing to read were told at start
-            to_notify = {remote.agents[p] for p in f.pending_stage | f.notify_at_end}
-            for r in f.reads:
-                if not self.transport.settle(r.xfer):
-                    to_notify.add(r.xfer.peer)
-            self._release_reads(f)
-        for p, agent in remote.agents.items():
-            if agent in to_notify:
-                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], ok=False)))
         self.metrics.aborted_requests += 1
+        if f is not None:
+            self._notify_failed(f, self._release_reads(f))
+            return
+        remote = self.remotes.get(readers_of.engine_id) if readers_of else None
+        if remote is not None:
+            for p, agent in remote.agents.items():
+                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], ok=False)))
 
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """Advance in-flight requests; return (finished ids, {failed id: reason}) since the last call."""
         dead_engines = set()
         self._drain_stage_replies()
+        self._reap_zombies()
         now = time.monotonic()
         for rid, f in list(self.inflight.items()):
-            if f.pending_stage:
-                if now > f.stage_deadline:
-                    self._fail(rid, f, f"prefill engine {f.remote.engine_id!r} ranks {sorted(f.pending_stage)} did not "
-                                       f"answer the stage request within {self.stage_timeout_s:g} s (dead or overloaded)")
+            if f.pending_stage and now > f.stage_deadline:
+                self._fail(rid, f, f"prefill engine {f.remote.engine_id!r} ranks {sorted(f.pending_stage)} did not "
+                                   f"answer the stage request within {self.stage_timeout_s:g} s (dead or overloaded)")
+                continue
+            if now - f.started_mono > self.transfer_timeout_s:
+                self._fail(rid, f, f"request not done after transfer_timeout_s={self.transfer_timeout_s:g} s")
                 continue
             try:
                 states = [self.transport.check(r.xfer) for r in f.reads]
-                for r, st in zip(f.reads, states):
+                for r, st in zip(f.reads, states):  # scatter staged segments as their reads complete
                     if st == "DONE" and r.runs is not None and r.scatter is None:
                         r.scatter = self.transport.submit(self._scatter, r)
                 scattering = [r.scatter for r in f.reads if r.scatter is not None]
-                for fut in scattering:
-                    if fut.done():
-                        fut.result()
+                done = [fut for fut in scattering if fut.done()]
+                for fut in done:
+                    fut.result()  # raises what the scatter raised
             except TransferError as e:
-                self._fail(rid, f, str(e))
+                self._fail(rid, f, str(e), notify=False)
                 if "disconnect" in str(e).lower():
                     dead_engines.add(f.remote.engine_id)
                 continue
             except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
                 self._fail(rid, f, f"scatter failed: {type(e).__name__}: {e}")
                 continue
-            if all(s == "DONE" for s in states) and all(fut.done() for fut in scattering):
-                self._release_reads(f)
-                del self.inflight[rid]
-                for prank in f.notify_at_end:  # staged reads carry no notification: tell the prefill now
-                    self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
-                self.metrics.observe_transfer(time.perf_counter() - f.started)
-                self.metrics.transfer_bytes += f.nbytes
-                self.metrics.descriptors += f.ndescs
-                self.metrics.finished_requests += 1
-                self.finished.append(rid)
+            if f.pending_stage or not all(st == "DONE" for st in states) or len(done) < len(scattering):
+                continue
+            if time.time() > f.req.expires_at:
+                self._fail(rid, f, "the prefill's lease expired during the read: its blocks may have been reused, "
+                                   "the data is not trusted")
+                continue
+            self._release_reads(f)
+            del self.inflight[rid]
+            for prank in f.notify_at_end:  # staged reads carry no notification: tell the prefill now
+                self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
+            self.metrics.observe_transfer(time.perf_counter() - f.started)
+            self.metrics.transfer_bytes += f.nbytes
+            self.metrics.descriptors += f.ndescs
+            self.metrics.finished_requests += 1
+            self.finished.append(rid)
         for eid in dead_engines:
-            # every other request in flight to the dead engine fails too, then its agents go
-            for rid, f in list(self.inflight.items()):
-                if f.remote.engine_id == eid:
-                    self._fail(rid, f, f"prefill engine {eid!r} disconnected")
-            self.forget(eid)
+            self._fail_engine(eid, f"prefill engine {eid!r} disconnected")
         out, failed = self.finished, self.failed
         self.finished, self.failed = [], {}
         return out, failed
+
+    def _fail_engine(self, engine_id: str, reason: str) -> None:
+        """Fail every request in flight to a dead engine, then forget it."""
+        self.forget(engine_id, reason, dead=True)
 
     def _drain_stage_replies(self) -> None:
         for remote in self.remotes.values():
@@ -482,20 +513,58 @@ class DecodeRank:
                     if isinstance(msg, (Staged, StageError)):
                         self._on_stage_reply(msg, prank)
 
-    def _release_reads(self, f: _InFlight) -> None:
-        for r in f.reads:
-            if r.scatter is not None and not r.scatter.done():
-                r.scatter.exception()  # wait: the slot is in use until the scatter ends
-            self.transport.release(r.xfer)
-        for prank in f.staged:
-            self.slots.free((f.req.req_id, prank))
+    def _release_reads(self, f: _InFlight) -> set:
+        """Release a request's reads and staging slots once nothing can still write into them.
 
-    def _fail(self, rid: str, f: _InFlight, reason: str) -> None:
-        self._release_reads(f)
+        Returns the prefill ranks whose reads did not all complete. A read still in progress (RDMA or
+        TCP transports return PROC) is not released: it is parked with its slot until it settles, so
+        a late write can never land in memory that was handed to someone else.
+        """
+        incomplete, parked = set(), []
+        for r in f.reads:
+            state = self.transport.settle(r.xfer, self.release_timeout_s)
+            if r.scatter is not None:
+                r.scatter.exception()  # wait: the slot is in use until the scatter ends
+            if state is None:
+                parked.append(r)
+                incomplete.add(r.prefill)
+                continue
+            if not state:
+                incomplete.add(r.prefill)
+            self.transport.release(r.xfer)
+        if parked:
+            self._zombies.append((f.req.req_id, list(f.staged), parked))
+        else:
+            for prank in f.staged:
+                self.slots.free((f.req.req_id, prank))
+        return incomplete
+
+    def _reap_zombies(self) -> None:
+        for item in list(self._zombies):
+            rid, pranks, reads = item
+            if all(self.transport.settle(r.xfer, 0) is not None for r in reads):
+                for r in reads:
+                    self.transport.release(r.xfer)
+                for prank in pranks:
+                    self.slots.free((rid, prank))
+                self._zombies.remove(item)
+
+    def _fail(self, rid: str, f: _InFlight, reason: str, notify: bool = True) -> None:
+        """Fail a request: settle and release its reads, then (unless its engine is dead) tell the prefill
+        ranks that did not get a Done with a completed read, so they free blocks and staging now."""
+        incomplete = self._release_reads(f)
         self.inflight.pop(rid, None)
         self.failed[rid] = reason
-        self.metrics.failed_transfers += max(1, len(f.reads))
+        self.metrics.failed_transfers += max(1, len(incomplete))
         self.metrics.failed_requests += 1
+        if notify:
+            self._notify_failed(f, incomplete)
+
+    def _notify_failed(self, f: _InFlight, incomplete: set) -> None:
+        ranks = set(f.pending_stage) | set(f.notify_at_end) | incomplete
+        for p in ranks:
+            if p in f.remote.agents:
+                self._notify(f.remote.agents[p], self._done(f.req, f.remote, p, ok=False))
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, str]]:
         """Poll until nothing is in flight (or timeout); returns everything finished/failed meanwhile."""
@@ -516,8 +585,8 @@ class DecodeRank:
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
-        for rid, f in list(self.inflight.items()):
-            self._fail(rid, f, "decode rank closing")
+        for eid in list(self.remotes):
+            self.forget(eid, "decode rank closing")
         self.transport.close()
 
     # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------

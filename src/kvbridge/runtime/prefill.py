@@ -69,6 +69,8 @@ class PrefillRank:
     def add_request(self, req_id: str, blocks: dict[str, GroupBlocks], lease_s: float | None = None) -> float:
         """Hold ``blocks`` for ``req_id`` until its readers are done or the lease expires; returns expiry."""
         exp = time.time() + (self.lease_s if lease_s is None else lease_s)
+        if req_id in self.leases:  # re-registered: its staging slots go back first
+            self._release(req_id)
         self.leases[req_id] = Lease(req_id, blocks, exp)
         return exp
 

@@ -141,6 +141,7 @@ class Worker:
         self.proc.start()
         child.close()
         self.info: dict | None = None
+        self.broken = False
 
     def ready(self, timeout: float = 120.0) -> dict:
         if self.info is None:
@@ -148,7 +149,10 @@ class Worker:
         return self.info
 
     def _recv(self, timeout: float):
+        if self.broken:
+            raise WorkerError(f"{self.role} rank {self.rank} missed an earlier answer; its replies are out of step")
         if not self.conn.poll(timeout):
+            self.broken = True  # a late answer would be taken for the next call's
             raise WorkerError(f"{self.role} rank {self.rank} did not answer within {timeout:g} s")
         try:
             msg = self.conn.recv()

@@ -13,7 +13,9 @@ class SlotAllocator:
         self.used: dict[object, tuple[int, int]] = {}
 
     def alloc(self, key, size: int) -> int | None:
-        """Offset of a new extent for ``key``, or None if no free extent is large enough."""
+        """Offset of a new extent for ``key``, or None if no free extent is large enough. A key that
+        already holds an extent gives it back first (a retried request must not leak the old one)."""
+        self.free(key)
         size = max(ALIGN, -(-size // ALIGN) * ALIGN)
         for i, (off, n) in enumerate(self._free):
             if n >= size:

@@ -25,8 +25,8 @@ class Transport(Protocol):
     def check(self, handle: XferHandle) -> str:
         """"DONE" or "PROC"; raises :class:`~kvbridge.errors.TransferError` on failure."""
 
-    def settle(self, handle: XferHandle) -> bool:
-        """Wait until the posted transfer has ended; True if it completed."""
+    def settle(self, handle: XferHandle, timeout_s: float = 5.0) -> bool | None:
+        """Wait up to ``timeout_s`` for the transfer to end: True completed, False failed, None still running."""
 
     def release(self, handle: XferHandle) -> None: ...
 

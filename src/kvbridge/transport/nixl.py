@@ -14,7 +14,9 @@ import hashlib
 import importlib
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -212,13 +214,26 @@ class NixlTransport:
             raise TransferError(f"NIXL transfer from {x.peer!r} failed (state ERR)", peer=x.peer)
         return state
 
-    def settle(self, x: NixlXfer) -> bool:
-        """Wait for the post to end; True if the transfer completed (so its notification went out)."""
+    def settle(self, x: NixlXfer, timeout_s: float = 5.0) -> bool | None:
+        """Wait up to ``timeout_s`` for the transfer to end: True if it completed (its notification went
+        out), False if it failed, None if it is still in progress (do not free its memory yet)."""
+        deadline = time.monotonic() + timeout_s
         try:
-            x.future.result()
-            return self.agent.check_xfer_state(x.handle) == "DONE"
-        except Exception:  # noqa: BLE001 - failed or cancelled
+            x.future.result(timeout=max(0.0, timeout_s))
+        except FutureTimeout:
+            return None
+        except Exception:  # noqa: BLE001 - the post failed
             return False
+        while True:
+            try:
+                state = self.agent.check_xfer_state(x.handle)
+            except Exception:  # noqa: BLE001 - failed (e.g. remote disconnect)
+                return False
+            if state != "PROC":
+                return state == "DONE"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(1e-4)
 
     def release(self, x: NixlXfer) -> None:
         if x.released:

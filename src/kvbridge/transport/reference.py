@@ -67,8 +67,8 @@ class ReferenceTransport:
             raise TransferError(f"unknown or released handle {handle}")
         return "DONE"
 
-    def settle(self, handle) -> bool:
-        return handle in self._live
+    def settle(self, handle, timeout_s: float = 0.0) -> bool | None:
+        return handle in self._live  # copies are done when read() returns
 
     def release(self, handle) -> None:
         self._live.discard(handle)
