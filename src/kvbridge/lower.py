@@ -219,15 +219,16 @@ class LoweredPlan:
             parts_s, parts_d, parts_n = [], [], []
             for low in lows:
                 gname = low.read.group
-                s, d, n = self._lower_read(low, ranges[gname], prefill_blocks[gname], decode_blocks[gname])
+                s, d, n = self._lower_read(low, ranges[gname], prefill_blocks[gname], decode_blocks[gname],
+                                           self.prefill_bases[prank], self.decode_base)
                 if s.size:
                     parts_s.append(s)
                     parts_d.append(d)
                     parts_n.append(n)
-            if parts_s:
-                src = np.concatenate(parts_s) + self.prefill_bases[prank]
-                dst = np.concatenate(parts_d) + self.decode_base
-                nb = np.concatenate(parts_n)
+            if len(parts_s) == 1:
+                src, dst, nb = parts_s[0], parts_d[0], parts_n[0]
+            elif parts_s:
+                src, dst, nb = np.concatenate(parts_s), np.concatenate(parts_d), np.concatenate(parts_n)
             else:
                 src = dst = nb = np.empty(0, dtype=np.int64)
             out.append(Descriptors(prank, src, dst, nb))
@@ -258,12 +259,16 @@ class LoweredPlan:
                 ranges[g.name] = (0, 1)
         return ranges
 
-    def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks):
+    def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks, base_s: int = 0,
+                    base_d: int = 0):
+        """Descriptors of one read; the buffer bases are added to the per-chunk offsets (small arrays)."""
         t0, t1 = trange
         if not low.per_token:
             t = low.templates[1]
-            return (t.src_rel + int(pb.block_ids[0]) * rank_memory(self.prefill, *low.read.prefill).region(low.read.group).block_stride,
-                    t.dst_rel + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride, t.nbytes)
+            p_stride = rank_memory(self.prefill, *low.read.prefill).region(low.read.group).block_stride
+            return (t.src_rel + (base_s + int(pb.block_ids[0]) * p_stride),
+                    t.dst_rel + (base_d + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride),
+                    t.nbytes)
         if t1 <= t0:
             e = np.empty(0, dtype=np.int64)
             return e, e, e
@@ -279,8 +284,8 @@ class LoweredPlan:
                 continue
             tpl = self._template(low, ntok)
             cs = start + np.arange(count, dtype=np.int64) * g
-            s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride
-            d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride
+            s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride + base_s
+            d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride + base_d
             if tpl.run_major:
                 s = (tpl.src_rel[:, None] + s_chunk[None, :]).ravel()
                 d = (tpl.dst_rel[:, None] + d_chunk[None, :]).ravel()
