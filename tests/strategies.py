@@ -35,3 +35,13 @@ def random_models(draw, max_layers: int = 12, max_window: int = 40):
                                      head_dim=draw(st.integers(1, 8)),
                                      sliding_window=draw(st.integers(1, max_window)) if kind == "sliding_window" else None))
     return ModelSpec("rand", nl, tuple(groups))
+
+
+@st.composite
+def random_pp_layers(draw, num_layers: int, pp: int):
+    """None (vLLM's default split) or random uneven contiguous stages."""
+    if pp == 1 or not draw(st.booleans()):
+        return None
+    cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
+    b = [0, *cuts, num_layers]
+    return tuple(zip(b, b[1:]))

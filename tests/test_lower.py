@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import random_models
+from strategies import random_models, random_pp_layers
 from hypothesis import strategies as st
 
 from kvbridge.errors import RequestError
@@ -367,12 +367,7 @@ def random_pairs(draw):
     sides = []
     for role in ("prefill", "decode"):
         pp = draw(st.integers(1, min(3, model.num_layers)))
-        pp_layers = None
-        if pp > 1 and draw(st.booleans()):
-            cuts = sorted(draw(st.lists(st.integers(1, model.num_layers - 1), min_size=pp - 1, max_size=pp - 1,
-                                        unique=True)))
-            b = [0, *cuts, model.num_layers]
-            pp_layers = tuple(zip(b, b[1:]))
+        pp_layers = draw(random_pp_layers(model.num_layers, pp))
         e = EngineLayout(model, tp=draw(st.sampled_from(sorted(tps))), pp=pp, pp_layers=pp_layers,
                          block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
                          memory=MemoryLayout.parse(draw(st.sampled_from(list(LAYOUT_PRESETS)))),

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import random_models
+from strategies import random_models, random_pp_layers
 from hypothesis import strategies as st
 
 from kvbridge.errors import IncompatibleLayoutsError, LayoutError
@@ -570,12 +570,7 @@ def model_tps(model: ModelSpec, up_to: int) -> list[int]:
 def engine_of(draw, model: ModelSpec, max_tp: int, role: str):
     tp = draw(st.sampled_from(model_tps(model, max_tp)))
     pp = draw(st.integers(1, min(4, model.num_layers)))
-    pp_layers = None
-    if pp > 1 and draw(st.booleans()):
-        cuts = sorted(draw(st.lists(st.integers(1, model.num_layers - 1), min_size=pp - 1, max_size=pp - 1,
-                                    unique=True)))
-        b = [0, *cuts, model.num_layers]
-        pp_layers = tuple(zip(b, b[1:]))
+    pp_layers = draw(random_pp_layers(model.num_layers, pp))
     return EngineLayout(model, tp=tp, pp=pp, pp_layers=pp_layers, role=role)
 
 
