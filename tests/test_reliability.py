@@ -1226,3 +1226,45 @@ def test_metrics_json_roundtrip():
     total.merge(j)
     total.merge(j)
     assert total.transfer_seconds_sum == pytest.approx(1.2) and total.durations == []
+
+
+def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():
+    """A read that never completes (an RDMA/TCP transfer stuck in PROC) fails the request after
+    transfer_timeout_s, tells the prefill, and is parked, not released: its handle stays live (and a
+    staged slot stays allocated) until the transport says the read has ended."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=9)
+    jobs.engine("ps", pl)
+    pre = PrefillRank(pl, (0, 0), "ps")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dst", transfer_timeout_s=0.5, release_timeout_s=0.05) as dec:
+            dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
+            (j,) = jobs.make("ps", 1)
+            with lock:
+                pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                e = pre.add_request(j.rid, j.req.prefill_blocks)
+            real_check, real_settle = dec.transport.check, dec.transport.settle
+            dec.transport.check = lambda x: "PROC"            # the read never completes ...
+            dec.transport.settle = lambda x, timeout_s=0: None  # ... and cannot be cancelled
+            try:
+                dec.start(j.read(e))
+                done, failed = dec.wait(5)
+                assert not done and "transfer_timeout_s" in failed[j.rid]
+                assert dec.transport.live_handles() == 1 and len(dec._zombies) == 1  # parked, not released
+                freed = set()
+
+                def told():
+                    with lock:
+                        freed.update(pre.take_freed()["freed"])
+                    return j.rid in freed
+
+                until(told, 5, "the prefill to be told the request failed")
+                dec.poll()
+                assert dec.transport.live_handles() == 1  # still in progress: still parked
+            finally:
+                dec.transport.check, dec.transport.settle = real_check, real_settle
+            dec.poll()  # now it has ended: released
+            assert dec.transport.live_handles() == 0 and not dec._zombies
+            assert dec.stats()["metrics"]["failed_requests"] == 1
+    finally:
+        pre.close()
