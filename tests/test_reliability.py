@@ -1268,3 +1268,29 @@ def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():
             assert dec.stats()["metrics"]["failed_requests"] == 1
     finally:
         pre.close()
+
+
+def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
+    """A prefill whose packed stream does not match this decode rank's lowering (another release,
+    another run order) fails the request with a clear reason instead of scattering bytes to the wrong
+    places; the prefill is told, nothing is left in flight."""
+    from kvbridge.runtime.protocol import Staged
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=10)
+    jobs.engine("pw", pl)
+    pre = PrefillRank(pl, (0, 0), "pw")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dw", transfer_mode="staged") as dec:
+            dec.handshake("pw", {(0, 0): f"127.0.0.1:{pre.port}"})
+            (j,) = jobs.make("pw", 1, lengths=[40])
+            with lock:
+                pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                e = pre.add_request(j.rid, j.req.prefill_blocks)
+                pre._stage = lambda msg: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
+            dec.start(j.read(e))
+            done, failed = dec.wait(5)
+            assert not done and "lower differently" in failed[j.rid]
+            s = dec.stats()
+            assert s["inflight"] == 0 and s["live_handles"] == 0 and dec.slots.bytes_used == 0
+    finally:
+        pre.close()
