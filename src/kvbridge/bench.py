@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import mmap
 import os
 import platform

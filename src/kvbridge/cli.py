@@ -97,7 +97,7 @@ def cmd_plan(args) -> int:
 
 def cmd_verify(args) -> int:
     from rich.progress import Progress
-    from .models import list_presets, load_model
+    from .models import load_model
     from .plan import plan_transfer
     from .verify import verify
     cases = []
@@ -118,7 +118,7 @@ def cmd_verify(args) -> int:
             try:
                 plan_transfer(prefill, decode)
                 res = verify(prefill, decode, num_requests=args.requests, seed=args.seed)
-            except KVBridgeError as e:
+            except KVBridgeError:
                 rejected += 1
                 if not args.sweep:
                     raise

@@ -24,7 +24,6 @@ Conventions (used by every other module):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -353,7 +352,7 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "Component", "MambaSpec", "CacheGroup", "ModelSpec", "MemoryLayout", "EngineLayout",
-    "LAYOUT_PRESETS", "default_pp_layers", "dtype_size", "valid_tps", "ceil_div", "math",
+    "LAYOUT_PRESETS", "default_pp_layers", "dtype_size", "valid_tps", "ceil_div", "engine_to_dict", "engine_from_dict",
 ]
 
 

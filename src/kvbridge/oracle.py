@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import EngineLayout
 from .lower import GroupBlocks
 from .memory import RankMemory
 
@@ -90,4 +89,4 @@ def count_mismatches(actual: np.ndarray, expected: np.ndarray) -> int:
     return int(np.count_nonzero(actual != expected))
 
 
-__all__ = ["fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values", "EngineLayout"]
+__all__ = ["fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values"]

@@ -16,7 +16,6 @@ import numpy as np
 
 from .. import errors
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
-from ..memory import rank_memory
 from ..oracle import count_mismatches, new_buffer, write_expected
 
 Rank = tuple[int, int]
@@ -223,6 +222,3 @@ class EngineProcs:
         for w in self.workers.values():
             w.stop()
 
-
-def rank_buffer_bytes(layout: EngineLayout) -> int:
-    return max(rank_memory(layout, *r).size for r in layout.ranks())
