@@ -160,6 +160,26 @@ def test_cross_layer_contiguous_ids_fewer_descriptors():
     assert per_layer.count == 4 * 2 > contiguous.count
 
 
+def test_universal_layout_reads_whole_head_blocks_across_tp():
+    """Head-major cross-layer blocks ("universal"): a TP-mismatched read is one run per (block, prefill
+    rank) -- every layer, K and V of that head in one piece -- where the per-layer HND layout needs one
+    run per (layer, K/V, block, prefill rank)."""
+    n = 12
+    ids_p, ids_d = gb([7, 2, 9, 0, 5, 11, 3, 8, 1, 10, 4, 6]), gb([3, 0, 11, 6, 9, 1, 4, 10, 2, 8, 5, 7])
+    counts = {}
+    for layout in ("universal", "flash_attn_hnd"):
+        p = engine(TD, tp=4, bs=16, num_blocks=16, layout=layout, role="prefill")  # 1 head per rank
+        d = engine(TD, tp=2, bs=16, num_blocks=16, layout=layout, role="decode")   # 2 heads per rank
+        lp = LoweredPlan(plan_transfer(p, d), (0, 0))
+        descs = lp.descriptors(16 * n, {"full": ids_p}, {"full": ids_d})
+        assert [x.prefill for x in descs] == [(0, 0), (0, 1)]
+        counts[layout] = [x.count for x in descs]
+        if layout == "universal":  # one whole prefill block (4 layers x K/V x 16 tokens x 32 B) per run
+            assert set(descs[0].nbytes.tolist()) == {4 * 2 * 16 * 32}
+    assert counts["universal"] == [n, n]
+    assert counts["flash_attn_hnd"] == [4 * 2 * n, 4 * 2 * n]
+
+
 def test_mamba_descriptors_one_slot():
     m = preset("tiny-hybrid")
     p = engine(m, tp=2, bs=4, num_blocks=4, role="prefill")

@@ -30,6 +30,8 @@ CASES = {
     "pp on decode P -> D pp2": (eng("tiny-dense", 2), eng("tiny-dense", 1, pp=2)),
     "block sizes 16 -> 64": (eng("gemma-4-mini", 2, bs=16), eng("gemma-4-mini", 1, bs=64, layout="flash_attn")),
     "block sizes 64 -> 16": (eng("tiny-dense", 1, bs=64, layout="cross_layer"), eng("tiny-dense", 2, bs=16)),
+    "universal head-major P4->D2": (eng("tiny-dense", 4, layout="universal"), eng("tiny-dense", 2, layout="universal")),
+    "universal -> per-layer HND P2->D4": (eng("gemma-4-mini", 2, layout="universal"), eng("gemma-4-mini", 4)),
 }
 
 

@@ -65,7 +65,7 @@ SCENARIOS = [
     Scenario("dense-equal-p4d4", "llama-3.1-70b", 4, 4, note="equal TP: whole blocks, no head slicing"),
 ]
 QUICK = [Scenario("tiny-dense-p2d1", "tiny-dense", 2, 1, tokens=256)]
-LAYOUTS = ("flash_attn_hnd", "cross_layer")
+LAYOUTS = ("flash_attn_hnd", "cross_layer", "universal")
 ALLOCS = ("contiguous", "shuffled")
 
 

@@ -233,6 +233,10 @@ LAYOUT_PRESETS: dict[str, str] = {
     "flashinfer_nhd": "LBKTHD",   # per layer [num_blocks, 2, block_size, heads, dim]
     "cross_layer": "BLKHTD",      # one block holds all layers [num_blocks, layers, 2, heads, block_size, dim]
     "cross_layer_nhd": "BLKTHD",
+    # head-major cross-layer block, Dynamo KVBM's "universal" block [heads, layers, 2, block_size, dim]:
+    # one KV head of one block is contiguous across all layers, so a rank of another TP reads
+    # whole (block, head-group) runs instead of one 4 KiB slice per layer (kernels see strided views)
+    "universal": "BHLKTD",
 }
 
 
