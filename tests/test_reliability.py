@@ -1286,11 +1286,56 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
             with lock:
                 pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
                 e = pre.add_request(j.rid, j.req.prefill_blocks)
-                pre._stage = lambda msg: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
+                pre._stage = lambda msg, envelope: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
             dec.start(j.read(e))
             done, failed = dec.wait(5)
             assert not done and "lower differently" in failed[j.rid]
             s = dec.stats()
             assert s["inflight"] == 0 and s["live_handles"] == 0 and dec.slots.bytes_used == 0
     finally:
+        pre.close()
+
+
+@pytest.mark.parametrize("wait_s", [2.0, 0.0])
+def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
+    """The prefill's staging buffer holds one request: a second stage request waits until the first
+    one's Done frees the slot (stage_wait_s > 0), or is refused at once and read directly
+    (stage_wait_s = 0). Either way every byte arrives and nothing leaks."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=11)
+    jobs.engine("ps", pl)
+    js = jobs.make("ps", 2, lengths=[64, 64], prefix_p=0.0)
+    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
+                                                                  js[0].req.decode_blocks)[0].total_bytes
+    pre = PrefillRank(pl, (0, 0), "ps", staging_bytes=one + 4096, stage_wait_s=wait_s)
+    dec = None
+    try:
+        with served(pre) as lock:
+            dec = DecodeRank(dl, (0, 0), "ds", transfer_mode="staged", staging_bytes=4 * one)
+            dec.buf.fill(SENTINEL)
+            dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    pre.add_request(j.rid, j.req.prefill_blocks)
+            for j in js:
+                dec.start(j.read())
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            until(lambda: not pre.leases and not pre._parked, 10, "prefill to free both requests")
+            with lock:
+                pm = pre.metrics
+                assert pre.slots.bytes_used == 0
+        dm = dec.metrics
+        if wait_s:
+            assert pm.stage_waits >= 1 and pm.stage_full == 0
+            assert dm.staged_transfers == 2 and dm.staging_fallbacks == 0
+        else:
+            assert pm.stage_waits == 0 and pm.stage_full >= 1
+            assert dm.staging_fallbacks >= 1 and dm.staged_transfers + dm.staging_fallbacks == 2
+        assert dec.stats()["live_handles"] == 0
+    finally:
+        if dec is not None:
+            dec.close()
         pre.close()

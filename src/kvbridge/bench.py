@@ -498,7 +498,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--calibrate", action="store_true", help="measure the cost-model constants and save them")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (best and median)")
     p.add_argument("--only", help="only scenarios whose name or model contains this")
-    p.add_argument("--layout", action="append", help="memory layout(s) to run (default: flash_attn_hnd, cross_layer)")
+    p.add_argument("--layout", action="append", help="memory layout(s) to run (default: flash_attn_hnd, cross_layer, universal)")
     p.add_argument("--tokens", type=int, help="override tokens per request")
     p.add_argument("--no-hot-path", action="store_true")
     p.add_argument("--no-startup", action="store_true")

@@ -93,6 +93,7 @@ class ChunkTemplate:
     run_major: bool      # emit (run, chunk) order instead of (chunk, run): lets blocks merge
     mergeable: bool      # some descriptors can merge across chunks with consecutive block ids
     runs_two_chunks: int  # runs of two chunks with consecutive block ids, after merging
+    uniform: bool = False  # every run has the same length (head slices, whole blocks)
 
 
 def _atoms(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...], ntok: int):
@@ -133,7 +134,8 @@ def build_template(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tup
     merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel())[0].size
     run_major = merged_run < merged_chunk
     mergeable = min(merged_run, merged_chunk) < 2 * src.size
-    return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk))
+    uniform = lens.size > 0 and bool(np.all(lens == lens[0]))
+    return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk), uniform)
 
 
 @dataclass
@@ -289,11 +291,13 @@ class LoweredPlan:
             if tpl.run_major:
                 s = (tpl.src_rel[:, None] + s_chunk[None, :]).ravel()
                 d = (tpl.dst_rel[:, None] + d_chunk[None, :]).ravel()
-                n = np.repeat(tpl.nbytes, count)
             else:
                 s = (s_chunk[:, None] + tpl.src_rel[None, :]).ravel()
                 d = (d_chunk[:, None] + tpl.dst_rel[None, :]).ravel()
-                n = np.tile(tpl.nbytes, count)
+            if tpl.uniform:  # every run has the same length: a read-only broadcast, no per-run array
+                n = np.broadcast_to(tpl.nbytes[:1], (s.size,))
+            else:
+                n = np.repeat(tpl.nbytes, count) if tpl.run_major else np.tile(tpl.nbytes, count)
             if tpl.mergeable:
                 s, d, n = merge_adjacent(s, d, n)
             pieces.append((s, d, n))

@@ -76,7 +76,15 @@ def _copy_group(dst_buf, d, src_buf, s, L) -> None:
         # gather straight into the destination (mode="clip": no buffering). Only on plain views: with
         # the overlapping stride-1 views numpy's overlap check for ``out`` can take very long.
         d0 = int(di[0]) if di.size else 0
-        np.take(sv, si, out=dv[d0:d0 + si.size], mode="clip")
+        if L % 8 == 0 and dst_buf.ctypes.data % 8 == 0 and src_buf.ctypes.data % 8 == 0:
+            # rows of uint64 instead of void items: numpy's take copies each row with one memmove
+            # instead of a per-item copy function (~1.3x faster for 4 KiB rows here)
+            n_s, n_d = src_buf.size // L, dst_buf.size // L
+            sv = src_buf[:n_s * L].view(np.uint64).reshape(n_s, L // 8)
+            dv = dst_buf[:n_d * L].view(np.uint64).reshape(n_d, L // 8)
+            np.take(sv, si, axis=0, out=dv[d0:d0 + si.size], mode="clip")
+        else:
+            np.take(sv, si, out=dv[d0:d0 + si.size], mode="clip")
     elif _consecutive(di, d_step):  # gather through a temporary, in 4 MiB chunks that stay in cache
         c = max(1, CHUNK_BYTES // L)
         d0 = int(di[0]) if di.size else 0

@@ -596,7 +596,9 @@ class DecodeRank:
         self.start(req)
         f = self.inflight.get(req.req_id)
         nbytes, ndescs = (f.nbytes, f.ndescs) if f else (0, 0)
-        done, failed = self.wait(timeout_s, sleep_s=2e-5)
+        # poll every 0.2 ms, like an engine loop between steps: a tighter loop steals a core from the
+        # copies on a small machine (reads and scatters run on the post threads, packs in the prefill)
+        done, failed = self.wait(timeout_s, sleep_s=2e-4)
         if req.req_id in failed or req.req_id not in done:
             raise TransferError(f"request {req.req_id} failed: {failed.get(req.req_id, 'timeout')}")
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "descriptors": ndescs}

@@ -37,10 +37,25 @@ class Lease:
     staged: set = field(default_factory=set)  # staging slots held for this request
 
 
+@dataclass
+class _Parked:
+    """A stage request waiting for staging space."""
+    envelope: list
+    msg: Stage
+    descs: object
+    deadline: float
+
+
 class PrefillRank:
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, host: str = "127.0.0.1",
-                 port: int = 0, lease_s: float = 30.0, transport=None, staging_bytes: int = 64 << 20):
+                 port: int = 0, lease_s: float = 30.0, transport=None, staging_bytes: int = 64 << 20,
+                 stage_wait_s: float = 2.0):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
+        # a stage request that finds the staging buffer full waits this long for a slot to free (the
+        # previous request's Done is usually in flight) before the prefill says "full, read directly":
+        # a direct read of small head slices is many times slower than waiting a few milliseconds
+        self.stage_wait_s = stage_wait_s
+        self._parked: list[_Parked] = []
         self.mem = rank_memory(engine, *rank)
         self.buf = np.zeros(self.mem.size, dtype=np.uint8)
         self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False)
@@ -92,7 +107,7 @@ class PrefillRank:
             # REQ peers (handshake) put an empty delimiter frame after the identity; DEALER peers
             # (stage requests) do not: answer in the same envelope
             envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
-            for answer in self._answers(frames[len(envelope):]):
+            for answer in self._answers(frames[len(envelope):], envelope):
                 self.sock.send_multipart(envelope + answer)
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
@@ -102,8 +117,27 @@ class PrefillRank:
             self._release(rid)
             self.expired.append(rid)
             self.metrics.expired_requests += 1
+        if self._parked:
+            self._retry_parked()
 
-    def _answers(self, body: list[bytes]):
+    def _retry_parked(self) -> None:
+        """Serve stage requests that waited for staging space, in arrival order (first fit)."""
+        now = time.monotonic()
+        parked, self._parked = self._parked, []
+        for p in parked:
+            if p.msg.req_id not in self.leases:
+                replies = [StageError(p.msg.req_id, f"request {p.msg.req_id!r} is unknown or its lease expired on "
+                                                    f"prefill rank {self.rank}; do not read its blocks", expired=True)]
+            else:
+                replies = self._pack_into_slot(p.msg, p.descs)
+                if replies is None:
+                    if now < p.deadline:
+                        self._parked.append(p)
+                        continue
+                    replies = [self._full_error(p.msg, p.descs)]
+            for reply in replies:
+                self.sock.send_multipart(p.envelope + pack(reply))
+    def _answers(self, body: list[bytes], envelope: list[bytes] = ()):
         """Replies to one side-channel message (a stage request gets one per packed segment, as packed)."""
         try:
             msg = unpack(body)
@@ -111,7 +145,7 @@ class PrefillRank:
             yield pack(ErrorReply(str(e)))
             return
         if isinstance(msg, Stage):
-            for reply in self._stage(msg):
+            for reply in self._stage(msg, list(envelope)):
                 yield pack(reply)
             return
         if not isinstance(msg, GetMeta):
@@ -125,12 +159,11 @@ class PrefillRank:
                              self.transport.agent_name, md, metadata_digest(md), self.base, self.buf.size,
                              self.staging.size))
 
-    def _stage(self, msg: Stage):
-        """Pack this rank's runs of a request for one decode rank into the staging buffer, segment by
-        segment, yielding a Staged reply as soon as each segment is packed (the decode reads segment k
-        while segment k+1 is packed)."""
-        from ..staging import pack as pack_runs
-        from ..staging import segment_bounds
+    def _stage(self, msg: Stage, envelope: list[bytes]):
+        """Answer a stage request: pack this rank's runs of a request for one decode rank into the staging
+        buffer, segment by segment, yielding a Staged reply as soon as each segment is packed (the decode
+        reads segment k while segment k+1 is packed). With no free staging space the request waits (up to
+        ``stage_wait_s``) for a slot instead of failing at once."""
         lease = self.leases.get(msg.req_id)
         if lease is None:
             yield StageError(msg.req_id, f"request {msg.req_id!r} is unknown or its lease expired on prefill "
@@ -148,23 +181,46 @@ class PrefillRank:
             yield StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
             return
         d = descs.get(self.rank)
+        replies = self._pack_into_slot(msg, d)
+        if replies is None:
+            total = d.total_bytes if d is not None else 0
+            if total > self.slots.capacity or self.stage_wait_s <= 0:
+                yield self._full_error(msg, d)
+                return
+            self.metrics.stage_waits += 1
+            self._parked.append(_Parked(envelope, msg, d, time.monotonic() + self.stage_wait_s))
+            return
+        yield from replies
+
+    def _full_error(self, msg: Stage, d) -> StageError:
+        total = d.total_bytes if d is not None else 0
+        self.metrics.stage_full += 1
+        return StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
+                                      f"used, {total} B asked, waited up to {self.stage_wait_s:g} s); read directly")
+
+    def _pack_into_slot(self, msg: Stage, d):
+        """Allocate a staging slot and return a generator of Staged replies that packs segment by
+        segment; None when there is no free slot of the size needed."""
+        from ..staging import pack as pack_runs
+        from ..staging import segment_bounds
         total = d.total_bytes if d is not None else 0
         slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
         off = self.slots.alloc(slot_key, total)
         if off is None:
-            yield StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
-                                         f"used, {total} B asked); read directly")
-            return
-        lease.staged.add(slot_key)
-        if not total:
-            yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True)
-            return
-        bounds = segment_bounds(d.nbytes, msg.segment_bytes)
-        pos = 0
-        for i, (a, b) in enumerate(bounds):
-            n = pack_runs(self.buf, d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
-            yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1)
-            pos += n
+            return None
+        self.leases[msg.req_id].staged.add(slot_key)
+
+        def replies():
+            if not total:
+                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True)
+                return
+            bounds = segment_bounds(d.nbytes, msg.segment_bytes)
+            pos = 0
+            for i, (a, b) in enumerate(bounds):
+                n = pack_runs(self.buf, d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
+                yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1)
+                pos += n
+        return replies()
 
     def _on_notif(self, agent: str, raw: bytes) -> None:
         try:
