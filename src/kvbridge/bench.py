@@ -254,6 +254,16 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
     return out
 
 
+def _hot_path_fresh_process(kw: dict) -> list[dict]:
+    """hot_path() in a fresh process with glibc's default malloc settings (run through a spawn pool)."""
+    from .transport.nixl import NixlTransport
+    t = NixlTransport("kvbridge-bench-hot-default")
+    try:
+        return [{**h, "malloc": "default"} for h in hot_path(transport=t, **kw)]
+    finally:
+        t.close()
+
+
 # ---- start-up ---------------------------------------------------------------------------------------
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
@@ -387,10 +397,18 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
             if quick:
                 res["hot_path"] = hot_path("tiny-dense", 2, 1, tokens=2048, reps=5, transport=transport)
             else:
-                res["hot_path"] = (hot_path(reps=reps * 10, transport=transport)
-                                   + hot_path(p_tp=4, d_tp=4, reps=reps * 10, transport=transport))
+                # the issue's case once with glibc's default allocator settings (a fresh process), then
+                # with kvbridge.malloc.tune_malloc() (what kvbridge's rank processes use)
+                import multiprocessing as mp
+                with mp.get_context("spawn").Pool(1) as pool:
+                    untuned = pool.apply(_hot_path_fresh_process, ({"reps": reps * 10},))
+                from .malloc import tune_malloc
+                tuned = tune_malloc()
+                res["hot_path"] = untuned + [{**h, "malloc": "tuned" if tuned else "default"} for h in
+                                             hot_path(reps=reps * 10, transport=transport)
+                                             + hot_path(p_tp=4, d_tp=4, reps=reps * 10, transport=transport)]
             for h in res["hot_path"]:
-                log(f"  [hot path {h['layout']} {h['alloc']}] {h['descriptors']} descs: descriptors() "
+                log(f"  [hot path {h['layout']} {h['alloc']} malloc {h.get('malloc', 'default')}] {h['descriptors']} descs: descriptors() "
                     f"{h['descriptors_us']['median']:.0f} us, + NIXL dlists {h['with_nixl_dlists_us']['median']:.0f} us (median)")
         if do_startup:
             if quick:
@@ -432,11 +450,12 @@ def print_results(res: dict) -> None:
     con.print(t)
     if res["hot_path"]:
         h = Table(title="hot path: LoweredPlan.descriptors (+ NIXL descriptor lists) per request, per decode rank")
-        for c in ("model", "P->D", "tokens", "layout", "alloc", "descs", "descriptors() us med/best", "+ dlists us med/best",
-                  "staged post us med/best"):
+        for c in ("model", "P->D", "tokens", "layout", "alloc", "malloc", "descs", "descriptors() us med/best",
+                  "+ dlists us med/best", "staged post us med/best"):
             h.add_column(c)
         for r in res["hot_path"]:
             h.add_row(r["model"], f"tp{r['prefill_tp']}->tp{r['decode_tp']}", str(r["tokens"]), r["layout"], r["alloc"],
+                      r.get("malloc", "default"),
                       f"{r['descriptors']:,}", f"{r['descriptors_us']['median']:.0f} / {r['descriptors_us']['best']:.0f}",
                       f"{r['with_nixl_dlists_us']['median']:.0f} / {r['with_nixl_dlists_us']['best']:.0f}",
                       f"{r['staged_post_us']['median']:.0f} / {r['staged_post_us']['best']:.0f}")
@@ -523,11 +542,12 @@ def results_markdown(res: dict) -> str:
                  f"{r['cost_model_choice']} | {r['measured_faster']} | {'yes' if r['staged_equals_direct'] else 'NO'} |")
     out = "\n".join(L) + "\n"
     if res.get("hot_path"):
-        H = ["| model | P->D | tokens | layout | alloc | descriptors (direct) | descriptors() µs med / best "
+        H = ["| model | P->D | tokens | layout | alloc | malloc | descriptors (direct) | descriptors() µs med / best "
              "| + NIXL dlists µs med / best | staged posting µs med / best |",
-             "|" + "---|" * 9]
+             "|" + "---|" * 10]
         for h in res["hot_path"]:
             H.append(f"| {h['model']} | tp{h['prefill_tp']}->tp{h['decode_tp']} | {h['tokens']} | {h['layout']} | {h['alloc']} | "
+                     f"{h.get('malloc', 'default')} | "
                      f"{h['descriptors']:,} | {h['descriptors_us']['median']:.0f} / {h['descriptors_us']['best']:.0f} | "
                      f"{h['with_nixl_dlists_us']['median']:.0f} / {h['with_nixl_dlists_us']['best']:.0f} | "
                      f"{h['staged_post_us']['median']:.0f} / {h['staged_post_us']['best']:.0f} |")

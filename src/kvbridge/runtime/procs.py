@@ -50,6 +50,8 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     import logging
     import zmq
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
+    from ..malloc import tune_malloc
+    tune_malloc()  # per-request descriptor arrays reuse heap memory instead of page-faulting (kvbridge.malloc)
     from .decode import DecodeRank
     from .prefill import PrefillRank
     try:
