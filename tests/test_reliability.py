@@ -1339,3 +1339,39 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
         if dec is not None:
             dec.close()
         pre.close()
+
+
+def test_staged_transfer_in_many_segments_is_exact():
+    """Small stage segments: each request arrives as many packed segments, read and scattered as they
+    come (possibly out of order); every byte lands where the oracle says, one Done per request."""
+    pl, dl = layout("prefill", 1, 96), layout("decode", 2, 96)  # head slices: 2 of the prefill's 4 heads
+    jobs = Jobs(dl, seed=12)
+    jobs.engine("pm", pl)
+    js = jobs.make("pm", 3, lengths=[64, 37, 90], prefix_p=0.5)
+    pre = PrefillRank(pl, (0, 0), "pm")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dm", transfer_mode="staged", stage_segment_bytes=4096) as dec:
+            dec.handshake("pm", {(0, 0): f"127.0.0.1:{pre.port}"})
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    pre.add_request(j.rid, j.req.prefill_blocks)
+                dec.start(j.read())
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            m = dec.metrics
+            assert m.staged_transfers == 3 and m.staging_fallbacks == 0
+            assert m.transfers >= 3 + 8  # several segment reads per request
+            assert m.transfer_bytes == sum(x.total_bytes for j in js for x in LoweredPlan(
+                plan_transfer(pl, dl), (0, 0)).descriptors(j.req.num_tokens, j.req.prefill_blocks, j.req.decode_blocks))
+            # decode rank (0, 1) reads the other heads and never comes here: the leases stay, with one
+            # Done each, and the prefill's staging slots are back
+            def done_here():
+                with lock:
+                    return pre.slots.bytes_used == 0 and all(
+                        pre.leases[j.rid].done_ranks == {("dm", (0, 0))} for j in js)
+            until(done_here, 10, "the prefill to get one Done per request and free its staging slots")
+            assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
+    finally:
+        pre.close()

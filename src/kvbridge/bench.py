@@ -116,6 +116,14 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
     cm = CostModel.load()
     modes = sorted({m.mode for m in choose_modes(plan, cm) if m.decode == DECODE_RANK})
     chosen = modes[0] if len(modes) == 1 else "mixed"
+    from .cost import pair_shapes, request_chunks, request_modes
+    shapes = pair_shapes(lp0)
+
+    def auto_choice(req) -> str:  # what the runtime's auto mode decides for this request (same code)
+        chunks, frac = request_chunks(prefill.model.groups, req.decode_blocks, req.prefill_blocks,
+                                      decode.block_size, lp0.chunk_tokens)
+        picked = set(request_modes(cm, shapes, chunks, frac, lambda p: True).values())
+        return picked.pop() if len(picked) == 1 else "mixed"
 
     workers = {}
     rows = []
@@ -175,7 +183,7 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
                 "ratio_direct": gb(ds["best"]) / ms["best"], "ratio_staged": gb(ss["best"]) / ms["best"],
                 "ratio_best_mode": best_gbps / ms["best"],
                 "ratio_best_mode_median": nbytes / min(ds["median"], ss["median"]) / 1e9 / ms["median"],
-                "cost_model_choice": chosen, "measured_faster": measured,
+                "cost_model_choice": chosen, "auto_choice": auto_choice(req), "measured_faster": measured,
                 "staged_equals_direct": digest_direct == digest_staged,
             }
             row["descriptor_reduction"] = row["descriptors_vllm"] / max(ours, 1)
@@ -440,13 +448,14 @@ def print_results(res: dict) -> None:
     con = Console(width=max(Console().width, 180))
     t = Table(title="kvbridge bench: one decode rank (0,0) reading one request (best of N; GB/s = 1e9 B/s)")
     for c in ("scenario", "layout", "alloc", "MiB", "descs", "vLLM descs", "direct GB/s", "staged GB/s",
-              "memcpy GB/s", "ratio", "model picks", "faster", "ok"):
-        t.add_column(c, justify="left" if c in ("scenario", "layout", "alloc", "model picks", "faster") else "right")
+              "memcpy GB/s", "ratio", "model picks", "auto picks", "faster", "ok"):
+        t.add_column(c, justify="left" if c in ("scenario", "layout", "alloc", "model picks", "auto picks", "faster")
+                     else "right")
     for r in res["scenarios"]:
         t.add_row(r["scenario"], r["layout"], r["alloc"], f"{r['bytes'] / 2**20:.0f}", f"{r['descriptors']:,}",
                   f"{r['descriptors_vllm']:,}", f"{r['direct_gbps_best']:.2f}", f"{r['staged_gbps_best']:.2f}",
                   f"{r['memcpy_gbps']['best']:.2f}", f"{r['ratio_best_mode']:.2f}", r["cost_model_choice"],
-                  r["measured_faster"], "[green]yes" if r["staged_equals_direct"] else "[red]NO")
+                  r.get("auto_choice", "-"), r["measured_faster"], "[green]yes" if r["staged_equals_direct"] else "[red]NO")
     con.print(t)
     if res["hot_path"]:
         h = Table(title="hot path: LoweredPlan.descriptors (+ NIXL descriptor lists) per request, per decode rank")
@@ -532,14 +541,15 @@ __all__ = ["Scenario", "SCENARIOS", "run_scenario", "hot_path", "startup", "run_
 def results_markdown(res: dict) -> str:
     """Markdown tables of a results dict (for benchmarks/RESULTS.md)."""
     L = ["| scenario | layout | alloc | MiB | descs (ours) | descs (vLLM) | direct GB/s best/med | staged GB/s best/med "
-         "| memcpy GB/s best/med | ratio best mode | cost model | faster | staged==direct |",
-         "|" + "---|" * 13]
+         "| memcpy GB/s best/med | ratio best mode | cost model (handshake) | auto (this request) | faster | staged==direct |",
+         "|" + "---|" * 14]
     for r in res["scenarios"]:
         L.append(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['bytes'] / 2**20:.0f} | {r['descriptors']:,} | "
                  f"{r['descriptors_vllm']:,} | {r['direct_gbps_best']:.2f} / {r['direct_gbps_median']:.2f} | "
                  f"{r['staged_gbps_best']:.2f} / {r['staged_gbps_median']:.2f} | "
                  f"{r['memcpy_gbps']['best']:.2f} / {r['memcpy_gbps']['median']:.2f} | {r['ratio_best_mode']:.2f} | "
-                 f"{r['cost_model_choice']} | {r['measured_faster']} | {'yes' if r['staged_equals_direct'] else 'NO'} |")
+                 f"{r['cost_model_choice']} | {r.get('auto_choice', '-')} | {r['measured_faster']} | "
+                 f"{'yes' if r['staged_equals_direct'] else 'NO'} |")
     out = "\n".join(L) + "\n"
     if res.get("hot_path"):
         H = ["| model | P->D | tokens | layout | alloc | malloc | descriptors (direct) | descriptors() µs med / best "

@@ -102,6 +102,33 @@ def pair_shapes(lp) -> dict:
     return out
 
 
+def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_block_size: int,
+                   chunk_tokens: int) -> tuple[float, float]:
+    """(chunks, consecutive fraction) of one request, from its largest per-token group: runs merge
+    across consecutive block ids, so a request whose blocks are mostly consecutive on both sides posts
+    far fewer descriptors than a shuffled one."""
+    import numpy as np
+    chunks, frac = 0.0, 0.0
+    for g in groups:
+        if not g.per_token or g.name not in decode_blocks:
+            continue
+        ids_d, ids_p = decode_blocks[g.name].block_ids, prefill_blocks[g.name].block_ids
+        n = ids_d.size * decode_block_size / chunk_tokens
+        if n > chunks:
+            chunks = n
+            fd = float(np.mean(np.diff(ids_d) == 1)) if ids_d.size > 1 else 0.0
+            fp = float(np.mean(np.diff(ids_p) == 1)) if ids_p.size > 1 else 0.0
+            frac = min(fd, fp)
+    return chunks, frac
+
+
+def request_modes(model: "CostModel", shapes: dict, chunks: float, frac: float, can_stage) -> dict:
+    """Auto mode, per request: direct or staged for each prefill rank in ``shapes`` (``can_stage(p)``:
+    the pair has a staging path)."""
+    return {p: (pick(model, shape.runs(chunks, frac), shape.nbytes(chunks)) if can_stage(p) else "direct")
+            for p, shape in shapes.items()}
+
+
 def pick(model: CostModel, runs: float, nbytes: float) -> str:
     return "staged" if model.staged_us(runs, nbytes) < model.direct_us(runs, nbytes) else "direct"
 

@@ -20,7 +20,7 @@ from ..memory import rank_memory
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
 from .metrics import Metrics
-from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_to_wire,
+from .protocol import (STAGE_SEGMENT_BYTES, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_to_wire,
                        encode_notif, pack, unpack)
 from .slots import SlotAllocator
 
@@ -129,7 +129,8 @@ class DecodeRank:
     def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, transport=None,
                  handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
-                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0):
+                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0,
+                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -139,6 +140,7 @@ class DecodeRank:
         self.base = self.transport.register(self.buf)
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
+        self.stage_segment_bytes = int(stage_segment_bytes)
         self.transfer_timeout_s, self.release_timeout_s = transfer_timeout_s, release_timeout_s
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
@@ -304,7 +306,8 @@ class DecodeRank:
             for prank in staged:
                 try:
                     remote.stage_socks[prank].send_multipart(pack(Stage(
-                        req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d)), zmq.NOBLOCK)
+                        req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d,
+                        self.stage_segment_bytes)), zmq.NOBLOCK)
                     f.pending_stage.add(prank)
                 except zmq.Again:  # prefill not connected or its queue is full: read directly
                     self._direct_fallback(f, prank)
@@ -320,27 +323,13 @@ class DecodeRank:
     def _request_modes(self, remote: RemoteEngine, req: ReadRequest) -> dict:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
         mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
-        from ..cost import pick
-        model = self.cost_model
-        chunks, frac = 0.0, 0.0
-        for g in remote.layout.model.groups:
-            if not g.per_token or g.name not in req.decode_blocks:
-                continue
-            ids_d, ids_p = req.decode_blocks[g.name].block_ids, req.prefill_blocks[g.name].block_ids
-            n = ids_d.size * self.engine.block_size / remote.lowered.chunk_tokens
-            if n > chunks:
-                chunks = n
-                fd = float(np.mean(np.diff(ids_d) == 1)) if ids_d.size > 1 else 0.0
-                fp = float(np.mean(np.diff(ids_p) == 1)) if ids_p.size > 1 else 0.0
-                frac = min(fd, fp)
-        out = {}
-        for p, m in remote.modes.items():
-            shape = remote.shapes.get(p)
-            if p not in remote.stage_socks or shape is None:
-                out[p] = "direct"
-            else:
-                out[p] = pick(model, shape.runs(chunks, frac), shape.nbytes(chunks))
-        return out
+        from ..cost import request_chunks, request_modes
+        chunks, frac = request_chunks(remote.layout.model.groups, req.decode_blocks, req.prefill_blocks,
+                                      self.engine.block_size, remote.lowered.chunk_tokens)
+        shapes = {p: remote.shapes.get(p) for p in remote.modes}
+        staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
+                               lambda p: p in remote.stage_socks)
+        return {p: staged.get(p, "direct") for p in remote.modes}
 
     def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok))

@@ -37,6 +37,11 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     staging_bytes: int = 0
 
 
+# the prefill answers (and the decode reads) a stage request per segment of about this size, so
+# packing, reading and scattering overlap; 64 MiB beat 4/16/32 MiB on the benchmark here
+STAGE_SEGMENT_BYTES = 64 << 20
+
+
 class Stage(msgspec.Struct, tag="stage"):
     """Ask a prefill rank to pack its part of ``req_id`` for ``decode_rank`` into its staging buffer.
 
@@ -50,7 +55,7 @@ class Stage(msgspec.Struct, tag="stage"):
     num_tokens: int
     prefill_blocks: dict[str, tuple[bytes, int]]
     decode_blocks: dict[str, tuple[bytes, int]]
-    segment_bytes: int = 16 << 20
+    segment_bytes: int = STAGE_SEGMENT_BYTES
 
 
 class Staged(msgspec.Struct, tag="staged"):
