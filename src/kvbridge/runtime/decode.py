@@ -130,13 +130,13 @@ class DecodeRank:
                  handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0,
-                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES):
+                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
         self.mem = rank_memory(engine, *rank)
         self.buf = np.empty(self.mem.size, dtype=np.uint8)
-        self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}")
+        self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}", post_threads=post_threads)
         self.base = self.transport.register(self.buf)
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
