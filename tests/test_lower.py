@@ -404,3 +404,43 @@ def test_oracle_random_topologies(pair, seed, shuffled):
     res = verify(prefill, decode, num_requests=3, seed=seed, shuffled=shuffled)
     assert res.errors == [] and res.mismatched_bytes == 0, (str(prefill), str(decode))
     assert res.amplification == 1.0 and res.ok
+
+
+@pytest.mark.parametrize("model,p_tp,d_tp,layout", [
+    ("llama-3.1-70b", 8, 4, "flash_attn_hnd"),   # head slices: factored, nothing merges
+    ("llama-3.1-70b", 4, 4, "flash_attn_hnd"),   # whole blocks: merged arrays
+    ("gemma-4-mini", 4, 2, "flashinfer"),        # two groups (SWA + full), a partial last chunk
+    ("tiny-hybrid", 1, 2, "cross_layer"),        # Mamba state + attention
+    ("llama-3.1-70b", 8, 4, "universal"),
+])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_nixl_arrays_match_materialised_descriptors(model, p_tp, d_tp, layout, shuffled):
+    """The Nx3 arrays written for NIXL from the factored form equal the materialised src/dst/nbytes, and
+    the counts known before materialising are right."""
+    m = preset(model)
+    bs, n = 16, 37
+    p = engine(m, tp=p_tp, bs=bs, num_blocks=64, layout=layout, role="prefill")
+    d = engine(m, tp=d_tp, bs=bs, num_blocks=64, layout=layout, role="decode")
+    lp = LoweredPlan(plan_transfer(p, d), (0, 0), {r: 1 << 40 for r in plan_transfer(p, d).prefill_ranks_for((0, 0))},
+                     1 << 41)
+    rng = np.random.default_rng(3)
+    ids = (lambda: rng.permutation(64)[:n]) if shuffled else (lambda: np.arange(5, 5 + n))
+    blocks = {g.name: (gb([7]) if not g.per_token else gb(ids())) for g in m.groups}
+    dblocks = {g.name: (gb([3]) if not g.per_token else gb(ids())) for g in m.groups}
+    ntok = bs * n - 5
+    fresh = lp.descriptors(ntok, blocks, dblocks)
+    for x, y in zip(fresh, lp.descriptors(ntok, blocks, dblocks)):
+        count, total = x.count, x.total_bytes  # before anything is materialised
+        local, remote = x.nixl_arrays(local_dev=1, remote_dev=2)
+        assert count == y.nbytes.size and total == int(y.nbytes.sum())
+        assert local.dtype == remote.dtype == np.uint64 and local.shape == remote.shape == (count, 3)
+        assert (local[:, 0] == y.dst.astype(np.uint64)).all() and (remote[:, 0] == y.src.astype(np.uint64)).all()
+        assert (local[:, 1] == y.nbytes.astype(np.uint64)).all() and (remote[:, 1] == local[:, 1]).all()
+        assert (local[:, 2] == 1).all() and (remote[:, 2] == 2).all()
+        # after materialising, nixl_arrays answers from the cached arrays: same result
+        l2, r2 = y.nixl_arrays(1, 2)
+        assert (l2 == local).all() and (r2 == remote).all()
+    if (model, p_tp, d_tp, layout) == ("llama-3.1-70b", 8, 4, "flash_attn_hnd"):
+        assert all(x.factored for x in fresh)  # 4 KiB head slices never merge: nothing materialised
+    if p_tp == d_tp:
+        assert not any(x.factored for x in fresh)  # whole blocks can merge: merged arrays

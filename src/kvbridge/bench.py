@@ -200,8 +200,11 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
 # ---- hot path ---------------------------------------------------------------------------------------
 def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens: int = 32768,
              layouts=LAYOUTS, reps: int = 30, transport=None) -> list[dict]:
-    """µs per request of ``LoweredPlan.descriptors`` + building NIXL descriptor lists (both sides), and
-    of the staged posting path (stage request encoding + one descriptor per prefill rank)."""
+    """µs per request of ``LoweredPlan.descriptors`` (what ``DecodeRank.start`` does on the caller's
+    thread for a direct read: validate, per-chunk bases; runs that cannot merge stay factored), of that
+    plus what the post thread does before posting (NIXL's Nx3 arrays written from the factored form, and
+    ``get_xfer_descs`` on both sides), and of the staged posting path (stage request encoding + one
+    descriptor per prefill rank)."""
     from .layout import engine_to_dict
     from .runtime.protocol import Stage, blocks_to_wire
     from .runtime.protocol import pack as pack_msg
@@ -239,16 +242,11 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
                 t0 = time.perf_counter()
                 descs = lp.descriptors(tokens, pb, db)
                 t1 = time.perf_counter()
-                for d in descs:
+                for d in descs:  # what the post thread does: NIXL's Nx3 arrays, then its descriptor lists
+                    local, remote = d.nixl_arrays(0, 0)
                     if transport is not None:
-                        transport._descs(d.dst, d.nbytes, 0)
-                        transport._descs(d.src, d.nbytes, 0)
-                    else:
-                        for a in (d.src, d.dst):
-                            arr = np.empty((a.size, 3), dtype=np.uint64)
-                            arr[:, 0] = a
-                            arr[:, 1] = d.nbytes
-                            arr[:, 2] = 0
+                        transport._xfer_descs(local)
+                        transport._xfer_descs(remote)
                 t2 = time.perf_counter()
                 t_low.append((t1 - t0) * 1e6)
                 t_all.append((t2 - t0) * 1e6)

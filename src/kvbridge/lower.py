@@ -47,26 +47,126 @@ class GroupBlocks:
         return GroupBlocks(np.asarray(ids, dtype=np.int64), first_block)
 
 
-@dataclass(frozen=True, slots=True)
+class _Outer:
+    """Runs ``template run r`` x ``chunk c`` in factored form: src = src_rel[r] + s_chunk[c] (same for dst),
+    emitted run-major (all chunks of run 0, then run 1, ...) or chunk-major."""
+
+    __slots__ = ("s_chunk", "d_chunk", "src_rel", "dst_rel", "nbytes", "run_major", "uniform")
+
+    def __init__(self, s_chunk, d_chunk, tpl: "ChunkTemplate"):
+        self.s_chunk, self.d_chunk = s_chunk, d_chunk
+        self.src_rel, self.dst_rel, self.nbytes = tpl.src_rel, tpl.dst_rel, tpl.nbytes
+        self.run_major, self.uniform = tpl.run_major, tpl.uniform
+
+    @property
+    def count(self) -> int:
+        return self.s_chunk.size * self.src_rel.size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.s_chunk.size * int(self.nbytes.sum())
+
+    def _grid(self, out: np.ndarray) -> np.ndarray:
+        c, r = self.s_chunk.size, self.src_rel.size
+        return out.reshape((r, c) if self.run_major else (c, r))
+
+    def _outer(self, chunk: np.ndarray, rel: np.ndarray, out: np.ndarray) -> None:
+        if self.run_major:
+            np.add(rel[:, None], chunk[None, :], out=self._grid(out))
+        else:
+            np.add(chunk[:, None], rel[None, :], out=self._grid(out))
+
+    def write(self, src_out, dst_out, n_out) -> None:
+        """Expand into (possibly strided) 1-D outputs of length ``count``; None skips an output."""
+        if src_out is not None:
+            self._outer(self.s_chunk, self.src_rel, src_out)
+        if dst_out is not None:
+            self._outer(self.d_chunk, self.dst_rel, dst_out)
+        if n_out is not None:
+            if self.uniform:
+                n_out[:] = self.nbytes[0]
+            else:
+                self._grid(n_out)[:] = self.nbytes[:, None] if self.run_major else self.nbytes[None, :]
+
+
 class Descriptors:
     """Equal-length descriptor pairs for one (decode rank, prefill rank) transfer of one request.
 
     Addresses are absolute (buffer base included); ``src`` is in the prefill rank's buffer, ``dst`` in
-    the decode rank's.
+    the decode rank's. Runs that cannot merge across chunks are kept *factored* (per-chunk bases x the
+    handshake-time template, a few KB per request) until someone needs them: :attr:`src`/:attr:`dst`/
+    :attr:`nbytes` materialise int64 arrays (cached); :meth:`nixl_arrays` writes NIXL's Nx3 descriptor
+    arrays directly, once, on the thread that posts the read.
     """
 
-    prefill: Rank
-    src: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
+    __slots__ = ("prefill", "_parts", "_arrays", "count", "total_bytes")
+
+    def __init__(self, prefill: Rank, src=None, dst=None, nbytes=None, parts=None):
+        self.prefill = prefill
+        if parts is None:
+            parts = [(np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(nbytes, np.int64))]
+        self._parts = [p for p in parts if (p.count if isinstance(p, _Outer) else p[2].size)]
+        self._arrays = None
+        self.count = sum(p.count if isinstance(p, _Outer) else int(p[2].size) for p in self._parts)
+        self.total_bytes = sum(p.total_bytes if isinstance(p, _Outer) else int(p[2].sum()) for p in self._parts)
 
     @property
-    def count(self) -> int:
-        return int(self.nbytes.size)
+    def factored(self) -> bool:
+        return any(isinstance(p, _Outer) for p in self._parts)
+
+    def _fill(self, src_out, dst_out, n_out) -> None:
+        i = 0
+        for p in self._parts:
+            k = p.count if isinstance(p, _Outer) else int(p[2].size)
+            sl = slice(i, i + k)
+            pick = lambda o: None if o is None else o[sl]  # noqa: E731
+            if isinstance(p, _Outer):
+                p.write(pick(src_out), pick(dst_out), pick(n_out))
+            else:
+                for o, v in zip((src_out, dst_out, n_out), p):
+                    if o is not None:
+                        o[sl] = v
+            i += k
+
+    def _materialise(self):
+        if self._arrays is None:
+            if len(self._parts) == 1 and not isinstance(self._parts[0], _Outer):
+                self._arrays = self._parts[0]
+            else:
+                out = np.empty((3, self.count), dtype=np.int64)
+                self._fill(out[0], out[1], out[2])
+                self._arrays = (out[0], out[1], out[2])
+        return self._arrays
 
     @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
+    def src(self) -> np.ndarray:
+        return self._materialise()[0]
+
+    @property
+    def dst(self) -> np.ndarray:
+        return self._materialise()[1]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self._materialise()[2]
+
+    def nixl_arrays(self, local_dev: int = 0, remote_dev: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(local = decode side, remote = prefill side) Nx3 uint64 arrays ``[addr, len, device]`` as
+        NIXL's ``get_xfer_descs`` takes them, written in one pass from the factored form."""
+        local = np.empty((self.count, 3), dtype=np.uint64)
+        remote = np.empty((self.count, 3), dtype=np.uint64)
+        if self._arrays is not None:
+            local[:, 0], remote[:, 0], local[:, 1] = self._arrays[1], self._arrays[0], self._arrays[2]
+        else:
+            lv, rv = local.view(np.int64), remote.view(np.int64)
+            self._fill(rv[:, 0], lv[:, 0], lv[:, 1])
+        remote[:, 1] = local[:, 1]
+        local[:, 2] = local_dev
+        remote[:, 2] = remote_dev
+        return local, remote
+
+    def __repr__(self) -> str:
+        return f"Descriptors(prefill={self.prefill}, count={self.count}, total_bytes={self.total_bytes})"
 
 
 def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
@@ -218,22 +318,12 @@ class LoweredPlan:
         for prank, lows in self.by_prefill.items():
             if only is not None and prank not in only:
                 continue
-            parts_s, parts_d, parts_n = [], [], []
+            parts = []
             for low in lows:
                 gname = low.read.group
-                s, d, n = self._lower_read(low, ranges[gname], prefill_blocks[gname], decode_blocks[gname],
-                                           self.prefill_bases[prank], self.decode_base)
-                if s.size:
-                    parts_s.append(s)
-                    parts_d.append(d)
-                    parts_n.append(n)
-            if len(parts_s) == 1:
-                src, dst, nb = parts_s[0], parts_d[0], parts_n[0]
-            elif parts_s:
-                src, dst, nb = np.concatenate(parts_s), np.concatenate(parts_d), np.concatenate(parts_n)
-            else:
-                src = dst = nb = np.empty(0, dtype=np.int64)
-            out.append(Descriptors(prank, src, dst, nb))
+                parts += self._lower_read(low, ranges[gname], prefill_blocks[gname], decode_blocks[gname],
+                                          self.prefill_bases[prank], self.decode_base)
+            out.append(Descriptors(prank, parts=parts))
         return out
 
     def _validate(self, num_tokens, prefill_blocks, decode_blocks):
@@ -262,25 +352,25 @@ class LoweredPlan:
         return ranges
 
     def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks, base_s: int = 0,
-                    base_d: int = 0):
-        """Descriptors of one read; the buffer bases are added to the per-chunk offsets (small arrays)."""
+                    base_d: int = 0) -> list:
+        """Parts of one read's descriptors (see :class:`Descriptors`): per-chunk bases (small arrays) x the
+        template, kept factored unless runs can merge across chunks (then merged arrays)."""
         t0, t1 = trange
         if not low.per_token:
             t = low.templates[1]
             p_stride = rank_memory(self.prefill, *low.read.prefill).region(low.read.group).block_stride
-            return (t.src_rel + (base_s + int(pb.block_ids[0]) * p_stride),
-                    t.dst_rel + (base_d + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride),
-                    t.nbytes)
+            return [(t.src_rel + (base_s + int(pb.block_ids[0]) * p_stride),
+                     t.dst_rel + (base_d + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride),
+                     t.nbytes)]
         if t1 <= t0:
-            e = np.empty(0, dtype=np.int64)
-            return e, e, e
+            return []
         g = self.chunk_tokens
         pr = rank_memory(self.prefill, *low.read.prefill).region(low.read.group)
         dr = self.d_mem.region(low.read.group)
         bsp, bsd = self.prefill.block_size, self.decode.block_size
         n_full = (t1 - t0) // g
         tail = (t1 - t0) - n_full * g
-        pieces = []
+        parts = []
         for start, count, ntok in ((t0, n_full, g), (t0 + n_full * g, 1 if tail else 0, tail)):
             if not count:
                 continue
@@ -288,22 +378,14 @@ class LoweredPlan:
             cs = start + np.arange(count, dtype=np.int64) * g
             s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride + base_s
             d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride + base_d
-            if tpl.run_major:
-                s = (tpl.src_rel[:, None] + s_chunk[None, :]).ravel()
-                d = (tpl.dst_rel[:, None] + d_chunk[None, :]).ravel()
-            else:
-                s = (s_chunk[:, None] + tpl.src_rel[None, :]).ravel()
-                d = (d_chunk[:, None] + tpl.dst_rel[None, :]).ravel()
-            if tpl.uniform:  # every run has the same length: a read-only broadcast, no per-run array
-                n = np.broadcast_to(tpl.nbytes[:1], (s.size,))
-            else:
-                n = np.repeat(tpl.nbytes, count) if tpl.run_major else np.tile(tpl.nbytes, count)
-            if tpl.mergeable:
-                s, d, n = merge_adjacent(s, d, n)
-            pieces.append((s, d, n))
-        if len(pieces) == 1:
-            return pieces[0]
-        return tuple(np.concatenate(x) for x in zip(*pieces))
+            outer = _Outer(s_chunk, d_chunk, tpl)
+            if not tpl.mergeable:  # nothing can merge across chunks: keep it factored
+                parts.append(outer)
+                continue
+            out = np.empty((3, outer.count), dtype=np.int64)
+            outer.write(out[0], out[1], out[2])
+            parts.append(merge_adjacent(out[0], out[1], out[2]))
+        return parts
 
     def needed_bytes(self, num_tokens, prefill_blocks, decode_blocks) -> int:
         """Bytes of the decode rank's box for this request (what an ideal transfer moves)."""

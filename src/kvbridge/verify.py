@@ -103,7 +103,9 @@ def verify(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 4, s
     expected = {r: b.copy() for r, b in d_bufs.items()}
     lowered = {r: LoweredPlan(plan, r, p_addr, d_addr[r]) for r in decode.ranks()}
     p_pool, d_pool = BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled)
-    cap_tokens = min(prefill.num_blocks * prefill.block_size, decode.num_blocks * decode.block_size) // max(1, num_requests)
+    # every request must fit in whole blocks on both sides (n tokens take ceil(n / block_size) blocks)
+    per_req = max(1, num_requests)
+    cap_tokens = min((prefill.num_blocks // per_req) * prefill.block_size, (decode.num_blocks // per_req) * decode.block_size)
     max_tokens = max(1, min(max_tokens or cap_tokens, cap_tokens))
     for i in range(num_requests):
         n = int(rng.integers(1, max_tokens + 1))

@@ -299,7 +299,7 @@ class DecodeRank:
             if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
                 self._notify(agent, self._done(req, remote, prank))
                 continue
-            self._post(f, prank, d.src, d.dst, d.nbytes)
+            self._post_descs(f, prank, d)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self._layout_dict
@@ -338,9 +338,17 @@ class DecodeRank:
               slot: int | None = None, runs=None) -> None:
         notif = self._done(f.req, f.remote, prank) if notif is None else notif
         x = self.transport.read(f.remote.agents[prank], src, dst, nbytes, notif)
-        f.reads.append(_Read(prank, x, int(nbytes.sum()), slot, runs))
-        f.nbytes += int(nbytes.sum())
-        f.ndescs += int(nbytes.size)
+        self._track(f, prank, x, int(nbytes.sum()), int(nbytes.size), slot, runs)
+
+    def _post_descs(self, f: _InFlight, prank: Rank, d) -> None:
+        """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored)."""
+        x = self.transport.read_descs(f.remote.agents[prank], d, self._done(f.req, f.remote, prank))
+        self._track(f, prank, x, d.total_bytes, d.count)
+
+    def _track(self, f: _InFlight, prank: Rank, x, nbytes: int, ndescs: int, slot=None, runs=None) -> None:
+        f.reads.append(_Read(prank, x, nbytes, slot, runs))
+        f.nbytes += nbytes
+        f.ndescs += ndescs
         self.metrics.transfers += 1
 
     def _on_stage_reply(self, msg: Staged | StageError, prank: Rank) -> None:
@@ -396,7 +404,7 @@ class DecodeRank:
         req = f.req
         for d in f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,)):
             if d.count:
-                self._post(f, prank, d.src, d.dst, d.nbytes)
+                self._post_descs(f, prank, d)
             else:
                 self._notify(f.remote.agents[prank], self._done(req, f.remote, prank))
 

@@ -97,6 +97,10 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                     for a in args[0]:
                         obj.fill(*a)
                     res = None
+                elif cmd == "start_abort":  # tests: abort while the read is surely in flight (no poll between)
+                    obj.start(args[0])
+                    res = args[0].req_id in obj.inflight
+                    obj.abort(args[0].req_id)
                 elif cmd == "start_many":
                     res = {}
                     for req in args[0]:

@@ -22,6 +22,10 @@ class Transport(Protocol):
              notif: bytes = b"") -> XferHandle:
         """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory) to ``local[i]``."""
 
+    def read_descs(self, peer: str, descs, notif: bytes = b"") -> XferHandle:
+        """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local);
+        a transport may expand its factored form straight into its own descriptor format."""
+
     def check(self, handle: XferHandle) -> str:
         """"DONE" or "PROC"; raises :class:`~kvbridge.errors.TransferError` on failure."""
 

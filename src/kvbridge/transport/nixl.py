@@ -167,28 +167,46 @@ class NixlTransport:
         return frozenset(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    def _descs(self, addrs: np.ndarray, nbytes: np.ndarray, dev: int):
-        arr = np.empty((addrs.size, 3), dtype=np.uint64)
-        arr[:, 0] = addrs
-        arr[:, 1] = nbytes
-        arr[:, 2] = dev
+    def _xfer_descs(self, arr: np.ndarray):
         d = self.agent.get_xfer_descs(arr, self.mem_type)
         if d is None:
             raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
         return d
 
+    def _descs(self, addrs: np.ndarray, nbytes: np.ndarray, dev: int):
+        return self._xfer_descs(self._nx3(addrs, nbytes, dev))
+
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
              notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
         """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`."""
-        x = NixlXfer(peer, Future(), num_descs=int(nbytes.size), nbytes=int(nbytes.sum()))
+        def arrays():
+            return self._nx3(local, nbytes, self.device_id), self._nx3(remote, nbytes, remote_device)
+        return self._post(peer, arrays, int(nbytes.size), int(nbytes.sum()), notif)
+
+    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
+        """Post a READ of a :class:`~kvbridge.lower.Descriptors`: its NIXL descriptor arrays are written
+        from the factored form on the post thread, in one pass (the caller only hands it over)."""
+        return self._post(peer, lambda: descs.nixl_arrays(self.device_id, remote_device), descs.count,
+                          descs.total_bytes, notif)
+
+    @staticmethod
+    def _nx3(addrs: np.ndarray, nbytes: np.ndarray, dev: int) -> np.ndarray:
+        arr = np.empty((addrs.size, 3), dtype=np.uint64)
+        arr[:, 0] = addrs
+        arr[:, 1] = nbytes
+        arr[:, 2] = dev
+        return arr
+
+    def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes) -> NixlXfer:
+        x = NixlXfer(peer, Future(), num_descs=count, nbytes=nbytes)
         with self._lock:
             self._live.add(id(x))
         self.stats.handles_created += 1
 
         def post():
             try:
-                h = self.agent.initialize_xfer("READ", self._descs(local, nbytes, self.device_id),
-                                               self._descs(remote, nbytes, remote_device), peer, notif)
+                local, remote = arrays()
+                h = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer, notif)
                 x.handle = h
                 state = self.agent.transfer(h)
                 if state == "ERR":

@@ -46,6 +46,9 @@ class ReferenceTransport:
             raise TransferError(f"{side} descriptor {k} [{int(addrs[k]):#x}, +{int(nbytes[k])}) is outside every "
                                 "registered buffer (NIXL would answer NIXL_ERR_NOT_FOUND)")
 
+    def read_descs(self, peer, descs, notif=b""):
+        return self.read(peer, descs.src, descs.dst, descs.nbytes, notif)
+
     def read(self, peer, remote, local, nbytes, notif=b""):
         remote = np.asarray(remote, dtype=np.int64)
         local = np.asarray(local, dtype=np.int64)
