@@ -413,7 +413,7 @@ def test_oracle_random_topologies(pair, seed, shuffled):
     ("tiny-hybrid", 1, 2, "cross_layer"),        # Mamba state + attention
     ("llama-3.1-70b", 8, 4, "universal"),
 ])
-@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("shuffled", [False, True, "runs"])
 def test_nixl_arrays_match_materialised_descriptors(model, p_tp, d_tp, layout, shuffled):
     """The Nx3 arrays written for NIXL from the factored form equal the materialised src/dst/nbytes, and
     the counts known before materialising are right."""
@@ -424,7 +424,10 @@ def test_nixl_arrays_match_materialised_descriptors(model, p_tp, d_tp, layout, s
     lp = LoweredPlan(plan_transfer(p, d), (0, 0), {r: 1 << 40 for r in plan_transfer(p, d).prefill_ranks_for((0, 0))},
                      1 << 41)
     rng = np.random.default_rng(3)
-    ids = (lambda: rng.permutation(64)[:n]) if shuffled else (lambda: np.arange(5, 5 + n))
+    if shuffled == "runs":  # groups of 3 consecutive ids in random order: merges inside groups only
+        ids = lambda: (rng.permutation(21)[:, None] * 3 + np.arange(3)).ravel()[:n]  # noqa: E731
+    else:
+        ids = (lambda: rng.permutation(64)[:n]) if shuffled else (lambda: np.arange(5, 5 + n))
     blocks = {g.name: (gb([7]) if not g.per_token else gb(ids())) for g in m.groups}
     dblocks = {g.name: (gb([3]) if not g.per_token else gb(ids())) for g in m.groups}
     ntok = bs * n - 5
@@ -440,7 +443,10 @@ def test_nixl_arrays_match_materialised_descriptors(model, p_tp, d_tp, layout, s
         # after materialising, nixl_arrays answers from the cached arrays: same result
         l2, r2 = y.nixl_arrays(1, 2)
         assert (l2 == local).all() and (r2 == remote).all()
+        assert merge_adjacent(y.src, y.dst, y.nbytes)[0].size == count  # maximal runs: nothing left to merge
     if (model, p_tp, d_tp, layout) == ("llama-3.1-70b", 8, 4, "flash_attn_hnd"):
         assert all(x.factored for x in fresh)  # 4 KiB head slices never merge: nothing materialised
-    if p_tp == d_tp:
-        assert not any(x.factored for x in fresh)  # whole blocks can merge: merged arrays
+    if p_tp == d_tp and not shuffled:  # consecutive ids: runs merge across blocks
+        assert all(x.count <= 3 * 80 * 2 < n * 80 * 2 for x in fresh)  # full chunks: 160; partial last: 320
+    if p_tp == d_tp and shuffled is True:  # nothing merges: kept factored
+        assert all(x.factored for x in fresh)

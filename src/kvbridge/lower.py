@@ -89,6 +89,37 @@ class _Outer:
                 self._grid(n_out)[:] = self.nbytes[:, None] if self.run_major else self.nbytes[None, :]
 
 
+def _merge_chunks(outer: _Outer, mergeable: bool):
+    """Merge runs across chunks, deciding at chunk level (O(chunks + runs)) where possible.
+
+    Returns ``outer`` itself (factored) when no two consecutive descriptors can merge; for uniform
+    run-major templates whose merges are all inside a run (consecutive block ids), the merged runs
+    directly (runs x segments); otherwise the expanded arrays through :func:`merge_adjacent`.
+    """
+    if not mergeable:
+        return outer
+    sc, dc, sr, dr = outer.s_chunk, outer.d_chunk, outer.src_rel, outer.dst_rel
+    c, r = sc.size, sr.size
+    if outer.run_major and outer.uniform:
+        L = int(outer.nbytes[0])
+        join = (np.diff(sc) == L) & (np.diff(dc) == L)  # chunk k-1 -> k merges, in every run
+        cross = (sr[:-1] + sc[-1] + L == sr[1:] + sc[0]) & (dr[:-1] + dc[-1] + L == dr[1:] + dc[0])
+        if not cross.any():
+            if not join.any():
+                return outer
+            starts = np.flatnonzero(np.concatenate(([True], ~join)))
+            seg = np.diff(np.append(starts, c)) * L
+            return ((sr[:, None] + sc[starts][None, :]).ravel(), (dr[:, None] + dc[starts][None, :]).ravel(),
+                    np.tile(seg, r))
+    elif not outer.run_major:
+        last = int(outer.nbytes[-1])
+        if not ((sc[:-1] + sr[-1] + last == sc[1:] + sr[0]) & (dc[:-1] + dr[-1] + last == dc[1:] + dr[0])).any():
+            return outer  # runs inside a chunk were merged in the template; nothing joins across chunks
+    out = np.empty((3, outer.count), dtype=np.int64)
+    outer.write(out[0], out[1], out[2])
+    return merge_adjacent(out[0], out[1], out[2])
+
+
 class Descriptors:
     """Equal-length descriptor pairs for one (decode rank, prefill rank) transfer of one request.
 
@@ -378,13 +409,7 @@ class LoweredPlan:
             cs = start + np.arange(count, dtype=np.int64) * g
             s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride + base_s
             d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride + base_d
-            outer = _Outer(s_chunk, d_chunk, tpl)
-            if not tpl.mergeable:  # nothing can merge across chunks: keep it factored
-                parts.append(outer)
-                continue
-            out = np.empty((3, outer.count), dtype=np.int64)
-            outer.write(out[0], out[1], out[2])
-            parts.append(merge_adjacent(out[0], out[1], out[2]))
+            parts.append(_merge_chunks(_Outer(s_chunk, d_chunk, tpl), tpl.mergeable))
         return parts
 
     def needed_bytes(self, num_tokens, prefill_blocks, decode_blocks) -> int:
