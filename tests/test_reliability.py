@@ -1376,3 +1376,86 @@ def test_staged_transfer_in_many_segments_is_exact():
             assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
     finally:
         pre.close()
+
+
+class _FullSocket:
+    """Stands in for a stage socket whose send queue is full (zmq.Again on a non-blocking send)."""
+
+    def __init__(self, real):
+        self.real, self.sent = real, 0
+
+    def send_multipart(self, frames, flags=0):
+        self.sent += 1
+        raise zmq.Again()
+
+    def recv_multipart(self, flags=0):
+        raise zmq.Again()
+
+    def close(self, linger=None):
+        self.real.close(0)
+
+
+def test_stage_request_that_cannot_be_queued_is_read_directly():
+    """A stage request that ZMQ cannot queue without blocking (peer gone, queue full) does not block the
+    decode loop: the request is read directly instead, and every byte is right."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=13)
+    jobs.engine("pq", pl)
+    js = jobs.make("pq", 2, lengths=[30, 50], prefix_p=0.0)
+    pre = PrefillRank(pl, (0, 0), "pq")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dq", transfer_mode="staged") as dec:
+            dec.handshake("pq", {(0, 0): f"127.0.0.1:{pre.port}"})
+            remote = dec.remotes["pq"]
+            full = remote.stage_socks[(0, 0)] = _FullSocket(remote.stage_socks[(0, 0)])
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    pre.add_request(j.rid, j.req.prefill_blocks)
+                t0 = time.monotonic()
+                dec.start(j.read())
+                assert time.monotonic() - t0 < 1.0  # did not block on the send
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert full.sent == 2 and dec.metrics.staging_fallbacks == 2 and dec.metrics.staged_transfers == 0
+            until(lambda: not pre.leases, 10, "the prefill to free both requests (Done rode on the direct reads)")
+            assert dec.stats()["live_handles"] == 0
+    finally:
+        pre.close()
+
+
+def test_failed_handshake_leaves_no_half_added_peer():
+    """Rank (0, 1) of a two-rank prefill engine disagrees with rank (0, 0) about the layout: the handshake
+    fails after rank (0, 0)'s agent was added, and that agent is removed again; once rank (0, 1) is
+    fixed, the same decode rank handshakes and reads normally."""
+    pl, dl = layout("prefill", 2, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=14)
+    jobs.engine("ph", pl)
+    pres = [PrefillRank(pl, (0, r), "ph") for r in range(2)]
+    endpoints = {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)}
+    try:
+        with served(pres[0]) as lock0, served(pres[1]) as lock1, inproc_decode(dl, "dh") as dec:
+            with lock1:
+                pres[1].engine = replace(pl, block_size=BS * 2)  # a different layout than rank (0, 0)
+            with pytest.raises(HandshakeError, match="different layout"):
+                dec.handshake("ph", endpoints)
+            s = dec.transport.stats
+            assert dec.transport.peers == frozenset() and s.peers_added == s.peers_removed == 1
+            assert "ph" not in dec.remotes
+            with lock1:
+                pres[1].engine = pl
+            dec.handshake("ph", endpoints)
+            assert len(dec.transport.peers) == 2
+            (j,) = jobs.make("ph", 1, lengths=[40])
+            with lock0, lock1:
+                for p in pres:
+                    p.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    p.add_request(j.rid, j.req.prefill_blocks)
+            dec.start(j.read())
+            done, failed = dec.wait(20)
+            assert done == [j.rid] and not failed
+            assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+    finally:
+        for p in pres:
+            p.close()
