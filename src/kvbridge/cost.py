@@ -24,21 +24,29 @@ from .plan import Rank, TransferPlan
 CALIBRATION_FILE = Path(os.environ.get("KVBRIDGE_CALIBRATION", Path.home() / ".cache" / "kvbridge" / "calibration.json"))
 
 
+GATHER_NS_PER_RUN = 50.0
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     per_desc_us: float = 4.5
     wire_gbps: float = 10.0
     copy_gbps: float = 10.0
-    gather_ns_per_run: float = 50.0
+    gather_ns_per_run: float = GATHER_NS_PER_RUN
     source: str = "defaults (shared/research/nixl_cpu.md)"
 
     @classmethod
     def load(cls) -> "CostModel":
+        """The calibration file's constants (``kvbridge bench --calibrate``), else the defaults. A file that
+        is missing, unreadable or holds non-positive values gives the defaults; keys it lacks (older
+        files) keep their defaults."""
         try:
             d = json.loads(CALIBRATION_FILE.read_text())
-            return cls(**{k: d[k] for k in ("per_desc_us", "wire_gbps", "copy_gbps") if k in d},
-                       gather_ns_per_run=d.get("gather_ns_per_run", cls.gather_ns_per_run), source=str(CALIBRATION_FILE))
-        except (OSError, ValueError, KeyError, TypeError):
+            vals = {k: float(d[k]) for k in ("per_desc_us", "wire_gbps", "copy_gbps", "gather_ns_per_run") if k in d}
+            if any(not (v > 0 and v < float("inf")) for v in vals.values()):
+                return cls()
+            return cls(**vals, source=str(CALIBRATION_FILE))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return cls()
 
     def save(self) -> None:
