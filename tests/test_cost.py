@@ -20,6 +20,8 @@ from kvbridge.plan import plan_transfer
     ({"per_desc_us": -1, "wire_gbps": 2.9, "copy_gbps": 3.1}, (4.5, 10.0, 10.0, 50.0)),  # nonsense: defaults
     ({"per_desc_us": "fast"}, (4.5, 10.0, 10.0, 50.0)),
     ([1, 2], (4.5, 10.0, 10.0, 50.0)),
+    ("{\"per_desc_us\": 1e999999}", (4.5, 10.0, 10.0, 50.0)),  # inf
+    ("{\"per_desc_us\": 1" + "0" * 400 + "}", (4.5, 10.0, 10.0, 50.0)),  # int too large for a float
     ("not json", (4.5, 10.0, 10.0, 50.0)),
 ])
 def test_calibration_file_loads_or_falls_back(tmp_path, monkeypatch, content, expect):
@@ -28,6 +30,8 @@ def test_calibration_file_loads_or_falls_back(tmp_path, monkeypatch, content, ex
     monkeypatch.setattr(cost, "CALIBRATION_FILE", f)
     cm = CostModel.load()
     assert (cm.per_desc_us, cm.wire_gbps, cm.copy_gbps, cm.gather_ns_per_run) == expect
+    if expect == (4.5, 10.0, 10.0, 50.0):
+        assert cm == CostModel()  # source says "defaults", not the file
     # the model is usable either way (an older file once crashed here)
     assert cm.staged_us(100, 1 << 20) > 0 and cm.direct_us(100, 1 << 20) > 0
 

@@ -450,3 +450,19 @@ def test_nixl_arrays_match_materialised_descriptors(model, p_tp, d_tp, layout, s
         assert all(x.count <= 3 * 80 * 2 < n * 80 * 2 for x in fresh)  # full chunks: 160; partial last: 320
     if p_tp == d_tp and shuffled is True:  # nothing merges: kept factored
         assert all(x.factored for x in fresh)
+
+
+@pytest.mark.parametrize("layout", ["cross_layer", "universal", "flash_attn_hnd", "flashinfer"])
+@pytest.mark.parametrize("bs_p,bs_d", [(16, 32), (32, 16), (16, 48)])
+def test_block_size_mismatch_consecutive_ids_give_maximal_runs(layout, bs_p, bs_d):
+    """Chunks smaller than a block cross block boundaries; with consecutive ids on both sides the runs
+    across those boundaries merge too (a review found 8192 runs where 8185 were maximal)."""
+    m = preset("llama-3.1-8b")
+    p = engine(m, tp=1, bs=bs_p, num_blocks=96, layout=layout, role="prefill")
+    d = engine(m, tp=1, bs=bs_d, num_blocks=96, layout=layout, role="decode")
+    lp = LoweredPlan(plan_transfer(p, d), (0, 0))
+    ntok = 16 * 48  # whole chunks and whole blocks on both sides
+    pb = {"full": gb(range(10, 10 + ntok // bs_p))}
+    db = {"full": gb(range(20, 20 + ntok // bs_d))}
+    (x,) = lp.descriptors(ntok, pb, db)
+    assert merge_adjacent(x.src, x.dst, x.nbytes)[0].size == x.count

@@ -1459,3 +1459,44 @@ def test_failed_handshake_leaves_no_half_added_peer():
     finally:
         for p in pres:
             p.close()
+
+
+def test_parked_stage_request_of_an_aborted_request_is_dropped():
+    """Decode TP 2 reads a TP 1 prefill (two readers per request). A stage request parked for staging
+    space whose decode rank aborts meanwhile must not be packed later: no slot is taken for it, and the
+    other request's slot comes back."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 2, 64)
+    jobs = Jobs(dl, seed=15)
+    jobs.engine("pa", pl)
+    js = jobs.make("pa", 2, lengths=[64, 64], prefix_p=0.0)
+    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
+                                                                  js[0].req.decode_blocks)[0].total_bytes
+    pre = PrefillRank(pl, (0, 0), "pa", staging_bytes=one + 256, stage_wait_s=30.0)
+    try:
+        with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
+            dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    pre.add_request(j.rid, j.req.prefill_blocks)
+                dec.start(j.read())
+
+            def parked():
+                with lock:
+                    return [p.msg.req_id for p in pre._parked]
+            assert until(parked, 10, "the second stage request to park") == [js[1].rid]
+            dec.abort(js[1].rid)
+            done, failed = dec.wait(20)
+            assert done == [js[0].rid] and not failed, failed
+
+            def settled():
+                with lock:
+                    return (not pre._parked and pre.slots.bytes_used == 0
+                            and pre.leases[js[1].rid].done_ranks == {("da", (0, 0))})
+            until(settled, 10, "the parked request to be dropped and the first slot freed")
+            time.sleep(0.2)  # a late pack would show up now
+            with lock:
+                assert pre.slots.bytes_used == 0 and not pre.slots.used
+            assert _verify(dec, [(js[0].num, js[0].read())])["mismatched_bytes"] == 0
+    finally:
+        pre.close()

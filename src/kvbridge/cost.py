@@ -42,11 +42,13 @@ class CostModel:
         files) keep their defaults."""
         try:
             d = json.loads(CALIBRATION_FILE.read_text())
+            if not isinstance(d, dict):
+                return cls()
             vals = {k: float(d[k]) for k in ("per_desc_us", "wire_gbps", "copy_gbps", "gather_ns_per_run") if k in d}
             if any(not (v > 0 and v < float("inf")) for v in vals.values()):
                 return cls()
             return cls(**vals, source=str(CALIBRATION_FILE))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             return cls()
 
     def save(self) -> None:

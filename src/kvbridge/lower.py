@@ -264,7 +264,10 @@ def build_template(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tup
     merged_run = merge_adjacent(two_s.T.ravel(), two_d.T.ravel(), two_n.T.ravel())[0].size
     merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel())[0].size
     run_major = merged_run < merged_chunk
-    mergeable = min(merged_run, merged_chunk) < 2 * src.size
+    # chunks smaller than a block: consecutive chunks also cross block boundaries, with another step
+    # than the sample's; let the per-request check (_merge_chunks, exact and O(chunks)) decide
+    mergeable = (min(merged_run, merged_chunk) < 2 * src.size or ntok < pr.tokens_per_block
+                 or ntok < dr.tokens_per_block)
     uniform = lens.size > 0 and bool(np.all(lens == lens[0]))
     return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk), uniform)
 

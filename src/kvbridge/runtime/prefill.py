@@ -121,22 +121,38 @@ class PrefillRank:
             self._retry_parked()
 
     def _retry_parked(self) -> None:
-        """Serve stage requests that waited for staging space, in arrival order (first fit)."""
+        """Serve stage requests that waited for staging space, in arrival order (first fit). A request
+        whose lease is gone, or whose decode rank already sent its Done (it aborted or failed), is
+        dropped; one that still does not fit waits until its deadline, then gets "full"."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
-        for p in parked:
-            if p.msg.req_id not in self.leases:
-                replies = [StageError(p.msg.req_id, f"request {p.msg.req_id!r} is unknown or its lease expired on "
-                                                    f"prefill rank {self.rank}; do not read its blocks", expired=True)]
-            else:
-                replies = self._pack_into_slot(p.msg, p.descs)
-                if replies is None:
-                    if now < p.deadline:
-                        self._parked.append(p)
-                        continue
-                    replies = [self._full_error(p.msg, p.descs)]
-            for reply in replies:
-                self.sock.send_multipart(p.envelope + pack(reply))
+        for i, p in enumerate(parked):
+            lease = self.leases.get(p.msg.req_id)
+            try:
+                if lease is None:
+                    replies = [StageError(p.msg.req_id, f"request {p.msg.req_id!r} is unknown or its lease expired "
+                                                        f"on prefill rank {self.rank}; do not read its blocks",
+                                          expired=True)]
+                elif (p.msg.decode_engine, tuple(p.msg.decode_rank)) in lease.done_ranks:
+                    continue  # the decode rank gave up on it meanwhile: nobody will read it
+                else:
+                    replies = self._pack_into_slot(p.msg, p.descs)
+                    if replies is None:
+                        if now < p.deadline:
+                            self._parked.append(p)
+                            continue
+                        replies = [self._full_error(p.msg, p.descs)]
+                for reply in replies:
+                    self.sock.send_multipart(p.envelope + pack(reply))
+            except Exception as e:  # noqa: BLE001 - one bad request must not drop the others or the rank
+                log.warning("stage request %s failed while packing: %r", p.msg.req_id, e)
+                self.sock.send_multipart(p.envelope + pack(StageError(p.msg.req_id, f"cannot stage: {e!r}")))
+
+    def _unpark(self, req_id: str, decode_engine: str, decode_rank) -> None:
+        key = (req_id, decode_engine, tuple(decode_rank))
+        self._parked = [p for p in self._parked
+                        if (p.msg.req_id, p.msg.decode_engine, tuple(p.msg.decode_rank)) != key]
+
     def _answers(self, body: list[bytes], envelope: list[bytes] = ()):
         """Replies to one side-channel message (a stage request gets one per packed segment, as packed)."""
         try:
@@ -180,11 +196,16 @@ class PrefillRank:
         except Exception as e:  # noqa: BLE001 - a bad request must not take the rank down
             yield StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
             return
+        if (msg.decode_engine, tuple(msg.decode_rank)) in lease.done_ranks:
+            yield StageError(msg.req_id, f"decode rank {tuple(msg.decode_rank)} of {msg.decode_engine!r} already "
+                                         f"sent Done for {msg.req_id!r}; not staging it again")
+            return
         d = descs.get(self.rank)
+        self._unpark(msg.req_id, msg.decode_engine, msg.decode_rank)  # a retried request replaces a parked one
         replies = self._pack_into_slot(msg, d)
         if replies is None:
             total = d.total_bytes if d is not None else 0
-            if total > self.slots.capacity or self.stage_wait_s <= 0:
+            if self.slots.rounded(total) > self.slots.capacity or self.stage_wait_s <= 0:
                 yield self._full_error(msg, d)
                 return
             self.metrics.stage_waits += 1
@@ -236,6 +257,8 @@ class PrefillRank:
             return
         lease.done_ranks.add((d.decode_engine, tuple(d.decode_rank)))
         lease.readers = d.readers
+        if self._parked:
+            self._unpark(d.req_id, d.decode_engine, d.decode_rank)
         slot_key = (d.req_id, d.decode_engine, tuple(d.decode_rank))
         if self.slots.free(slot_key):
             lease.staged.discard(slot_key)

@@ -12,11 +12,16 @@ class SlotAllocator:
         self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []  # sorted (offset, size)
         self.used: dict[object, tuple[int, int]] = {}
 
+    @staticmethod
+    def rounded(size: int) -> int:
+        """The extent :meth:`alloc` reserves for ``size`` bytes."""
+        return max(ALIGN, -(-int(size) // ALIGN) * ALIGN)
+
     def alloc(self, key, size: int) -> int | None:
         """Offset of a new extent for ``key``, or None if no free extent is large enough. A key that
         already holds an extent gives it back first (a retried request must not leak the old one)."""
         self.free(key)
-        size = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        size = self.rounded(size)
         for i, (off, n) in enumerate(self._free):
             if n >= size:
                 if n == size:
