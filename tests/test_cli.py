@@ -1,8 +1,6 @@
 """The command-line interface end to end (in-process)."""
 import json
 
-import pytest
-
 from kvbridge.cli import main
 
 

@@ -10,7 +10,7 @@ from strategies import random_models, random_pp_layers
 from hypothesis import strategies as st
 
 from kvbridge.errors import RequestError
-from kvbridge.layout import LAYOUT_PRESETS, CacheGroup, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, valid_tps
+from kvbridge.layout import LAYOUT_PRESETS, EngineLayout, MemoryLayout, valid_tps
 from kvbridge.lower import GroupBlocks, LoweredPlan, merge_adjacent
 from kvbridge.models import PRESETS, preset
 from kvbridge.plan import plan_transfer

@@ -120,6 +120,11 @@ def _merge_chunks(outer: _Outer, mergeable: bool):
     return merge_adjacent(out[0], out[1], out[2])
 
 
+def _part_count(part) -> int:
+    """Descriptors in one part: an :class:`_Outer` or a ``(src, dst, nbytes)`` tuple of arrays."""
+    return part.count if isinstance(part, _Outer) else int(part[2].size)
+
+
 class Descriptors:
     """Equal-length descriptor pairs for one (decode rank, prefill rank) transfer of one request.
 
@@ -136,9 +141,9 @@ class Descriptors:
         self.prefill = prefill
         if parts is None:
             parts = [(np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(nbytes, np.int64))]
-        self._parts = [p for p in parts if (p.count if isinstance(p, _Outer) else p[2].size)]
+        self._parts = [p for p in parts if _part_count(p)]
         self._arrays = None
-        self.count = sum(p.count if isinstance(p, _Outer) else int(p[2].size) for p in self._parts)
+        self.count = sum(_part_count(p) for p in self._parts)
         self.total_bytes = sum(p.total_bytes if isinstance(p, _Outer) else int(p[2].sum()) for p in self._parts)
 
     @property
@@ -148,7 +153,7 @@ class Descriptors:
     def _fill(self, src_out, dst_out, n_out) -> None:
         i = 0
         for p in self._parts:
-            k = p.count if isinstance(p, _Outer) else int(p[2].size)
+            k = _part_count(p)
             sl = slice(i, i + k)
             pick = lambda o: None if o is None else o[sl]  # noqa: E731
             if isinstance(p, _Outer):

@@ -126,7 +126,7 @@ class PrefillRank:
         dropped; one that still does not fit waits until its deadline, then gets "full"."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
-        for i, p in enumerate(parked):
+        for p in parked:
             lease = self.leases.get(p.msg.req_id)
             try:
                 if lease is None:

@@ -173,9 +173,6 @@ class NixlTransport:
             raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
         return d
 
-    def _descs(self, addrs: np.ndarray, nbytes: np.ndarray, dev: int):
-        return self._xfer_descs(self._nx3(addrs, nbytes, dev))
-
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
              notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
         """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`."""
