@@ -1500,3 +1500,39 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
             assert _verify(dec, [(js[0].num, js[0].read())])["mismatched_bytes"] == 0
     finally:
         pre.close()
+
+
+def test_stage_request_failing_while_packing_does_not_stop_the_prefill(monkeypatch):
+    """Packing raises (a bug, corrupt state): the prefill answers that one stage request with an error
+    and keeps serving; the decode reads that request directly; the next request is staged normally."""
+    import kvbridge.staging as staging
+    pl, dl = layout("prefill", 1, 64), layout("decode", 2, 64)
+    jobs = Jobs(dl, seed=16)
+    jobs.engine("pf", pl)
+    js = jobs.make("pf", 2, lengths=[40, 40], prefix_p=0.0)
+    real_pack, calls = staging.pack, []
+
+    def flaky_pack(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected packing failure")
+        return real_pack(*a, **k)
+
+    monkeypatch.setattr(staging, "pack", flaky_pack)
+    pre = PrefillRank(pl, (0, 0), "pf")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "df", transfer_mode="staged") as dec:
+            dec.handshake("pf", {(0, 0): f"127.0.0.1:{pre.port}"})
+            for j in js:
+                with lock:
+                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    pre.add_request(j.rid, j.req.prefill_blocks)
+                dec.start(j.read())
+                done, failed = dec.wait(20)
+                assert done == [j.rid] and not failed, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert dec.metrics.staging_fallbacks == 1 and dec.metrics.staged_transfers == 1
+            with lock:
+                assert pre.metrics.failed_stage_requests == 1
+    finally:
+        pre.close()

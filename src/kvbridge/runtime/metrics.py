@@ -22,6 +22,7 @@ class Metrics:
     staging_fallbacks: int = 0
     stage_waits: int = 0
     stage_full: int = 0
+    failed_stage_requests: int = 0
     failed_handshakes: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
@@ -63,6 +64,7 @@ _HELP = {
     "staged_transfers": ("counter", "transfers done staged (packed by the prefill, one read, scattered)"),
     "staging_fallbacks": ("counter", "staged transfers that fell back to direct reads (no staging room)"),
     "stage_waits": ("counter", "stage requests that waited for staging space on the prefill"),
+    "failed_stage_requests": ("counter", "stage requests that failed on the prefill while packing (answered with an error)"),
     "stage_full": ("counter", "stage requests the prefill refused (no staging space in time): read directly"),
     "failed_handshakes": ("counter", "failed handshakes"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),

@@ -107,8 +107,13 @@ class PrefillRank:
             # REQ peers (handshake) put an empty delimiter frame after the identity; DEALER peers
             # (stage requests) do not: answer in the same envelope
             envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
-            for answer in self._answers(frames[len(envelope):], envelope):
-                self.sock.send_multipart(envelope + answer)
+            try:
+                for answer in self._answers(frames[len(envelope):], envelope):
+                    self.sock.send_multipart(envelope + answer)
+            except Exception as e:  # noqa: BLE001 - a request that fails while packing must not stop the rank
+                log.warning("side-channel request failed: %r", e)
+                self.metrics.failed_stage_requests += 1
+                self.sock.send_multipart(envelope + pack(self._failure_reply(frames[len(envelope):], e)))
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
                 self._on_notif(agent, m)
@@ -146,7 +151,18 @@ class PrefillRank:
                     self.sock.send_multipart(p.envelope + pack(reply))
             except Exception as e:  # noqa: BLE001 - one bad request must not drop the others or the rank
                 log.warning("stage request %s failed while packing: %r", p.msg.req_id, e)
+                self.metrics.failed_stage_requests += 1
                 self.sock.send_multipart(p.envelope + pack(StageError(p.msg.req_id, f"cannot stage: {e!r}")))
+
+    @staticmethod
+    def _failure_reply(body: list[bytes], e: Exception):
+        try:
+            msg = unpack(body)
+        except Exception:  # noqa: BLE001
+            msg = None
+        if isinstance(msg, Stage):  # the decode fails or falls back on this request only
+            return StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
+        return ErrorReply(f"{type(e).__name__}: {e}")
 
     def _unpark(self, req_id: str, decode_engine: str, decode_rank) -> None:
         key = (req_id, decode_engine, tuple(decode_rank))
