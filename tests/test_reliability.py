@@ -280,6 +280,13 @@ def served(prefill: PrefillRank):
         t.join(5)
 
 
+def hold(pre: PrefillRank, lock, j: "Job", lease_s: float | None = None) -> float:
+    """In-process prefill: write request ``j``'s oracle KV and hold its blocks under a lease (returns expiry)."""
+    with lock:
+        pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+        return pre.add_request(j.rid, j.req.prefill_blocks, lease_s)
+
+
 @contextlib.contextmanager
 def inproc_decode(lay: EngineLayout, engine_id: str, rank=(0, 0), **kw):
     kw.setdefault("transfer_mode", "direct")
@@ -1017,9 +1024,7 @@ def test_inprocess_ranks_release_everything():
             dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
             js = jobs.make("pi", 8)
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    e = pre.add_request(j.rid, j.req.prefill_blocks)
+                e = hold(pre, lock, j)
                 dec.start(j.read(e))
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed
@@ -1241,9 +1246,7 @@ def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():
         with served(pre) as lock, inproc_decode(dl, "dst", transfer_timeout_s=0.5, release_timeout_s=0.05) as dec:
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
             (j,) = jobs.make("ps", 1)
-            with lock:
-                pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                e = pre.add_request(j.rid, j.req.prefill_blocks)
+            e = hold(pre, lock, j)
             real_check, real_settle = dec.transport.check, dec.transport.settle
             dec.transport.check = lambda x: "PROC"            # the read never completes ...
             dec.transport.settle = lambda x, timeout_s=0: None  # ... and cannot be cancelled
@@ -1284,9 +1287,8 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
         with served(pre) as lock, inproc_decode(dl, "dw", transfer_mode="staged") as dec:
             dec.handshake("pw", {(0, 0): f"127.0.0.1:{pre.port}"})
             (j,) = jobs.make("pw", 1, lengths=[40])
+            e = hold(pre, lock, j)
             with lock:
-                pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                e = pre.add_request(j.rid, j.req.prefill_blocks)
                 pre._stage = lambda msg, envelope: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
             dec.start(j.read(e))
             done, failed = dec.wait(5)
@@ -1316,9 +1318,7 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
             dec.buf.fill(SENTINEL)
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    pre.add_request(j.rid, j.req.prefill_blocks)
+                hold(pre, lock, j)
             for j in js:
                 dec.start(j.read())
             done, failed = dec.wait(20)
@@ -1354,9 +1354,7 @@ def test_staged_transfer_in_many_segments_is_exact():
         with served(pre) as lock, inproc_decode(dl, "dm", transfer_mode="staged", stage_segment_bytes=4096) as dec:
             dec.handshake("pm", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    pre.add_request(j.rid, j.req.prefill_blocks)
+                hold(pre, lock, j)
                 dec.start(j.read())
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed, failed
@@ -1409,9 +1407,7 @@ def test_stage_request_that_cannot_be_queued_is_read_directly():
             remote = dec.remotes["pq"]
             full = remote.stage_socks[(0, 0)] = _FullSocket(remote.stage_socks[(0, 0)])
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    pre.add_request(j.rid, j.req.prefill_blocks)
+                hold(pre, lock, j)
                 t0 = time.monotonic()
                 dec.start(j.read())
                 assert time.monotonic() - t0 < 1.0  # did not block on the send
@@ -1476,9 +1472,7 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
         with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
             dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    pre.add_request(j.rid, j.req.prefill_blocks)
+                hold(pre, lock, j)
                 dec.start(j.read())
 
             def parked():
@@ -1524,9 +1518,7 @@ def test_stage_request_failing_while_packing_does_not_stop_the_prefill(monkeypat
         with served(pre) as lock, inproc_decode(dl, "df", transfer_mode="staged") as dec:
             dec.handshake("pf", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
-                with lock:
-                    pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
-                    pre.add_request(j.rid, j.req.prefill_blocks)
+                hold(pre, lock, j)
                 dec.start(j.read())
                 done, failed = dec.wait(20)
                 assert done == [j.rid] and not failed, failed
