@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main() -> int:
     import numpy as np
 
-    from kvbridge.bench import DECODE_RANK, SCENARIOS, _engines
+    from bench import DECODE_RANK, SCENARIOS, _engines
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan
     from kvbridge.plan import plan_transfer
     from kvbridge.runtime.decode import ReadRequest
-    from kvbridge.runtime.procs import Worker
-    from kvbridge.verify import BlockPool, make_request
+    from kvbridge.testing.procs import Worker
+    from kvbridge.testing.verify import BlockPool, make_request
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario", choices=[s.name for s in SCENARIOS])

@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main() -> int:
     import numpy as np
 
-    from kvbridge.bench import ALLOCS, DECODE_RANK, SCENARIOS, _engines
+    from bench import ALLOCS, DECODE_RANK, SCENARIOS, _engines
     from kvbridge.cost import CostModel, choose_modes, pair_shapes, request_chunks, request_modes
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan
     from kvbridge.plan import plan_transfer
-    from kvbridge.verify import BlockPool, make_request
+    from kvbridge.testing.verify import BlockPool, make_request
 
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("results.json")
     rows = json.loads(path.read_text())["scenarios"]

@@ -1,4 +1,7 @@
 """Staging pack/scatter round trips, and a tiny benchmark scenario end to end (no timing assertions)."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -7,7 +10,9 @@ from kvbridge.layout import EngineLayout, MemoryLayout
 from kvbridge.lower import LoweredPlan
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
-from kvbridge.verify import BlockPool, make_request
+from kvbridge.testing.verify import BlockPool, make_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmarks/bench.py
 
 
 def _runs(rng, size, n, lengths):
@@ -64,7 +69,7 @@ def test_staged_equals_direct_on_lowered_descriptors():
 
 
 def test_vllm_descriptor_count():
-    from kvbridge.bench import vllm_descriptor_count
+    from bench import vllm_descriptor_count
     m = load_model("tiny-dense")  # 4 layers, K and V
     p = EngineLayout(m, tp=2, num_blocks=16)
     d = EngineLayout(m, tp=1, num_blocks=16)
@@ -79,7 +84,7 @@ def test_bench_quick_scenario(tmp_path):
     from kvbridge.transport.nixl import nixl_available
     if not nixl_available():
         pytest.skip("nixl not installed")
-    from kvbridge.bench import QUICK, run_scenario
+    from bench import QUICK, run_scenario
     rows = run_scenario(QUICK[0], "flash_attn_hnd", reps=1, allocs=("shuffled",), log=lambda *a: None)
     assert len(rows) == 1
     r = rows[0]

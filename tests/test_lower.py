@@ -14,8 +14,8 @@ from kvbridge.layout import LAYOUT_PRESETS, EngineLayout, MemoryLayout, valid_tp
 from kvbridge.lower import GroupBlocks, LoweredPlan, merge_adjacent
 from kvbridge.models import PRESETS, preset
 from kvbridge.plan import plan_transfer
-from kvbridge.sweep import pad_mamba, shrink, sweep_cases
-from kvbridge.verify import verify
+from kvbridge.testing.sweep import pad_mamba, shrink, sweep_cases
+from kvbridge.testing.verify import verify
 
 
 def engine(model, tp=1, pp=1, bs=16, layout="flash_attn", num_blocks=64, **kw):
@@ -271,7 +271,7 @@ def test_request_error_missing_group(lowered_hybrid, side):
 def test_request_error_leaves_decode_buffer_untouched():
     """End to end: a rejected request moves no byte (the transport is never called)."""
     from kvbridge.memory import rank_memory
-    from kvbridge.oracle import new_buffer
+    from kvbridge.testing.oracle import new_buffer
     from kvbridge.transport.reference import ReferenceTransport
     p = engine(TD, bs=4, num_blocks=4, role="prefill")
     d = engine(TD, bs=4, num_blocks=4, role="decode")

@@ -42,7 +42,7 @@ COMMON = textwrap.dedent('''
     import numpy as np
     from kvbridge.layout import EngineLayout
     from kvbridge.models import preset
-    from kvbridge.verify import BlockPool, make_request
+    from kvbridge.testing.verify import BlockPool, make_request
 
     CFG = json.loads(sys.argv[1])
     MODEL = preset(CFG["model"])
@@ -65,10 +65,11 @@ COMMON = textwrap.dedent('''
 
 PREFILL = COMMON + textwrap.dedent('''
     from kvbridge.runtime.prefill import PrefillRank
+    from kvbridge.testing.procs import fill_rank
     p = PrefillRank(PL, (0, 0), "pn", host=CFG["p_addr"], port=CFG["port"], lease_s=120.0)
     reqs = jobs()
     for r in reqs:
-        p.fill(r.req_id, r.num_tokens, r.prefill_blocks)
+        fill_rank(p, r.req_id, r.num_tokens, r.prefill_blocks)
         p.add_request(f"n{r.req_id}", r.prefill_blocks)
     emit(ready=True, port=p.port, agent=p.transport.agent_name)
     freed, deadline = [], time.time() + CFG["timeout"]
@@ -81,9 +82,9 @@ PREFILL = COMMON + textwrap.dedent('''
 ''')
 
 DECODE = COMMON + textwrap.dedent('''
-    from kvbridge.oracle import SENTINEL
+    from kvbridge.testing.oracle import SENTINEL
     from kvbridge.runtime.decode import DecodeRank, ReadRequest
-    from kvbridge.runtime.procs import _verify
+    from kvbridge.testing.procs import _verify, fill_rank
     d = DecodeRank(DL, (0, 0), "dn", handshake_timeout_s=10.0)
     d.buf.fill(SENTINEL)
     t0 = time.perf_counter()

@@ -37,7 +37,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_cross_process_transfer_is_exact(name):
-    from kvbridge.demo import run_demo
+    from kvbridge.testing.demo import run_demo
     prefill, decode = CASES[name]
     res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=hash(name) % 1000, show_progress=False)
     assert not res.failed and not res.start_errors, (res.failed, res.start_errors)
@@ -57,7 +57,7 @@ STAGED = ["dense P2->D1", "gqa replicated on decode P1->D4", "swa+fa heads diffe
 @pytest.mark.parametrize("name", STAGED)
 def test_staged_transfer_is_exact(name):
     """Prefill packs, one read per prefill rank, decode scatters: the same bytes as direct reads."""
-    from kvbridge.demo import run_demo
+    from kvbridge.testing.demo import run_demo
     prefill, decode = CASES[name]
     res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=7, show_progress=False,
                    transfer_mode="staged")
@@ -70,7 +70,7 @@ def test_staged_transfer_is_exact(name):
 
 def test_auto_mode_uses_the_cost_model():
     from kvbridge.cost import choose_modes
-    from kvbridge.demo import run_demo
+    from kvbridge.testing.demo import run_demo
     from kvbridge.plan import plan_transfer
     prefill, decode = CASES["swa+fa heads differ P4->D2"]
     chosen = {m.mode for m in choose_modes(plan_transfer(prefill, decode))}

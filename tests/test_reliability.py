@@ -1,6 +1,6 @@
 """Reliability of the NIXL runtime: remote death, bad input, request lifecycle, load, metrics.
 
-Every test drives real rank processes (:mod:`kvbridge.runtime.procs`, one process per rank, NIXL/UCX
+Every test drives real rank processes (:mod:`kvbridge.testing.procs`, one process per rank, NIXL/UCX
 over host memory) or in-process ranks, checks moved bytes against the oracle (``verify``), and bounds
 every wait with an explicit deadline (no pytest-timeout plugin). Small model (``tiny-dense``: 4 layers,
 4 KV heads x 16, bf16) and block size 4 keep the whole file well under 4 minutes on 2 cores.
@@ -31,15 +31,15 @@ from kvbridge.errors import HandshakeError, IncompatibleLayoutsError, LayoutErro
 from kvbridge.layout import EngineLayout, ModelSpec
 from kvbridge.lower import GroupBlocks, LoweredPlan
 from kvbridge.models import preset
-from kvbridge.oracle import SENTINEL
+from kvbridge.testing.oracle import SENTINEL
 from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import DecodeRank, ReadRequest, fetch_meta
 from kvbridge.runtime.metrics import Metrics, to_prometheus
 from kvbridge.runtime.prefill import PrefillRank
-from kvbridge.runtime.procs import EngineProcs, Worker, _verify
+from kvbridge.testing.procs import EngineProcs, Worker, _verify, fill_rank
 from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
-from kvbridge.verify import BlockPool, Request, make_request
+from kvbridge.testing.verify import BlockPool, Request, make_request
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 
@@ -283,7 +283,7 @@ def served(prefill: PrefillRank):
 def hold(pre: PrefillRank, lock, j: "Job", lease_s: float | None = None) -> float:
     """In-process prefill: write request ``j``'s oracle KV and hold its blocks under a lease (returns expiry)."""
     with lock:
-        pre.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+        fill_rank(pre, j.num, j.req.num_tokens, j.req.prefill_blocks)
         return pre.add_request(j.rid, j.req.prefill_blocks, lease_s)
 
 
@@ -1147,7 +1147,7 @@ def test_metrics_are_consistent_and_export_as_prometheus(pair, tmp_path):
     assert parse_exposition(to_prometheus(Metrics().to_json()))  # no labels at all
 
     # optional CLI helper: JSON + Prometheus files for several ranks
-    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_cli")
+    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_export")
     stats = {("dm", r): s for r, s in pair.D.call_all("stats").items()}
     stats |= {("pm", r): s for r, s in pair.P.call_all("stats").items()}
     jp, pp = tmp_path / "m.json", tmp_path / "m.prom"
@@ -1197,7 +1197,7 @@ def test_prometheus_label_values_are_escaped():
 
 
 def test_write_metrics_groups_families_and_escapes(tmp_path):
-    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_cli")
+    metrics_cli = pytest.importorskip("kvbridge.runtime.metrics_export")
     m = Metrics()
     m.transfers, m.transfer_bytes = 3, 4096
     m.observe_transfer(0.25)
@@ -1446,7 +1446,7 @@ def test_failed_handshake_leaves_no_half_added_peer():
             (j,) = jobs.make("ph", 1, lengths=[40])
             with lock0, lock1:
                 for p in pres:
-                    p.fill(j.num, j.req.num_tokens, j.req.prefill_blocks)
+                    fill_rank(p, j.num, j.req.num_tokens, j.req.prefill_blocks)
                     p.add_request(j.rid, j.req.prefill_blocks)
             dec.start(j.read())
             done, failed = dec.wait(20)

@@ -99,10 +99,10 @@ def cmd_verify(args) -> int:
     from rich.progress import Progress
     from .models import load_model
     from .plan import plan_transfer
-    from .verify import verify
+    from .testing.verify import verify
     cases = []
     if args.sweep:
-        from .sweep import sweep_cases
+        from .testing.sweep import sweep_cases
         cases = sweep_cases(quick=not args.full)
     else:
         model = load_model(args.model)
@@ -170,14 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--verbose", action="store_true")
     v.set_defaults(fn=cmd_verify)
 
-    from .demo import add_demo_parser
-    add_demo_parser(sub, _add_topology)
-    try:
-        from .bench import add_bench_parser
-        add_bench_parser(sub)
-    except ImportError:  # benchmarks are optional
-        pass
+    from .testing.demo import add_demo_parser
+    add_demo_parser(sub, _add_topology, _engine)
+    bench = _load_benchmarks()
+    if bench is not None:
+        bench.add_bench_parser(sub)
     return ap
+
+
+def _load_benchmarks():
+    """``benchmarks/bench.py`` of the source checkout (benchmarks are not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+    if not path.is_file():
+        return None
+    if "bench" in sys.modules:
+        return sys.modules["bench"]
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main(argv: list[str] | None = None) -> int:

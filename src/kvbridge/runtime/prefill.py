@@ -12,7 +12,6 @@ from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..plan import plan_transfer
 from ..memory import rank_memory
-from ..oracle import fill_prefill
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
 from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_from_wire,
@@ -88,9 +87,6 @@ class PrefillRank:
             self._release(req_id)
         self.leases[req_id] = Lease(req_id, blocks, exp)
         return exp
-
-    def fill(self, req: int, num_tokens: int, blocks: dict[str, GroupBlocks]) -> None:
-        fill_prefill(self.buf, self.mem, req, num_tokens, {g: b for g, b in blocks.items() if g in self.mem.regions})
 
     def take_freed(self) -> dict:
         out = {"freed": self.freed, "expired": self.expired}

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .layout import EngineLayout, MemoryLayout, ceil_div
-from .lower import LoweredPlan
-from .models import load_model
-from .plan import plan_transfer
+from kvbridge.layout import EngineLayout, MemoryLayout, ceil_div
+from kvbridge.lower import LoweredPlan
+from kvbridge.models import load_model
+from kvbridge.plan import plan_transfer
 
 DECODE_RANK = (0, 0)
 
@@ -94,10 +94,10 @@ def _stats(xs):
 # ---- transfer scenarios ----------------------------------------------------------------------------
 def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: int = 0, log=print) -> list[dict]:
     """Start the needed prefill ranks and one decode rank; measure every allocation in both modes."""
-    from .cost import CostModel, choose_modes
-    from .runtime.decode import ReadRequest
-    from .runtime.procs import Worker
-    from .verify import BlockPool, make_request
+    from kvbridge.cost import CostModel, choose_modes
+    from kvbridge.runtime.decode import ReadRequest
+    from kvbridge.testing.procs import Worker
+    from kvbridge.testing.verify import BlockPool, make_request
 
     n_req = ceil_div(sc.tokens, sc.block_size)
     num_blocks = n_req + n_req // 4 + 4
@@ -116,7 +116,7 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
     cm = CostModel.load()
     modes = sorted({m.mode for m in choose_modes(plan, cm) if m.decode == DECODE_RANK})
     chosen = modes[0] if len(modes) == 1 else "mixed"
-    from .cost import pair_shapes, request_chunks, request_modes
+    from kvbridge.cost import pair_shapes, request_chunks, request_modes
     shapes = pair_shapes(lp0)
 
     def auto_choice(req) -> str:  # what the runtime's auto mode decides for this request (same code)
@@ -205,9 +205,9 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
     plus what the post thread does before posting (NIXL's Nx3 arrays written from the factored form, and
     ``get_xfer_descs`` on both sides), and of the staged posting path (stage request encoding + one
     descriptor per prefill rank)."""
-    from .layout import engine_to_dict
-    from .runtime.protocol import Stage, blocks_to_wire
-    from .runtime.protocol import pack as pack_msg
+    from kvbridge.layout import engine_to_dict
+    from kvbridge.runtime.protocol import Stage, blocks_to_wire
+    from kvbridge.runtime.protocol import pack as pack_msg
     bs = 16
     n = ceil_div(tokens, bs)
     out = []
@@ -221,7 +221,7 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
         lp = LoweredPlan(plan, DECODE_RANK, bases, 1 << 44)
         rng = np.random.default_rng(0)
         for alloc in ALLOCS:
-            from .lower import GroupBlocks
+            from kvbridge.lower import GroupBlocks
             ids = (lambda: rng.permutation(2 * n)[:n]) if alloc == "shuffled" else (lambda: np.arange(n))
             pb = {g.name: GroupBlocks(ids().astype(np.int64)) for g in prefill.model.groups}
             db = {g.name: GroupBlocks(ids().astype(np.int64)) for g in prefill.model.groups}
@@ -262,7 +262,7 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
 
 def _hot_path_fresh_process(kw: dict) -> list[dict]:
     """hot_path() in a fresh process with glibc's default malloc settings (run through a spawn pool)."""
-    from .transport.nixl import NixlTransport
+    from kvbridge.transport.nixl import NixlTransport
     t = NixlTransport("kvbridge-bench-hot-default")
     try:
         return [{**h, "malloc": "default"} for h in hot_path(transport=t, **kw)]
@@ -285,7 +285,7 @@ def _virtual_buffer(nbytes: int):
 def startup(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, num_blocks: int = 100_000,
             layouts=LAYOUTS, vllm_blocks: int | None = None, transport=None, log=print) -> list[dict]:
     """Plan + LoweredPlan + one NIXL registration vs vLLM's full per-(layer, K/V, block) table."""
-    from .memory import rank_memory
+    from kvbridge.memory import rank_memory
     out = []
     for layout in layouts:
         plan_transfer.cache_clear()
@@ -378,7 +378,7 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
         scenarios = [s for s in scenarios if only in s.name or only in s.model]
     if tokens:
         scenarios = [Scenario(**{**asdict(s), "tokens": tokens}) for s in scenarios]
-    from .cost import CostModel
+    from kvbridge.cost import CostModel
     t_start = time.time()
     res = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "numpy": np.__version__, "quick": quick, "reps": reps,
@@ -394,7 +394,7 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
                 res["errors"].append({"scenario": sc.name, "layout": layout, "error": f"{type(e).__name__}: {e}"})
     transport = None
     try:
-        from .transport.nixl import NixlTransport
+        from kvbridge.transport.nixl import NixlTransport
         transport = NixlTransport("kvbridge-bench-main")
     except Exception as e:  # noqa: BLE001
         log(f"no NIXL agent in the driver ({e}); hot path without get_xfer_descs, start-up without registration")
@@ -408,7 +408,7 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
                 import multiprocessing as mp
                 with mp.get_context("spawn").Pool(1) as pool:
                     untuned = pool.apply(_hot_path_fresh_process, ({"reps": reps * 10},))
-                from .malloc import tune_malloc
+                from kvbridge.malloc import tune_malloc
                 tuned = tune_malloc()
                 res["hot_path"] = untuned + [{**h, "malloc": "tuned" if tuned else "default"} for h in
                                              hot_path(reps=reps * 10, transport=transport)
@@ -485,7 +485,7 @@ def calibrate(reps: int = 3, log=print):
     """Measure the cost-model constants here: wire GB/s (one large descriptor: equal TP, cross-layer,
     contiguous blocks), memcpy GB/s (same run), and the per-descriptor cost (4 KiB head-sliced reads of
     a shuffled per-layer P8->D4 request, minus their wire time)."""
-    from .cost import CostModel
+    from kvbridge.cost import CostModel
     big = run_scenario(Scenario("calibrate-wire", "llama-3.1-70b", 4, 4, tokens=2048), "cross_layer", reps=reps,
                        allocs=("contiguous",), log=log)[0]
     small = run_scenario(Scenario("calibrate-desc", "llama-3.1-70b", 8, 4, tokens=2048), "flash_attn_hnd", reps=reps,
@@ -503,7 +503,7 @@ def cmd_bench(args) -> int:
     from rich.console import Console
     con = Console()
     if args.calibrate:
-        from .cost import CALIBRATION_FILE
+        from kvbridge.cost import CALIBRATION_FILE
         cm, row = calibrate(reps=args.reps, log=con.print)
         con.print(f"per descriptor {cm.per_desc_us} us, wire {cm.wire_gbps} GB/s, copy {cm.copy_gbps} GB/s "
                   f"-> saved to {CALIBRATION_FILE}")

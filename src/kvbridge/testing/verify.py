@@ -5,12 +5,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layout import EngineLayout, ceil_div
-from .lower import Descriptors, GroupBlocks, LoweredPlan
-from .memory import rank_memory
+from ..layout import EngineLayout, ceil_div
+from ..lower import Descriptors, GroupBlocks, LoweredPlan
+from ..memory import rank_memory
 from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
-from .plan import plan_transfer
-from .transport.reference import ReferenceTransport
+from ..plan import plan_transfer
+from ..transport.reference import ReferenceTransport
 
 
 @dataclass

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .errors import LayoutError
-from .layout import LAYOUT_PRESETS, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, ceil_div
-from .memory import attention_page_bytes
-from .models import PRESETS, preset
+from ..errors import LayoutError
+from ..layout import LAYOUT_PRESETS, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, ceil_div
+from ..memory import attention_page_bytes
+from ..models import PRESETS, preset
 
 TPS: tuple[int, ...] = (1, 2, 4, 8)
 # (prefill tp, decode tp) pairs of quick mode: equal, P>D, D>P; tp 8 exceeds the head count of

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import errors
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
-from ..oracle import count_mismatches, new_buffer, write_expected
+from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 
 Rank = tuple[int, int]
 
@@ -31,6 +31,11 @@ def _verify(obj, requests: list) -> dict:
         needed += write_expected(expected, obj.mem, req_num, ranges, req.decode_blocks)
     return {"mismatched_bytes": count_mismatches(obj.buf, expected), "checked_bytes": int(obj.buf.size),
             "needed_bytes": needed}
+
+
+def fill_rank(obj, req: int, num_tokens: int, blocks: dict) -> None:
+    """Prefill side: write request ``req``'s oracle values into the rank's KV memory."""
+    fill_prefill(obj.buf, obj.mem, req, num_tokens, {g: b for g, b in blocks.items() if g in obj.mem.regions})
 
 
 def _memcpy_gbps(nbytes: int, reps: int = 3) -> float:
@@ -52,8 +57,8 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
     from ..malloc import tune_malloc
     tune_malloc()  # per-request descriptor arrays reuse heap memory instead of page-faulting (kvbridge.malloc)
-    from .decode import DecodeRank
-    from .prefill import PrefillRank
+    from ..runtime.decode import DecodeRank
+    from ..runtime.prefill import PrefillRank
     try:
         engine = engine_from_dict(layout)
         obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, **kw)
@@ -95,8 +100,10 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                     res = _memcpy_gbps(*args)
                 elif cmd == "fill_many":
                     for a in args[0]:
-                        obj.fill(*a)
+                        fill_rank(obj, *a)
                     res = None
+                elif cmd == "fill":
+                    res = fill_rank(obj, *args)
                 elif cmd == "start_abort":  # tests: abort while the read is surely in flight (no poll between)
                     obj.start(args[0])
                     res = args[0].req_id in obj.inflight

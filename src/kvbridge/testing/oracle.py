@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .lower import GroupBlocks
-from .memory import RankMemory
+from ..lower import GroupBlocks
+from ..memory import RankMemory
 
 SENTINEL = 0xA5
 _K = [np.uint64(x) for x in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93,

@@ -15,10 +15,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .layout import EngineLayout, MemoryLayout, ceil_div
-from .plan import plan_transfer
-from .runtime.decode import ReadRequest
-from .runtime.procs import EngineProcs
+from ..layout import EngineLayout, MemoryLayout, ceil_div
+from ..plan import plan_transfer
+from ..runtime.decode import ReadRequest
+from .procs import EngineProcs
 from .verify import BlockPool, make_request
 
 console = Console()
@@ -118,7 +118,7 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 time.sleep(0.02)
             if metrics_dir:
                 from pathlib import Path
-                from .runtime.metrics_cli import write_metrics
+                from ..runtime.metrics_export import write_metrics
                 out = Path(metrics_dir)
                 out.mkdir(parents=True, exist_ok=True)
                 write_metrics({("decode-0", r): s for r, s in D.call_all("stats").items()},
@@ -177,9 +177,8 @@ def print_result(res: DemoResult, prefill: EngineLayout, decode: EngineLayout) -
         console.print(f"[red]{rid}: {why}")
 
 
-def cmd_demo(args) -> int:
-    from .cli import _engine
-    from .models import load_model
+def cmd_demo(args, _engine) -> int:
+    from ..models import load_model
     model = load_model(args.model)
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
     res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits,
@@ -188,7 +187,7 @@ def cmd_demo(args) -> int:
     return 0 if res.ok else 1
 
 
-def add_demo_parser(sub, add_topology) -> None:
+def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     p = sub.add_parser("demo", help="the main job: prefill and decode processes, KV over NIXL, every byte verified")
     add_topology(p, "gemma-4-mini", 4, 2)
     p.add_argument("--requests", type=int, default=32)
@@ -199,7 +198,7 @@ def add_demo_parser(sub, add_topology) -> None:
     p.add_argument("--mode", choices=("auto", "direct", "staged"), default="auto",
                    help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), or "
                         "auto: the cost model chooses per (decode rank, prefill rank)")
-    p.set_defaults(fn=cmd_demo)
+    p.set_defaults(fn=lambda args: cmd_demo(args, engine_from_args))
 
 
 __all__ = ["run_demo", "DemoResult", "MemoryLayout"]
