@@ -228,13 +228,15 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
             t_low, t_all, t_staged = [], [], []
             count = 0
             layout_dict = engine_to_dict(decode)
+            from kvbridge.memory import KVMemory, rank_memory
+            mem_wire = KVMemory.from_buffer(decode, DECODE_RANK, np.empty(rank_memory(decode, *DECODE_RANK).size, np.uint8)).to_wire()
             for _ in range(reps + 2):
                 # staged posting path (what DecodeRank.start does for a staged prefill rank): encode the
                 # stage request; when the reply comes, one descriptor per prefill rank
                 t0 = time.perf_counter()
                 wire_p, wire_d = blocks_to_wire(pb), blocks_to_wire(db)
                 for prank in plan.prefill_ranks_for(DECODE_RANK):
-                    pack_msg(Stage("r", "d", DECODE_RANK, layout_dict, tokens, wire_p, wire_d))
+                    pack_msg(Stage("r", "d", DECODE_RANK, layout_dict, mem_wire, tokens, wire_p, wire_d))
                     one = np.ones(1, dtype=np.int64)
                     arr = np.empty((1, 3), dtype=np.uint64)
                     arr[:, 0], arr[:, 1], arr[:, 2] = one, one, 0

@@ -66,7 +66,8 @@ COMMON = textwrap.dedent('''
 PREFILL = COMMON + textwrap.dedent('''
     from kvbridge.runtime.prefill import PrefillRank
     from kvbridge.testing.procs import fill_rank
-    p = PrefillRank(PL, (0, 0), "pn", host=CFG["p_addr"], port=CFG["port"], lease_s=120.0)
+    from kvbridge.testing.engine import default_memory
+    p = PrefillRank(PL, (0, 0), "pn", memory=default_memory(PL, (0, 0)), host=CFG["p_addr"], port=CFG["port"], lease_s=120.0)
     reqs = jobs()
     for r in reqs:
         fill_rank(p, r.req_id, r.num_tokens, r.prefill_blocks)
@@ -85,8 +86,9 @@ DECODE = COMMON + textwrap.dedent('''
     from kvbridge.testing.oracle import SENTINEL
     from kvbridge.runtime.decode import DecodeRank, ReadRequest
     from kvbridge.testing.procs import _verify, fill_rank
-    d = DecodeRank(DL, (0, 0), "dn", handshake_timeout_s=10.0)
-    d.buf.fill(SENTINEL)
+    from kvbridge.testing.engine import buffer_of, default_memory
+    d = DecodeRank(DL, (0, 0), "dn", memory=default_memory(DL, (0, 0)), handshake_timeout_s=10.0)
+    buffer_of(d.mem).fill(SENTINEL)
     t0 = time.perf_counter()
     d.handshake("pn", {(0, 0): f"{CFG['p_addr']}:{CFG['port']}"})
     t_hs = time.perf_counter() - t0

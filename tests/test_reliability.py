@@ -37,6 +37,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import DecodeRank, ReadRequest, fetch_meta
 from kvbridge.runtime.metrics import Metrics, to_prometheus
 from kvbridge.runtime.prefill import PrefillRank
+from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.procs import EngineProcs, Worker, _verify, fill_rank
 from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
 from kvbridge.testing.verify import BlockPool, Request, make_request
@@ -290,8 +291,8 @@ def hold(pre: PrefillRank, lock, j: "Job", lease_s: float | None = None) -> floa
 @contextlib.contextmanager
 def inproc_decode(lay: EngineLayout, engine_id: str, rank=(0, 0), **kw):
     kw.setdefault("transfer_mode", "direct")
-    d = DecodeRank(lay, rank, engine_id, **kw)
-    d.buf.fill(SENTINEL)  # the oracle's sentinel, as the worker processes do
+    d = DecodeRank(lay, rank, engine_id, memory=default_memory(lay, rank), **kw)
+    buffer_of(d.mem).fill(SENTINEL)  # the oracle's sentinel, as the worker processes do
     try:
         yield d
     finally:
@@ -582,7 +583,7 @@ def test_handshake_with_other_model_or_dtype_is_refused(pair, other, words):
     assert pair.verify()["mismatched_bytes"] == 0
 
 
-def _bad_version_frames(msg, version=2):
+def _bad_version_frames(msg, version=protocol.PROTOCOL_VERSION + 1):
     return [protocol.MAGIC, version.to_bytes(2, "big"), protocol._enc.encode(msg)]
 
 
@@ -590,8 +591,8 @@ def test_protocol_version_mismatch():
     good = protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)))
     assert isinstance(protocol.unpack(good), protocol.GetMeta)
     with pytest.raises(HandshakeError) as ei:
-        protocol.unpack(protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)), version=2))
-    assert "version 2" in str(ei.value) and str(protocol.PROTOCOL_VERSION) in str(ei.value)
+        protocol.unpack(protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)), version=protocol.PROTOCOL_VERSION + 1))
+    assert f"version {protocol.PROTOCOL_VERSION + 1}" in str(ei.value) and str(protocol.PROTOCOL_VERSION) in str(ei.value)
     with pytest.raises(HandshakeError, match="magic"):
         protocol.unpack([b"HTTP", good[1], good[2]])
     with pytest.raises(HandshakeError, match="magic"):
@@ -604,7 +605,7 @@ def test_prefill_answers_bad_version_and_keeps_serving(pair):
     ctx = zmq.Context.instance()
     endpoint = pair.P.endpoints()[(0, 0)]
     for frames, expect in [
-        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=2), ["version 2", "speaks 1"]),
+        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=99), ["version 99", f"speaks {protocol.PROTOCOL_VERSION}"]),
         ([b"GET / HTTP/1.0\r\n\r\n"], ["protocol"]),
         (protocol.pack(protocol.Done("x", "dz", (0, 0), 1)), ["get_meta"]),
         (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 1))), ["(0, 0)", "(0, 1)"]),
@@ -660,12 +661,12 @@ def test_decode_rejects_prefill_speaking_other_version(pair):
     def answer_v2(frames):
         msg = protocol.unpack(frames)
         meta = fetch_meta(ctx, real[tuple(msg.prefill_rank)], msg, 5.0)
-        return _bad_version_frames(meta, version=2)
+        return _bad_version_frames(meta, version=99)
 
     with fake_prefill(answer_v2) as ep, inproc_decode(pair.dl, "dv") as dec:
         with pytest.raises(HandshakeError) as ei:
             dec.handshake("pm", {r: ep for r in real})
-        assert "version 2" in str(ei.value) and "same kvbridge release" in str(ei.value)
+        assert "version 99" in str(ei.value) and "same kvbridge release" in str(ei.value)
         assert dec.stats()["peers"] == 0 and dec.metrics.failed_handshakes == 1
         dec.handshake("pm", real)  # the real endpoints still work
         assert dec.stats()["remotes"] == ["pm"]
@@ -749,7 +750,8 @@ def _mutate_layout_dims(meta):
     (lambda m: msgspec.structs.replace(m, engine_id="other"), "is engine 'other', expected 'pm'"),
     (lambda m: msgspec.structs.replace(m, rank=(1, 1)), r"is rank \(1, 1\)"),
     (_mutate_layout_dims, "fingerprint"),
-    (lambda m: msgspec.structs.replace(m, buffer_size=1), "registered 1 B"),
+    (lambda m: msgspec.structs.replace(m, memory={**m.memory, "allocations": [[a, 1, d] for a, _, d in m.memory["allocations"]]}),
+     "not inside one registered memory region"),
     (lambda m: msgspec.structs.replace(m, metadata_sha256="0" * 64), "checksum"),
     (lambda m: msgspec.structs.replace(m, layout={"model": {}}), "invalid layout"),
 ], ids=["engine-id", "rank", "layout-vs-fingerprint", "buffer-size", "digest", "malformed-layout"])
@@ -1015,12 +1017,12 @@ def test_inprocess_ranks_release_everything():
     pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=5)
     jobs.engine("pi", pl)
-    pre = PrefillRank(pl, (0, 0), "pi")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pi")
     dec = None
     try:
         with served(pre) as lock:
-            dec = DecodeRank(dl, (0, 0), "di")
-            dec.buf.fill(SENTINEL)
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="di")
+            buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
             js = jobs.make("pi", 8)
             for j in js:
@@ -1241,7 +1243,7 @@ def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():
     pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=9)
     jobs.engine("ps", pl)
-    pre = PrefillRank(pl, (0, 0), "ps")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps")
     try:
         with served(pre) as lock, inproc_decode(dl, "dst", transfer_timeout_s=0.5, release_timeout_s=0.05) as dec:
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
@@ -1282,7 +1284,7 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
     pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=10)
     jobs.engine("pw", pl)
-    pre = PrefillRank(pl, (0, 0), "pw")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pw")
     try:
         with served(pre) as lock, inproc_decode(dl, "dw", transfer_mode="staged") as dec:
             dec.handshake("pw", {(0, 0): f"127.0.0.1:{pre.port}"})
@@ -1310,12 +1312,12 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
     js = jobs.make("ps", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), "ps", staging_bytes=one + 4096, stage_wait_s=wait_s)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps", staging_bytes=one + 4096, stage_wait_s=wait_s)
     dec = None
     try:
         with served(pre) as lock:
-            dec = DecodeRank(dl, (0, 0), "ds", transfer_mode="staged", staging_bytes=4 * one)
-            dec.buf.fill(SENTINEL)
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="ds", transfer_mode="staged", staging_bytes=4 * one)
+            buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
                 hold(pre, lock, j)
@@ -1349,7 +1351,7 @@ def test_staged_transfer_in_many_segments_is_exact():
     jobs = Jobs(dl, seed=12)
     jobs.engine("pm", pl)
     js = jobs.make("pm", 3, lengths=[64, 37, 90], prefix_p=0.5)
-    pre = PrefillRank(pl, (0, 0), "pm")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pm")
     try:
         with served(pre) as lock, inproc_decode(dl, "dm", transfer_mode="staged", stage_segment_bytes=4096) as dec:
             dec.handshake("pm", {(0, 0): f"127.0.0.1:{pre.port}"})
@@ -1400,7 +1402,7 @@ def test_stage_request_that_cannot_be_queued_is_read_directly():
     jobs = Jobs(dl, seed=13)
     jobs.engine("pq", pl)
     js = jobs.make("pq", 2, lengths=[30, 50], prefix_p=0.0)
-    pre = PrefillRank(pl, (0, 0), "pq")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pq")
     try:
         with served(pre) as lock, inproc_decode(dl, "dq", transfer_mode="staged") as dec:
             dec.handshake("pq", {(0, 0): f"127.0.0.1:{pre.port}"})
@@ -1428,7 +1430,7 @@ def test_failed_handshake_leaves_no_half_added_peer():
     pl, dl = layout("prefill", 2, 64), layout("decode", 1, 64)
     jobs = Jobs(dl, seed=14)
     jobs.engine("ph", pl)
-    pres = [PrefillRank(pl, (0, r), "ph") for r in range(2)]
+    pres = [PrefillRank(pl, (0, r), memory=default_memory(pl, (0, r)), engine_id="ph") for r in range(2)]
     endpoints = {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)}
     try:
         with served(pres[0]) as lock0, served(pres[1]) as lock1, inproc_decode(dl, "dh") as dec:
@@ -1467,7 +1469,7 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
     js = jobs.make("pa", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), "pa", staging_bytes=one + 256, stage_wait_s=30.0)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pa", staging_bytes=one + 256, stage_wait_s=30.0)
     try:
         with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
             dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})
@@ -1513,7 +1515,7 @@ def test_stage_request_failing_while_packing_does_not_stop_the_prefill(monkeypat
         return real_pack(*a, **k)
 
     monkeypatch.setattr(staging, "pack", flaky_pack)
-    pre = PrefillRank(pl, (0, 0), "pf")
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pf")
     try:
         with served(pre) as lock, inproc_decode(dl, "df", transfer_mode="staged") as dec:
             dec.handshake("pf", {(0, 0): f"127.0.0.1:{pre.port}"})

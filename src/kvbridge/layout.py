@@ -237,6 +237,9 @@ LAYOUT_PRESETS: dict[str, str] = {
     # one KV head of one block is contiguous across all layers, so a rank of another TP reads
     # whole (block, head-group) runs instead of one 4 KiB slice per layer (kernels see strided views)
     "universal": "BHLKTD",
+    # vLLM 0.33's KVCacheLayout names: per-layer [B, H, N, C] views, K|V packed in C (so K sits just
+    # outside D); the letters give the physical order of layer, block, head, token (N), content
+    "LBNHC": "LBTHKD", "LBHNC": "LBHTKD", "LHBNC": "LHBTKD", "BLNHC": "BLTHKD", "BLHNC": "BLHTKD", "BHLNC": "BHLTKD",
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import RequestError
 from .layout import EngineLayout, ceil_div
-from .memory import RankMemory, rank_memory
+from .memory import rank_memory
 from .plan import Rank, Read, TransferPlan
 
 
@@ -205,69 +205,94 @@ class Descriptors:
         return f"Descriptors(prefill={self.prefill}, count={self.count}, total_bytes={self.total_bytes})"
 
 
-def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray):
-    """Merge consecutive descriptors contiguous on both sides (vectorised)."""
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, key: np.ndarray | None = None):
+    """Merge consecutive descriptors contiguous on both sides (vectorised). With ``key``, only
+    descriptors with equal keys merge (the same registered regions and strides on both sides)."""
     if src.size <= 1:
-        return src, dst, nbytes
+        return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
     end_s = src[:-1] + nbytes[:-1]
     end_d = dst[:-1] + nbytes[:-1]
     brk = np.empty(src.size, dtype=bool)
     brk[0] = True
     np.not_equal(src[1:], end_s, out=brk[1:])
     brk[1:] |= dst[1:] != end_d
+    if key is not None:
+        brk[1:] |= key[1:] != key[:-1]
     starts = np.flatnonzero(brk)
     if starts.size == src.size:
-        return src, dst, nbytes
-    return src[starts], dst[starts], np.add.reduceat(nbytes, starts)
+        return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
+    out = (src[starts], dst[starts], np.add.reduceat(nbytes, starts))
+    return out if key is None else out + (key[starts],)
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkTemplate:
-    src_rel: np.ndarray  # int64, relative to the prefill buffer start, block 0 token 0
+    src_rel: np.ndarray  # int64, prefill side, block 0 token 0 (relative to its buffer, or absolute)
     dst_rel: np.ndarray
     nbytes: np.ndarray
     run_major: bool      # emit (run, chunk) order instead of (chunk, run): lets blocks merge
     mergeable: bool      # some descriptors can merge across chunks with consecutive block ids
     runs_two_chunks: int  # runs of two chunks with consecutive block ids, after merging
     uniform: bool = False  # every run has the same length (head slices, whole blocks)
+    src_bs: np.ndarray | None = None  # state groups: per-run slot stride (components may differ)
+    dst_bs: np.ndarray | None = None
 
 
-def _atoms(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...], ntok: int):
+def _alloc_ids(mem, addrs: np.ndarray) -> np.ndarray:
+    """Which registered allocation each address is in (0 for kvbridge's single-buffer layout)."""
+    allocs = getattr(mem, "allocations", None)
+    if not allocs or len(allocs) == 1:
+        return np.zeros(addrs.size, dtype=np.int64)
+    starts = np.array([a.addr for a in allocs], dtype=np.int64)
+    return np.searchsorted(starts, addrs, side="right") - 1
+
+
+def _atoms(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int):
+    """Every (layer, token, unit) atom of one chunk of ``read``: src, dst, length, and per atom the
+    block (slot) stride of its component on each side."""
     gname = read.group
     pr, dr = p_mem.region(gname), d_mem.region(gname)
-    src, dst, lens = [], [], []
+    src, dst, lens, sbs, dbs = [], [], [], [], []
     for ci, (u0, u1) in enumerate(read.units):
         if u1 <= u0:
             continue
         pv, dv = pr.components[ci], dr.components[ci]
-        pl = np.array([pv.layers.index(l) for l in layers], dtype=np.int64)
-        dl = np.array([dv.layers.index(l) for l in layers], dtype=np.int64)
+        po = np.array(pv.layer_offsets, dtype=np.int64)[[pv.layers.index(l) for l in layers]]
+        do = np.array(dv.layer_offsets, dtype=np.int64)[[dv.layers.index(l) for l in layers]]
         tok = np.arange(ntok, dtype=np.int64)
         units = np.arange(u0, u1, dtype=np.int64)
-        s = (pv.offset + pl[:, None, None] * pv.layer_stride + tok[None, :, None] * pv.token_stride
-             + (units - pv.unit0)[None, None, :] * pv.unit_stride)
-        d = (dv.offset + dl[:, None, None] * dv.layer_stride + tok[None, :, None] * dv.token_stride
-             + (units - dv.unit0)[None, None, :] * dv.unit_stride)
+        s = po[:, None, None] + tok[None, :, None] * pv.token_stride + (units - pv.unit0)[None, None, :] * pv.unit_stride
+        d = do[:, None, None] + tok[None, :, None] * dv.token_stride + (units - dv.unit0)[None, None, :] * dv.unit_stride
         src.append(s.ravel())
         dst.append(d.ravel())
         lens.append(np.full(s.size, pv.unit_bytes, dtype=np.int64))
-    return np.concatenate(src), np.concatenate(dst), np.concatenate(lens)
+        sbs.append(np.full(s.size, pv.block_stride, dtype=np.int64))
+        dbs.append(np.full(s.size, dv.block_stride, dtype=np.int64))
+    return tuple(np.concatenate(x) for x in (src, dst, lens, sbs, dbs))
 
 
-def build_template(p_mem: RankMemory, d_mem: RankMemory, read: Read, layers: tuple[int, ...],
-                   ntok: int) -> ChunkTemplate:
-    src, dst, lens = _atoms(p_mem, d_mem, read, layers, ntok)
+def build_template(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int) -> ChunkTemplate:
+    src, dst, lens, sbs, dbs = _atoms(p_mem, d_mem, read, layers, ntok)
+    # runs merge only within one registered allocation on each side and with equal slot strides
+    parts = np.stack([_alloc_ids(p_mem, src), _alloc_ids(d_mem, dst), sbs, dbs], axis=1)
+    uniq, key = np.unique(parts, axis=0, return_inverse=True)
+    key = key.ravel().astype(np.int64)
     order = np.lexsort((src, dst))
-    src, dst, lens = merge_adjacent(src[order], dst[order], lens[order])
-    # Would two chunks with consecutive blocks merge? Try both emission orders on a 2-chunk sample.
+    src, dst, lens, key = merge_adjacent(src[order], dst[order], lens[order], key[order])
     pr, dr = p_mem.region(read.group), d_mem.region(read.group)
+    if not pr.group.per_token:
+        # a state slot: one chunk per request; each run keeps its component's slot stride
+        return ChunkTemplate(src, dst, lens, False, False, src.size, bool(lens.size and np.all(lens == lens[0])),
+                             uniq[key, 2], uniq[key, 3])
+    # Would two chunks with consecutive blocks merge? Try both emission orders on a 2-chunk sample.
     step_s = pr.block_stride if ntok >= pr.tokens_per_block else ntok * pr.token_stride
     step_d = dr.block_stride if ntok >= dr.tokens_per_block else ntok * dr.token_stride
     two_s = np.stack([src, src + step_s])
     two_d = np.stack([dst, dst + step_d])
     two_n = np.stack([lens, lens])
-    merged_run = merge_adjacent(two_s.T.ravel(), two_d.T.ravel(), two_n.T.ravel())[0].size
-    merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel())[0].size
+    two_k = np.stack([key, key])
+    merged_run = merge_adjacent(two_s.T.ravel(), two_d.T.ravel(), two_n.T.ravel(), two_k.T.ravel())[0].size
+    merged_chunk = merge_adjacent(two_s.ravel(), two_d.ravel(), two_n.ravel(), two_k.ravel())[0].size
     run_major = merged_run < merged_chunk
     # chunks smaller than a block: consecutive chunks also cross block boundaries, with another step
     # than the sample's; let the per-request check (_merge_chunks, exact and O(chunks)) decide
@@ -295,12 +320,14 @@ class LoweredPlan:
     """
 
     def __init__(self, plan: TransferPlan, decode_rank: Rank, prefill_bases: dict[Rank, int] | None = None,
-                 decode_base: int = 0):
+                 decode_base: int = 0, prefill_mems: dict | None = None, decode_mem=None):
         self.plan = plan
         self.decode_rank = decode_rank
         self.prefill: EngineLayout = plan.prefill
         self.decode: EngineLayout = plan.decode
-        self.d_mem = rank_memory(plan.decode, *decode_rank)
+        # engine-owned memory (KVMemory, absolute addresses) or kvbridge's layout (RankMemory + a base)
+        self.d_mem = decode_mem if decode_mem is not None else rank_memory(plan.decode, *decode_rank)
+        self.p_mems = dict(prefill_mems or {})
         self.prefill_ranks = plan.prefill_ranks_for(decode_rank)
         self.prefill_bases = {r: 0 for r in self.prefill_ranks} | dict(prefill_bases or {})
         self.decode_base = decode_base
@@ -316,9 +343,12 @@ class LoweredPlan:
     def _template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
         t = low.templates.get(ntok)
         if t is None:
-            p_mem = rank_memory(self.prefill, *low.read.prefill)
-            t = low.templates[ntok] = build_template(p_mem, self.d_mem, low.read, low.layers, ntok)
+            t = low.templates[ntok] = build_template(self.p_mem(low.read.prefill), self.d_mem, low.read, low.layers, ntok)
         return t
+
+    def p_mem(self, prank: Rank):
+        m = self.p_mems.get(prank)
+        return m if m is not None else rank_memory(self.prefill, *prank)
 
     @property
     def num_templates_runs(self) -> int:
@@ -397,14 +427,12 @@ class LoweredPlan:
         t0, t1 = trange
         if not low.per_token:
             t = low.templates[1]
-            p_stride = rank_memory(self.prefill, *low.read.prefill).region(low.read.group).block_stride
-            return [(t.src_rel + (base_s + int(pb.block_ids[0]) * p_stride),
-                     t.dst_rel + (base_d + int(db.block_ids[0]) * self.d_mem.region(low.read.group).block_stride),
-                     t.nbytes)]
+            return [(t.src_rel + t.src_bs * int(pb.block_ids[0]) + base_s,
+                     t.dst_rel + t.dst_bs * int(db.block_ids[0]) + base_d, t.nbytes)]
         if t1 <= t0:
             return []
         g = self.chunk_tokens
-        pr = rank_memory(self.prefill, *low.read.prefill).region(low.read.group)
+        pr = self.p_mem(low.read.prefill).region(low.read.group)
         dr = self.d_mem.region(low.read.group)
         bsp, bsd = self.prefill.block_size, self.decode.block_size
         n_full = (t1 - t0) // g

@@ -8,7 +8,7 @@ state page layout for Mamba groups (see :mod:`kvbridge.layout`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -21,15 +21,17 @@ ALIGN = 4096
 
 @dataclass(frozen=True, slots=True)
 class ComponentView:
-    """Where one component of one group lives in a rank's buffer (all values in bytes).
+    """Where one component of one group lives in a rank's memory (all values in bytes).
 
     Atom ``(layer_idx, block, token, unit_idx)`` (indices local to the rank) starts at
-    ``offset + layer_idx*layer_stride + block*block_stride + token*token_stride + unit_idx*unit_stride``
-    and is ``unit_bytes`` long. ``unit0`` is the global index of the rank's first unit.
+    ``layer_offsets[layer_idx] + block*block_stride + token*token_stride + unit_idx*unit_stride``
+    and is ``unit_bytes`` long (contiguous). ``unit0`` is the global index of the rank's first unit.
+    Offsets are relative to a buffer (kvbridge's default layout, :class:`RankMemory`) or absolute
+    addresses (engine-owned memory, :class:`KVMemory`). Layers may live anywhere (separate
+    allocations, any order, gaps); within a group every layer shares the strides.
     """
 
-    offset: int
-    layer_stride: int
+    layer_offsets: tuple[int, ...]
     block_stride: int
     token_stride: int
     unit_stride: int
@@ -39,6 +41,22 @@ class ComponentView:
     num_units: int
     unit0: int
     layers: tuple[int, ...]
+
+    @property
+    def offset(self) -> int:
+        return self.layer_offsets[0]
+
+    @property
+    def layer_stride(self) -> int | None:
+        """The common distance between consecutive layers, or None if layers are not evenly spaced."""
+        o = self.layer_offsets
+        if len(o) < 2:
+            return 0
+        d = o[1] - o[0]
+        return d if all(b - a == d for a, b in zip(o, o[1:])) else None
+
+    def shifted(self, delta: int) -> "ComponentView":
+        return replace(self, layer_offsets=tuple(x + delta for x in self.layer_offsets))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +84,8 @@ def _per_token_region(engine: EngineLayout, g: CacheGroup, layers: tuple[int, ..
         strides[ax] = s
         s *= sizes[ax]
     views = tuple(ComponentView(
-        offset=offset + k * strides["K"], layer_stride=strides["L"], block_stride=strides["B"],
+        layer_offsets=tuple(offset + k * strides["K"] + i * strides["L"] for i in range(len(layers))),
+        block_stride=strides["B"],
         token_stride=strides["T"], unit_stride=strides["H"], unit_bytes=c.unit_bytes, itemsize=c.itemsize,
         num_layers=len(layers), num_units=c.units_per_rank(engine.tp),
         unit0=c.unit_range(engine.tp, tp_rank)[0], layers=layers) for k, c in enumerate(comps))
@@ -102,8 +121,9 @@ def _mamba_region(engine: EngineLayout, g: CacheGroup, layers: tuple[int, ...], 
     views, inner = [], 0
     for c in comps:
         n = c.units_per_rank(engine.tp)
-        views.append(ComponentView(offset + inner, layer_stride, block_stride, 0, c.unit_bytes, c.unit_bytes,
-                                   c.itemsize, n_layers, n, c.unit_range(engine.tp, tp_rank)[0], layers))
+        views.append(ComponentView(tuple(offset + inner + i * layer_stride for i in range(n_layers)), block_stride, 0,
+                                   c.unit_bytes, c.unit_bytes, c.itemsize, n_layers, n,
+                                   c.unit_range(engine.tp, tp_rank)[0], layers))
         inner += n * c.unit_bytes
     return GroupRegion(g, offset, slot * n_layers * n_slots, block_stride, 0, 1, tuple(views))
 
@@ -152,3 +172,189 @@ class RankMemory:
 @cache
 def rank_memory(engine: EngineLayout, pp_rank: int, tp_rank: int) -> RankMemory:
     return RankMemory(engine, pp_rank, tp_rank)
+
+
+# ---- engine-owned memory -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One distinct piece of memory the engine allocated: registered with the transport once.
+
+    ``device`` is ``"cpu"`` (host DRAM) or ``"cuda:N"`` (GPU N's memory)."""
+
+    addr: int
+    nbytes: int
+    device: str = "cpu"
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+    @property
+    def device_kind(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def device_id(self) -> int:
+        return int(self.device.split(":")[1]) if ":" in self.device else 0
+
+
+class KVMemory:
+    """Where one rank's KV cache lives: absolute addresses in memory the engine owns.
+
+    ``regions`` maps each cache group with layers on this rank to a :class:`GroupRegion` whose
+    component views carry absolute per-layer addresses; ``allocations`` are the distinct pieces of
+    memory behind them (each registered with the transport once). kvbridge never allocates or
+    frees this memory; ``keepalive`` holds the engine's tensors so their memory outlives the
+    description. Build one with :func:`kvbridge.describe.describe_memory` (tensors) or
+    :meth:`from_buffer` (kvbridge's default layout in a buffer the caller allocated).
+    """
+
+    __slots__ = ("engine", "rank", "regions", "allocations", "keepalive", "_digest")
+
+    def __init__(self, engine: EngineLayout, rank, regions: dict, allocations, keepalive=()):
+        self.engine = engine
+        self.rank = tuple(rank)
+        self.regions: dict[str, GroupRegion] = dict(regions)
+        allocs = sorted({(a.addr, a.nbytes, a.device) for a in allocations})
+        self.allocations: tuple[Allocation, ...] = tuple(Allocation(*a) for a in allocs)
+        self.keepalive = tuple(keepalive)
+        self._digest: str | None = None
+        self._check_allocations()
+        self.validate()
+
+    # kvbridge's RankMemory interface (lowering reads these)
+    def region(self, group: str) -> GroupRegion:
+        return self.regions[group]
+
+    def layer_index(self, group: str, layer: int) -> int:
+        return self.regions[group].components[0].layers.index(layer)
+
+    @property
+    def device(self) -> str:
+        devs = {a.device for a in self.allocations}
+        return devs.pop() if len(devs) == 1 else "mixed"
+
+    @classmethod
+    def from_buffer(cls, engine: EngineLayout, rank, buf, device: str = "cpu") -> "KVMemory":
+        """kvbridge's default layout (:class:`RankMemory`) placed in a buffer the caller allocated
+        (a numpy array or torch tensor of at least ``RankMemory(engine, *rank).size`` bytes)."""
+        from .tensors import tensor_info
+        mem = rank_memory(engine, *rank)
+        info = tensor_info(buf)
+        if info.nbytes < mem.size:
+            raise LayoutError(f"rank {tuple(rank)} of {engine}: the buffer has {info.nbytes} B, the layout needs "
+                              f"{mem.size} B; allocate at least that many bytes")
+        regions = {g: replace(r, components=tuple(c.shifted(info.addr) for c in r.components))
+                   for g, r in mem.regions.items()}
+        return cls(engine, rank, regions, [Allocation(info.addr, info.nbytes, info.device)], keepalive=(buf,))
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def _check_allocations(self) -> None:
+        for a, b in zip(self.allocations, self.allocations[1:]):
+            if b.addr < a.end:
+                raise LayoutError(f"rank {self.rank}: memory regions [{a.addr:#x}, +{a.nbytes}) and "
+                                  f"[{b.addr:#x}, +{b.nbytes}) overlap; give each allocation once")
+
+    def allocation_of(self, addr: int, nbytes: int) -> int:
+        """Index of the allocation holding ``[addr, addr+nbytes)``, or -1."""
+        for i, a in enumerate(self.allocations):
+            if a.addr <= addr and addr + nbytes <= a.end:
+                return i
+        return -1
+
+    def extent(self, group: str, comp: int, layer_idx: int) -> tuple[int, int]:
+        """Lowest address and end of every atom of one (group, component, layer) over all blocks."""
+        r = self.regions[group]
+        v = r.components[comp]
+        base = v.layer_offsets[layer_idx]
+        lo = hi = base
+        for n, s in ((self.engine.num_blocks, v.block_stride), (r.tokens_per_block, v.token_stride),
+                     (v.num_units, v.unit_stride)):
+            step = (n - 1) * s
+            lo, hi = lo + min(step, 0), hi + max(step, 0)
+        return lo, hi + v.unit_bytes
+
+    def validate(self) -> None:
+        """Every atom inside one allocation; atoms of a group do not overlap (checked on two blocks,
+        every layer, component, token and unit: a wrong stride or offset shows up there)."""
+        for gname, r in self.regions.items():
+            g = r.group
+            for ci, v in enumerate(r.components):
+                cname = g.components[ci].name
+                for li, layer in enumerate(v.layers):
+                    lo, hi = self.extent(gname, ci, li)
+                    if self.allocation_of(lo, hi - lo) < 0:
+                        raise LayoutError(
+                            f"rank {self.rank}: group {gname!r} layer {layer} component {cname!r}: bytes "
+                            f"[{lo:#x}, {hi:#x}) ({self.engine.num_blocks} blocks) are not inside one registered "
+                            f"memory region {[(hex(a.addr), a.nbytes) for a in self.allocations][:4]}; check the "
+                            f"tensor's num_blocks, strides and data pointer")
+            nb = min(2, self.engine.num_blocks)
+            starts, ends, names = [], [], []
+            for ci, v in enumerate(r.components):
+                off = np.asarray(v.layer_offsets, dtype=np.int64)
+                s = (off[:, None, None, None] + np.arange(nb)[None, :, None, None] * v.block_stride
+                     + np.arange(r.tokens_per_block)[None, None, :, None] * v.token_stride
+                     + np.arange(v.num_units)[None, None, None, :] * v.unit_stride).ravel()
+                starts.append(s)
+                ends.append(s + v.unit_bytes)
+                names.append(np.full(s.size, ci))
+            s, e, n = np.concatenate(starts), np.concatenate(ends), np.concatenate(names)
+            order = np.argsort(s, kind="stable")
+            s, e, n = s[order], e[order], n[order]
+            bad = np.nonzero(s[1:] < e[:-1])[0]
+            if bad.size:
+                i = int(bad[0])
+                a, b = g.components[int(n[i])].name, g.components[int(n[i + 1])].name
+                raise LayoutError(f"rank {self.rank}: group {gname!r}: bytes of component {a!r} and {b!r} overlap at "
+                                  f"{int(s[i + 1]):#x} (within the first {nb} blocks); check block/token/head "
+                                  f"strides and that K and V are distinct")
+
+    # ---- wire form (handshake) ------------------------------------------------------------------
+    def to_wire(self) -> dict:
+        return {"rank": list(self.rank),
+                "allocations": [[a.addr, a.nbytes, a.device] for a in self.allocations],
+                "groups": {g: {"block_stride": r.block_stride, "token_stride": r.token_stride,
+                               "components": [[list(v.layer_offsets), v.block_stride, v.token_stride, v.unit_stride]
+                                              for v in r.components]}
+                           for g, r in self.regions.items()}}
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            import hashlib
+            import json
+            self._digest = hashlib.sha256(json.dumps(self.to_wire(), sort_keys=True).encode()).hexdigest()[:16]
+        return self._digest
+
+    @classmethod
+    def from_wire(cls, engine: EngineLayout, d: dict) -> "KVMemory":
+        """Rebuild a remote rank's description; the engine layout gives the shapes, the wire the
+        addresses and strides. Raises LayoutError on anything inconsistent."""
+        try:
+            rank = tuple(int(x) for x in d["rank"])
+            allocs = [Allocation(int(a), int(n), str(dev)) for a, n, dev in d["allocations"]]
+            shape = rank_memory(engine, *rank)
+            regions = {}
+            if set(d["groups"]) != set(shape.regions):
+                raise LayoutError(f"memory description has groups {sorted(d['groups'])}, the layout "
+                                  f"{sorted(shape.regions)}")
+            for gname, gd in d["groups"].items():
+                r = shape.regions[gname]
+                if len(gd["components"]) != len(r.components):
+                    raise LayoutError(f"group {gname!r}: {len(gd['components'])} components, expected {len(r.components)}")
+                comps = []
+                for v, (offs, bs, ts, us) in zip(r.components, gd["components"]):
+                    if len(offs) != v.num_layers:
+                        raise LayoutError(f"group {gname!r}: {len(offs)} layer addresses, expected {v.num_layers}")
+                    comps.append(replace(v, layer_offsets=tuple(int(x) for x in offs), block_stride=int(bs),
+                                         token_stride=int(ts), unit_stride=int(us)))
+                regions[gname] = replace(r, block_stride=int(gd["block_stride"]), token_stride=int(gd["token_stride"]),
+                                         components=tuple(comps))
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"malformed memory description: {e!r}") from e
+        return cls(engine, rank, regions, allocs)
+
+    def __repr__(self) -> str:
+        return (f"KVMemory(rank={self.rank}, groups={list(self.regions)}, "
+                f"allocations={len(self.allocations)}, device={self.device})")

@@ -16,7 +16,9 @@ import zmq
 from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError, RequestError, TransferError
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
-from ..memory import rank_memory
+from ..memory import KVMemory
+from ..tensors import host_view
+from .memhost import check_memory, host_span, register_memory, transport_device
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
 from .metrics import Metrics
@@ -126,7 +128,10 @@ def fetch_meta(ctx: zmq.Context, endpoint: str, msg: GetMeta, timeout_s: float) 
 
 
 class DecodeRank:
-    def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, transport=None,
+    """Decode side of one rank: reads requests' KV from prefill engines into the engine's KV memory
+    (``memory``, a :class:`KVMemory` describing tensors the engine allocated)."""
+
+    def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, memory: KVMemory | None = None, transport=None,
                  handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0,
@@ -134,10 +139,14 @@ class DecodeRank:
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
-        self.mem = rank_memory(engine, *rank)
-        self.buf = np.empty(self.mem.size, dtype=np.uint8)
-        self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}", post_threads=post_threads)
-        self.base = self.transport.register(self.buf)
+        self.mem = check_memory(memory, engine, rank)
+        self._mem_wire = self.mem.to_wire()  # sent with stage requests
+        self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}", post_threads=post_threads,
+                                                    **transport_device(self.mem))
+        register_memory(self.transport, self.mem)
+        self._host, self._host_base = host_span(self.mem)
+        if self._host is None and transfer_mode != "direct":
+            transfer_mode = "direct"  # staged scatter needs host-addressable memory (GPU: direct reads)
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
         self.stage_segment_bytes = int(stage_segment_bytes)
@@ -221,7 +230,7 @@ class DecodeRank:
             for agent in agents.values():  # no half-added engine
                 self.transport.remove_peer(agent)
             raise
-        lowered = LoweredPlan(plan, self.rank, bases, self.base)
+        lowered = LoweredPlan(plan, self.rank, prefill_mems=bases, decode_mem=self.mem)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
@@ -241,11 +250,14 @@ class DecodeRank:
             m = metas[prank]
             if m.model_fingerprint != first.model_fingerprint or m.layout != first.layout:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} reports a different layout than rank (0,0)")
-            if m.buffer_size < rank_memory(layout, *prank).size:
-                raise HandshakeError(f"prefill rank {prank} registered {m.buffer_size} B, its layout needs "
-                                     f"{rank_memory(layout, *prank).size} B")
+            try:
+                p_mem = KVMemory.from_wire(layout, m.memory)
+            except LayoutError as e:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} sent an invalid memory description: {e}") from e
+            if p_mem.rank != prank:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} describes the memory of rank {p_mem.rank}")
             agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
-            bases[prank] = m.base_addr
+            bases[prank] = p_mem
 
     def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
         """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
@@ -306,7 +318,7 @@ class DecodeRank:
             for prank in staged:
                 try:
                     remote.stage_socks[prank].send_multipart(pack(Stage(
-                        req.req_id, self.engine_id, self.rank, layout, req.num_tokens, wire_p, wire_d,
+                        req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
                         self.stage_segment_bytes)), zmq.NOBLOCK)
                     f.pending_stage.add(prank)
                 except zmq.Again:  # prefill not connected or its queue is full: read directly
@@ -413,7 +425,7 @@ class DecodeRank:
         from ..staging import scatter
         t0 = time.perf_counter()
         dst, nbytes = r.runs
-        scatter(self.staging, self.buf, dst - self.base, nbytes, r.slot)
+        scatter(self.staging, self._host, dst - self._host_base, nbytes, r.slot)
         self.metrics.scatter_seconds_sum += time.perf_counter() - t0
 
     def _notify(self, agent: str, msg: bytes) -> None:
@@ -618,9 +630,11 @@ class DecodeRank:
         h = hashlib.sha256()
         for d in descs:
             out = np.empty(d.total_bytes, dtype=np.uint8)
-            pack(self.buf, d.dst - self.base, d.nbytes, out)
+            pack(self._host, d.dst - self._host_base, d.nbytes, out)
             h.update(out.tobytes())
         return h.hexdigest()
 
     def clear(self, value: int = 0xA5) -> None:
-        self.buf.fill(value)
+        """Benchmarks/tests: set every byte of the KV memory to ``value``."""
+        for a in self.mem.allocations:
+            host_view(a.addr, a.nbytes).fill(value)

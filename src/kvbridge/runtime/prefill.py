@@ -11,7 +11,10 @@ import zmq
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..plan import plan_transfer
-from ..memory import rank_memory
+from ..errors import LayoutError, TransferError
+from ..memory import KVMemory
+from ..tensors import host_view
+from .memhost import check_memory, host_span, register_memory, transport_device, wire_key
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
 from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_from_wire,
@@ -46,19 +49,24 @@ class _Parked:
 
 
 class PrefillRank:
-    def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, host: str = "127.0.0.1",
-                 port: int = 0, lease_s: float = 30.0, transport=None, staging_bytes: int = 64 << 20,
-                 stage_wait_s: float = 2.0):
+    """Prefill side of one rank: registers the engine's KV memory (``memory``, a :class:`KVMemory`
+    describing tensors the engine allocated), serves its metadata and stage requests on a ZMQ
+    side channel, holds requests' blocks under leases until their readers are done."""
+
+    def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, memory: KVMemory | None = None,
+                 host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0, transport=None,
+                 staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
         # a stage request that finds the staging buffer full waits this long for a slot to free (the
         # previous request's Done is usually in flight) before the prefill says "full, read directly":
         # a direct read of small head slices is many times slower than waiting a few milliseconds
         self.stage_wait_s = stage_wait_s
         self._parked: list[_Parked] = []
-        self.mem = rank_memory(engine, *rank)
-        self.buf = np.zeros(self.mem.size, dtype=np.uint8)
-        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False)
-        self.base = self.transport.register(self.buf)
+        self.mem = check_memory(memory, engine, rank)
+        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False,
+                                                    **transport_device(self.mem))
+        register_memory(self.transport, self.mem)
+        self._host, self._host_base = host_span(self.mem)
         # staged transfers: runs packed here for one decode rank, read with one descriptor
         self.staging = np.empty(staging_bytes, dtype=np.uint8)
         self.staging.fill(0)  # touch every page now, not on the first request's critical path
@@ -184,7 +192,7 @@ class PrefillRank:
             return
         md = self.transport.metadata()
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
-                             self.transport.agent_name, md, metadata_digest(md), self.base, self.buf.size,
+                             self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
                              self.staging.size))
 
     def _stage(self, msg: Stage, envelope: list[bytes]):
@@ -198,11 +206,15 @@ class PrefillRank:
                                          f"rank {self.rank}; its blocks may be reused: do not read them", expired=True)
             return
         try:
-            key = (json_key(msg.decode_layout), tuple(msg.decode_rank))
+            key = (json_key(msg.decode_layout), tuple(msg.decode_rank), wire_key(msg.decode_memory))
             lp = self._lowered.get(key)
             if lp is None:
                 decode = engine_from_dict(msg.decode_layout)
-                lp = self._lowered[key] = LoweredPlan(plan_transfer(self.engine, decode), tuple(msg.decode_rank))
+                d_mem = KVMemory.from_wire(decode, msg.decode_memory)
+                if d_mem.rank != tuple(msg.decode_rank):
+                    raise LayoutError(f"stage request from rank {tuple(msg.decode_rank)} describes rank {d_mem.rank}")
+                lp = self._lowered[key] = LoweredPlan(plan_transfer(self.engine, decode), tuple(msg.decode_rank),
+                                                      prefill_mems={self.rank: self.mem}, decode_mem=d_mem)
             descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
                                                           blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
         except Exception as e:  # noqa: BLE001 - a bad request must not take the rank down
@@ -250,7 +262,7 @@ class PrefillRank:
             bounds = segment_bounds(d.nbytes, msg.segment_bytes)
             pos = 0
             for i, (a, b) in enumerate(bounds):
-                n = pack_runs(self.buf, d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
+                n = pack_runs(self._kv_view(), d.src[a:b] - self._host_base, d.nbytes[a:b], self.staging, off + pos)
                 yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1)
                 pos += n
         return replies()
@@ -293,9 +305,17 @@ class PrefillRank:
         self.transport.close()
 
     # ---- benchmarks ------------------------------------------------------------------------------
+    def _kv_view(self) -> np.ndarray:
+        if self._host is None:
+            raise TransferError(f"prefill rank {self.rank}: staged transfers need host-addressable KV memory "
+                                f"(memory is on {self.mem.device}); use transfer_mode='direct'")
+        return self._host
+
     def fill_random(self, seed: int = 0) -> None:
-        """Fill the buffer with a random pattern (period 16 MiB + 4099 B, so no two nearby runs match)."""
+        """Benchmarks: fill the KV memory with a random pattern (period 16 MiB + 4099 B)."""
         pat = np.random.default_rng(seed).integers(0, 256, (16 << 20) + 4099, dtype=np.uint8)
-        for i in range(0, self.buf.size, pat.size):
-            n = min(pat.size, self.buf.size - i)
-            self.buf[i:i + n] = pat[:n]
+        for a in self.mem.allocations:
+            buf = host_view(a.addr, a.nbytes)
+            for i in range(0, buf.size, pat.size):
+                n = min(pat.size, buf.size - i)
+                buf[i:i + n] = pat[:n]

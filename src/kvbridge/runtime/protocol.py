@@ -14,7 +14,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ranks send their memory description (engine-owned memory)
 MAGIC = b"KVB1"
 
 
@@ -32,8 +32,7 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     agent_name: str
     agent_metadata: bytes
     metadata_sha256: str
-    base_addr: int
-    buffer_size: int
+    memory: dict          # the rank's KVMemory.to_wire(): registered regions, per-layer addresses, strides
     staging_bytes: int = 0
 
 
@@ -52,6 +51,7 @@ class Stage(msgspec.Struct, tag="stage"):
     decode_engine: str
     decode_rank: tuple[int, int]
     decode_layout: dict
+    decode_memory: dict   # the decode rank's KVMemory.to_wire(): the prefill packs in the order it scatters
     num_tokens: int
     prefill_blocks: dict[str, tuple[bytes, int]]
     decode_blocks: dict[str, tuple[bytes, int]]

@@ -16,6 +16,8 @@ import numpy as np
 
 from .. import errors
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
+from ..memory import rank_memory
+from .engine import buffer_of, default_memory
 from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 
 Rank = tuple[int, int]
@@ -23,19 +25,21 @@ Rank = tuple[int, int]
 
 def _verify(obj, requests: list) -> dict:
     """Decode side: rebuild the expected buffer for ``requests`` (in order) and compare every byte."""
-    expected = new_buffer(obj.mem)
+    layout, buf = rank_memory(obj.engine, *obj.rank), buffer_of(obj.mem)
+    expected = new_buffer(layout)
     needed = 0
     for req_num, req in requests:
         lp = obj.remotes[req.engine_id].lowered
         ranges = lp._validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
-        needed += write_expected(expected, obj.mem, req_num, ranges, req.decode_blocks)
-    return {"mismatched_bytes": count_mismatches(obj.buf, expected), "checked_bytes": int(obj.buf.size),
+        needed += write_expected(expected, layout, req_num, ranges, req.decode_blocks)
+    return {"mismatched_bytes": count_mismatches(buf, expected), "checked_bytes": int(buf.size),
             "needed_bytes": needed}
 
 
 def fill_rank(obj, req: int, num_tokens: int, blocks: dict) -> None:
     """Prefill side: write request ``req``'s oracle values into the rank's KV memory."""
-    fill_prefill(obj.buf, obj.mem, req, num_tokens, {g: b for g, b in blocks.items() if g in obj.mem.regions})
+    layout = rank_memory(obj.engine, *obj.rank)
+    fill_prefill(buffer_of(obj.mem), layout, req, num_tokens, {g: b for g, b in blocks.items() if g in layout.regions})
 
 
 def _memcpy_gbps(nbytes: int, reps: int = 3) -> float:
@@ -61,12 +65,13 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     from ..runtime.prefill import PrefillRank
     try:
         engine = engine_from_dict(layout)
-        obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, **kw)
+        memory = default_memory(engine, tuple(rank))  # the harness allocates, as an engine would
+        obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, memory=memory, **kw)
     except Exception as e:  # noqa: BLE001
         conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
         return
     if role == "decode":
-        obj.buf.fill(0xA5)  # oracle sentinel: bytes no read touches must stay as they are
+        buffer_of(obj.mem).fill(0xA5)  # oracle sentinel: bytes no read touches must stay as they are
     conn.send(("ok", {"port": getattr(obj, "port", None), "agent": obj.transport.agent_name, "pid": os.getpid()}))
     poller = zmq.Poller()
     poller.register(conn.fileno(), zmq.POLLIN)

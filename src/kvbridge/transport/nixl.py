@@ -127,6 +127,21 @@ class NixlTransport:
         self.stats.regions_registered += 1
         return addr
 
+    def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
+        """Register ``nbytes`` at ``addr`` (host DRAM for "cpu", VRAM for "cuda:N") as one region."""
+        kind, _, dev = device.partition(":")
+        mem_type = "DRAM" if kind == "cpu" else "VRAM"
+        descs = np.array([[addr, nbytes, int(dev or 0)]], dtype=np.uint64)
+        self._regs[addr] = self.agent.register_memory(descs, mem_type)
+        self.stats.regions_registered += 1
+        return addr
+
+    def deregister_region(self, addr: int) -> None:
+        reg = self._regs.pop(addr, None)
+        if reg is not None:
+            self.agent.deregister_memory(reg)
+            self.stats.regions_deregistered += 1
+
     def deregister(self, buf) -> None:
         addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
         reg = self._regs.pop(addr, None)

@@ -31,6 +31,16 @@ class ReferenceTransport:
         self._bufs[addr] = buf
         return addr
 
+    def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
+        from ..tensors import host_view
+        if device != "cpu":
+            raise TransferError("the reference transport moves host memory only")
+        self._bufs[addr] = host_view(addr, nbytes)
+        return addr
+
+    def deregister_region(self, addr: int) -> None:
+        self._bufs.pop(addr, None)
+
     def deregister(self, buf: np.ndarray) -> None:
         self._bufs.pop(buf.ctypes.data, None)
 
