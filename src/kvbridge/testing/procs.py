@@ -74,7 +74,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
         poller.register(obj.sock, zmq.POLLIN)
     done, failed = [], {}
     while True:
-        busy = role == "decode" and bool(obj.inflight)
+        busy = role == "decode" and obj.busy
         events = dict(poller.poll(timeout=1 if busy else 2))
         if conn.fileno() in events or conn.poll():
             cmd, args, kwargs = conn.recv()
@@ -124,7 +124,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                 conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
         if role == "prefill":
             obj.serve_once()
-        elif obj.inflight or obj.finished or obj.failed:
+        elif obj.busy or obj.finished or obj.failed:  # idle ranks still reap parked reads and retired peers
             d, f = obj.poll()
             done += d
             failed |= f
