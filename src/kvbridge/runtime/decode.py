@@ -217,6 +217,7 @@ class DecodeRank:
         self._unsent: list = []     # (socket, frames): side-channel messages ZMQ could not queue yet
         self._dead_agents: set = set()
         self._retired: list = []    # (RemoteEngine, not before): engines dropped after a peer died
+        self._monitors: dict = {}   # id(side-channel socket) -> its ZMQ monitor socket (disconnect events)
 
     # ---- handshake -----------------------------------------------------------------------------
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
@@ -298,6 +299,8 @@ class DecodeRank:
         for prank in plan.prefill_ranks_for(self.rank):  # acquire (direct) or stage requests
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # the side channel's TCP connection closing is the earliest sign of a dead prefill process
+            self._monitors[id(sock)] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"tcp://{endpoints[prank]}")
             socks[prank] = sock
         from ..cost import pair_shapes
@@ -341,7 +344,7 @@ class DecodeRank:
             for agent in remote.agents.values():
                 self.transport.remove_peer(agent)
             for sock in remote.stage_socks.values():
-                sock.close(0)
+                self._close_sock(sock)
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
@@ -731,15 +734,41 @@ class DecodeRank:
                     self.transport.remove_peer(agent)
                 self._dead_agents.discard(agent)
             for sock in remote.stage_socks.values():
-                sock.close(0)
+                self._close_sock(sock)
         self._retired = keep
+
+    def _close_sock(self, sock) -> None:
+        mon = self._monitors.pop(id(sock), None)
+        if mon is not None:
+            try:
+                sock.disable_monitor()
+            except (zmq.ZMQError, AttributeError):
+                pass
+            mon.close(0)
+        sock.close(0)
+
+    def _disconnected(self, sock) -> bool:
+        """The side channel's TCP connection to this prefill rank closed (ZMQ monitor event)."""
+        mon = self._monitors.get(id(sock))
+        if mon is None:
+            return False
+        from zmq.utils.monitor import recv_monitor_message
+        seen = False
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return seen
+            seen = seen or ev["event"] == zmq.EVENT_DISCONNECTED
 
     def _drain_replies(self) -> None:
         remotes = {id(r): r for r in self.remotes.values()}
         for f in self.inflight.values():
             remotes.setdefault(id(f.remote), f.remote)
         for remote in remotes.values():
-            for prank, sock in remote.stage_socks.items():
+            for prank, sock in list(remote.stage_socks.items()):
+                if self._disconnected(sock) and remote.agents.get(prank) not in self._dead_agents:
+                    self._peer_died(remote, remote.agents[prank], "(its side-channel connection closed)")
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -838,8 +867,11 @@ class DecodeRank:
     def close(self) -> None:
         for eid in list(self.remotes):
             self.forget(eid, "decode rank closing")
-        for remote, _ in self._retired:
+        for remote, _ in list(self._retired):
             self._reap_retired(engine_id=remote.engine_id)
+        for mon in self._monitors.values():
+            mon.close(0)
+        self._monitors.clear()
         self.transport.close()
 
     # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------
