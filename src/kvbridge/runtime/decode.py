@@ -647,7 +647,7 @@ class DecodeRank:
         except TransferError as e:
             agent = f.remote.agents.get(prank)
             if _is_disconnect(e) and agent is not None:
-                self._peer_died(f.remote, agent, str(e))
+                self._peer_died(f.remote, agent, f"NIXL: {e}")
             else:
                 self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
             return True
@@ -691,7 +691,7 @@ class DecodeRank:
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 
-    def _peer_died(self, remote: RemoteEngine, agent: str, detail: str = "") -> None:
+    def _peer_died(self, remote: RemoteEngine, agent: str, detail: str) -> None:
         """NIXL reported ``agent`` disconnected: every request still reading it fails now (its queued reads
         are cancelled, never posted), the engine is retired (a later handshake starts fresh) and the dead
         agent is removed; the engine's live ranks keep their agents until the failed requests' Done
@@ -701,8 +701,7 @@ class DecodeRank:
             for prank, rr in f.ranks.items():
                 if not rr.sm.terminal and f.remote.agents.get(prank) == agent:
                     self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
-                        PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away "
-                                                    f"(NIXL_ERR_REMOTE_DISCONNECT) {detail}".rstrip()))
+                        PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
                     break
         self._retire(remote)
         self.transport.remove_peer(agent)
@@ -768,7 +767,7 @@ class DecodeRank:
         for remote in remotes.values():
             for prank, sock in list(remote.stage_socks.items()):
                 if self._disconnected(sock) and remote.agents.get(prank) not in self._dead_agents:
-                    self._peer_died(remote, remote.agents[prank], "(its side-channel connection closed)")
+                    self._peer_died(remote, remote.agents[prank], "its side-channel connection closed")
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
