@@ -598,7 +598,10 @@ def test_handshake_with_other_model_or_dtype_is_refused(pair, other, words):
     assert pair.verify()["mismatched_bytes"] == 0
 
 
-def _bad_version_frames(msg, version=2):
+OTHER = protocol.PROTOCOL_VERSION + 1  # a version this release does not speak
+
+
+def _bad_version_frames(msg, version=OTHER):
     return [protocol.MAGIC, version.to_bytes(2, "big"), protocol._enc.encode(msg)]
 
 
@@ -606,8 +609,8 @@ def test_protocol_version_mismatch():
     good = protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)))
     assert isinstance(protocol.unpack(good), protocol.GetMeta)
     with pytest.raises(HandshakeError) as ei:
-        protocol.unpack(protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)), version=2))
-    assert "version 2" in str(ei.value) and str(protocol.PROTOCOL_VERSION) in str(ei.value)
+        protocol.unpack(protocol.pack(protocol.GetMeta("d", (0, 0), (0, 0)), version=OTHER))
+    assert f"version {OTHER}" in str(ei.value) and str(protocol.PROTOCOL_VERSION) in str(ei.value)
     with pytest.raises(HandshakeError, match="magic"):
         protocol.unpack([b"HTTP", good[1], good[2]])
     with pytest.raises(HandshakeError, match="magic"):
@@ -620,7 +623,7 @@ def test_prefill_answers_bad_version_and_keeps_serving(pair):
     ctx = zmq.Context.instance()
     endpoint = pair.P.endpoints()[(0, 0)]
     for frames, expect in [
-        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=2), ["version 2", "speaks 1"]),
+        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=OTHER), [f"version {OTHER}", f"speaks {protocol.PROTOCOL_VERSION}"]),
         ([b"GET / HTTP/1.0\r\n\r\n"], ["protocol"]),
         (protocol.pack(protocol.Done("x", "dz", (0, 0), 1)), ["get_meta"]),
         (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 1))), ["(0, 0)", "(0, 1)"]),
@@ -673,15 +676,15 @@ def test_decode_rejects_prefill_speaking_other_version(pair):
     real = pair.P.endpoints()
     ctx = zmq.Context.instance()
 
-    def answer_v2(frames):
+    def answer_other(frames):
         msg = protocol.unpack(frames)
         meta = fetch_meta(ctx, real[tuple(msg.prefill_rank)], msg, 5.0)
-        return _bad_version_frames(meta, version=2)
+        return _bad_version_frames(meta, version=OTHER)
 
-    with fake_prefill(answer_v2) as ep, inproc_decode(pair.dl, "dv") as dec:
+    with fake_prefill(answer_other) as ep, inproc_decode(pair.dl, "dv") as dec:
         with pytest.raises(HandshakeError) as ei:
             dec.handshake("pm", {r: ep for r in real})
-        assert "version 2" in str(ei.value) and "same kvbridge release" in str(ei.value)
+        assert f"version {OTHER}" in str(ei.value) and "same kvbridge release" in str(ei.value)
         assert dec.stats()["peers"] == 0 and dec.metrics.failed_handshakes == 1
         dec.handshake("pm", real)  # the real endpoints still work
         assert dec.stats()["remotes"] == ["pm"]
@@ -1195,9 +1198,11 @@ def test_failed_transfer_is_reported_with_reason(pair):
         dec.start(j.read())
         done, failed = dec.wait(10)
         assert not done and list(failed) == [j.rid] and "re-handshake" in str(failed[j.rid])
+        # the other prefill rank's read (if it was posted) is cancelled or parked, reaped by later polls
+        until(lambda: dec.poll() and dec.stats()["live_handles"] == 0, 5, "parked reads to be reaped")
         s = dec.stats()
         assert s["live_handles"] == 0 and s["inflight"] == 0 and s["metrics"]["failed_requests"] == 1
-        assert s["metrics"]["transfers"] == 2  # tp=2 -> tp=1: one read per prefill rank
+        assert 1 <= s["metrics"]["transfers"] <= 2  # tp=2 -> tp=1: at most one read per prefill rank
 
 
 def test_failed_transfers_counts_transfers_not_requests(pair):
