@@ -646,7 +646,8 @@ class DecodeRank:
                     r.scatter.result()  # raises what the scatter raised
         except TransferError as e:
             agent = f.remote.agents.get(prank)
-            if _is_disconnect(e) and agent is not None:
+            sock = f.remote.stage_socks.get(prank)
+            if agent is not None and (_is_disconnect(e) or (sock is not None and self._disconnected(sock))):
                 self._peer_died(f.remote, agent, f"NIXL: {e}")
             else:
                 self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
