@@ -59,6 +59,10 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     tune_malloc()  # per-request descriptor arrays reuse heap memory instead of page-faulting (kvbridge.malloc)
     from ..runtime.decode import DecodeRank
     from ..runtime.prefill import PrefillRank
+    skew = kw.pop("clock_skew_s", 0.0)
+    if skew:  # fault injection: this process's wall clock is off by ``skew`` seconds (kvbridge must not care)
+        real_time = time.time
+        time.time = lambda: real_time() + skew
     try:
         engine = engine_from_dict(layout)
         obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, **kw)
