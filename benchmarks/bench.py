@@ -151,14 +151,15 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
             def rr():
                 nonlocal k
                 k += 1
-                return ReadRequest(f"{alloc}-{k}", "prefill-0", req.num_tokens, req.prefill_blocks, req.decode_blocks)
+                return ReadRequest(f"{alloc}-{k}", "prefill-0", req.num_tokens, req.prefill_blocks, req.decode_blocks,
+                                   k)  # the lease attempt: add_request below registers j with attempt j
 
             def timed(mode):
                 dw.call("set_transfer_mode", mode)
                 dw.call("handshake", "prefill-0", endpoints)
                 for w in workers.values():  # leases for the requests about to be read
                     for j in range(k + 1, k + reps + 3):
-                        w.call("add_request", f"{alloc}-{j}", req.prefill_blocks, 600.0)
+                        w.call("add_request", f"{alloc}-{j}", req.prefill_blocks, 600.0, j)
                 times = [dw.call("timed_read", rr())["seconds"] for _ in range(reps + 1)][1:]
                 digest = dw.call("runs_digest", rr())
                 dw.call("clear")

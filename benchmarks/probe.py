@@ -71,9 +71,9 @@ def main() -> int:
         dw.call("handshake", "prefill-0", {r: f"127.0.0.1:{w.info['port']}" for r, w in workers.items()})
         for w in workers.values():
             for j in range(a.reps + 1):
-                w.call("add_request", f"r{j}", req.prefill_blocks, 600.0)
+                w.call("add_request", f"r{j}", req.prefill_blocks, 600.0, j + 1)
         gbps = [nbytes / dw.call("timed_read", ReadRequest(f"r{j}", "prefill-0", req.num_tokens, req.prefill_blocks,
-                                                         req.decode_blocks))["seconds"] / 1e9 for j in range(a.reps + 1)][1:]
+                                                         req.decode_blocks, j + 1))["seconds"] / 1e9 for j in range(a.reps + 1)][1:]
         memcpy = [dw.call("memcpy_gbps", nbytes) for _ in range(3)]
         m = dw.call("stats")["metrics"]
     finally:

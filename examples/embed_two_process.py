@@ -28,8 +28,8 @@ def prefill(q_port, q_done):
     for layer, t in kv.items():                          # "compute" the prompt's KV: token t -> value
         for tok in range(TOKENS):
             t[:, blocks[tok // 16], tok % 16] = layer * 1000 + tok
-    ep.add_request("req-1", {g.name: kvbridge.GroupBlocks.of(blocks)})
-    q_port.put(ep.port)
+    attempt = ep.add_request("req-1", {g.name: kvbridge.GroupBlocks.of(blocks)})   # lease on the prefill's clock
+    q_port.put((ep.port, attempt))                       # what a router passes on (kv_transfer_params)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and "req-1" not in ep.take_freed()["freed"]:
         ep.serve_once()                                  # the engine loop serves the side channel
@@ -38,7 +38,7 @@ def prefill(q_port, q_done):
     ep.close()
 
 
-def decode(port: int) -> int:
+def decode(port: int, attempt: int) -> int:
     model = kvbridge.load_model(MODEL)
     engine = kvbridge.EngineLayout(model, tp=1, block_size=32, num_blocks=16)
     g = model.groups[0]
@@ -53,7 +53,7 @@ def decode(port: int) -> int:
     blocks = np.array([3, 12, 7, 0])                    # 4 x 32 >= 100 tokens
     ep.start(kvbridge.ReadRequest("req-1", "prefill-0", TOKENS,
                                   {g.name: kvbridge.GroupBlocks.of([5, 9, 2, 30, 17, 11, 8])},
-                                  {g.name: kvbridge.GroupBlocks.of(blocks)}))
+                                  {g.name: kvbridge.GroupBlocks.of(blocks)}, attempt=attempt))
     done, failed = ep.wait(30.0)
     assert "req-1" in done, failed
     wrong = 0
@@ -70,7 +70,7 @@ if __name__ == "__main__":
     q_port, q_done = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=prefill, args=(q_port, q_done))
     p.start()
-    wrong = decode(q_port.get(timeout=60))
+    wrong = decode(*q_port.get(timeout=60))
     print("prefill:", q_done.get(timeout=30))
     p.join(10)
     raise SystemExit(1 if wrong else 0)

@@ -71,7 +71,7 @@ PREFILL = COMMON + textwrap.dedent('''
     reqs = jobs()
     for r in reqs:
         fill_rank(p, r.req_id, r.num_tokens, r.prefill_blocks)
-        p.add_request(f"n{r.req_id}", r.prefill_blocks)
+        p.add_request(f"n{r.req_id}", r.prefill_blocks, attempt=1000 + r.req_id)
     emit(ready=True, port=p.port, agent=p.transport.agent_name)
     freed, deadline = [], time.time() + CFG["timeout"]
     while time.time() < deadline and len(freed) < len(reqs):
@@ -92,7 +92,8 @@ DECODE = COMMON + textwrap.dedent('''
     t0 = time.perf_counter()
     d.handshake("pn", {(0, 0): f"{CFG['p_addr']}:{CFG['port']}"})
     t_hs = time.perf_counter() - t0
-    reads = [(r.req_id, ReadRequest(f"n{r.req_id}", "pn", r.num_tokens, r.prefill_blocks, r.decode_blocks))
+    reads = [(r.req_id, ReadRequest(f"n{r.req_id}", "pn", r.num_tokens, r.prefill_blocks, r.decode_blocks,
+                                          1000 + r.req_id))
              for r in jobs()]
     t0 = time.perf_counter()
     for _, rr in reads:

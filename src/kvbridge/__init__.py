@@ -11,13 +11,13 @@ The embedding API (what an engine imports)::
 
     # prefill rank
     p = kvbridge.PrefillEndpoint(engine, (pp_rank, tp_rank), "prefill-0", memory=memory, port=5600)
-    p.add_request(req_id, {group: kvbridge.GroupBlocks.of(block_ids)})     # hold blocks under a lease
+    attempt = p.add_request(req_id, {group: kvbridge.GroupBlocks.of(block_ids)})  # lease; pass attempt on
     p.serve_once()                                                        # in the engine loop (or a thread)
 
     # decode rank
     d = kvbridge.DecodeEndpoint(engine, (pp_rank, tp_rank), "decode-0", memory=memory)
     d.handshake("prefill-0", {(0, 0): "host:5600", ...})                  # once per remote engine
-    d.start(kvbridge.ReadRequest(req_id, "prefill-0", num_tokens, prefill_blocks, decode_blocks))
+    d.start(kvbridge.ReadRequest(req_id, "prefill-0", num_tokens, prefill_blocks, decode_blocks, attempt=attempt))
     done, failed = d.poll()                                               # or d.wait(timeout_s)
     d.abort(req_id)                                                       # give up (the prefill frees)
 

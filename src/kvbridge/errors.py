@@ -40,3 +40,88 @@ class TransferError(KVBridgeError, RuntimeError):
 
 class TransportUnavailableError(KVBridgeError, ImportError):
     """The NIXL Python package is not installed or cannot create an agent."""
+
+
+class ReadFailure(KVBridgeError, RuntimeError):
+    """Why a request's read failed, as :meth:`DecodeRank.poll` reports it (``{req_id: failure}``).
+
+    Subclasses say what happened; every one carries the request id, the prefill engine and rank it
+    concerns (``prefill_rank`` is None when the failure is not one rank's) and a message; ``str()``
+    is the message. Values are picklable (they cross process pipes).
+    """
+
+    code = "failed"
+
+    def __init__(self, message: str, *, req_id: str = "", engine_id: str = "", prefill_rank=None):
+        super().__init__(message)
+        self.message = message
+        self.req_id = req_id
+        self.engine_id = engine_id
+        self.prefill_rank = None if prefill_rank is None else tuple(prefill_rank)
+
+    def __reduce__(self):
+        return (_rebuild_failure, (type(self), self.message, self.req_id, self.engine_id, self.prefill_rank))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(req_id={self.req_id!r}, engine_id={self.engine_id!r}, "
+                f"prefill_rank={self.prefill_rank}, message={self.message!r})")
+
+    def __eq__(self, other) -> bool:
+        return (type(self) is type(other) and (self.message, self.req_id, self.engine_id, self.prefill_rank)
+                == (other.message, other.req_id, other.engine_id, other.prefill_rank))
+
+    __hash__ = None
+
+
+def _rebuild_failure(cls, message, req_id, engine_id, prefill_rank):
+    return cls(message, req_id=req_id, engine_id=engine_id, prefill_rank=prefill_rank)
+
+
+class PeerDisconnected(ReadFailure):
+    """The prefill rank went away (NIXL reported a disconnect) before the read completed."""
+
+    code = "disconnected"
+
+
+class PeerRestarted(PeerDisconnected):
+    """The prefill rank answering now is not the process this rank handshook with: handshake again."""
+
+    code = "restarted"
+
+
+class TransferTimeout(ReadFailure):
+    """No progress from one prefill rank within the timeout (frozen, overloaded or unreachable)."""
+
+    code = "timeout"
+
+
+class LeaseExpired(ReadFailure):
+    """The prefill does not hold the request's blocks under this attempt any more (expired, freed,
+    re-registered) or the read outlived the pin the prefill granted: the data is not trusted."""
+
+    code = "lease_expired"
+
+
+class Aborted(ReadFailure):
+    """The request was aborted or its engine forgotten on this decode rank before the read completed."""
+
+    code = "aborted"
+
+
+class RemoteError(ReadFailure):
+    """The prefill answered with an error, or with data that does not match this rank's lowering."""
+
+    code = "remote_error"
+
+
+class TransferFailed(ReadFailure):
+    """The transport failed the read for another reason than a disconnect (see the message)."""
+
+    code = "transfer_failed"
+
+
+class IllegalTransition(KVBridgeError, RuntimeError):
+    """A read state machine got an event its current state does not accept (a kvbridge bug)."""

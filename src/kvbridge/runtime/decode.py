@@ -2,7 +2,10 @@
 
 One :class:`RemoteEngine` per prefill engine holds everything learned at handshake (layout, plan,
 lowered plan, agent names): no parallel per-engine dicts. Per request the hot path is
-``LoweredPlan.descriptors`` (vectorised) and one posted READ per prefill rank, off this thread.
+``LoweredPlan.descriptors`` (vectorised), one side-channel round trip per prefill rank (a batched
+``Acquire`` that pins the lease for direct reads, or the ``Stage`` request itself) and one posted READ
+per prefill rank, off this thread. Each (request, prefill rank) read is a :class:`ReadMachine`
+(``readstate.py``) with its own deadline; failures are typed (:class:`~kvbridge.errors.ReadFailure`).
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError, RequestError, TransferError
+from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected,
+                      PeerRestarted, ReadFailure, RemoteError, RequestError, TransferError, TransferFailed,
+                      TransferTimeout)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -22,8 +27,9 @@ from .memhost import check_memory, host_span, register_memory, transport_device
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
 from .metrics import Metrics
-from .protocol import (STAGE_SEGMENT_BYTES, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_to_wire,
-                       encode_notif, pack, unpack)
+from .protocol import (STAGE_SEGMENT_BYTES, Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged,
+                       StageError, blocks_to_wire, encode_notif, pack, unpack)
+from .readstate import AWAITING_REPLY, ReadEvent, ReadMachine, ReadState
 from .slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -40,8 +46,10 @@ class RemoteEngine:
     endpoints: dict       # prefill rank -> "host:port" of its side channel
     digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
     modes: dict           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
-    stage_socks: dict     # prefill rank -> DEALER socket for stage requests (ranks that can stage)
+    stage_socks: dict     # prefill rank -> DEALER socket (acquire and stage requests) of each rank read
     shapes: dict          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
+    digests: dict = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restart check)
+    can_stage: frozenset = frozenset()           # prefill ranks that can stage (stage_socks: every rank read)
 
 
     def summary(self) -> dict:
@@ -50,16 +58,48 @@ class RemoteEngine:
                 "modes": {str(p): m for p, m in self.modes.items()}, "agents": {str(p): a for p, a in self.agents.items()}}
 
 
+
 @dataclass(frozen=True)
 class ReadRequest:
-    """What the decode side knows of a request (vLLM's kv_transfer_params)."""
+    """What the decode side knows of a request (vLLM's kv_transfer_params).
+
+    ``attempt``: the lease's attempt id that ``PrefillRank.add_request`` returned (the same on every
+    prefill rank when the engine passes one; or a mapping prefill rank -> attempt). The decode never
+    sees a lease time: the prefill alone decides, on its own clock, whether the attempt is still live.
+    """
 
     req_id: str
     engine_id: str
     num_tokens: int
     prefill_blocks: dict[str, GroupBlocks]
     decode_blocks: dict[str, GroupBlocks]
-    expires_at: float = float("inf")
+    attempt: int | dict = 0
+
+    def attempt_for(self, prefill_rank: Rank) -> int:
+        a = self.attempt
+        if isinstance(a, dict):
+            return int(a.get(tuple(prefill_rank), 0))
+        return int(a or 0)
+
+
+class _ReadCancelled(Exception):
+    """Raised on the post thread for a read that was cancelled before NIXL saw it."""
+
+
+class _Cancellable:
+    """A lowered :class:`~kvbridge.lower.Descriptors` handed to the post thread; once ``cancelled`` its
+    NIXL arrays are never written, so a read queued behind others to a dead peer is never posted."""
+
+    __slots__ = ("d", "cancelled", "prefill", "count", "total_bytes")
+
+    def __init__(self, d):
+        self.d, self.cancelled = d, False
+        self.prefill, self.count, self.total_bytes = d.prefill, d.count, d.total_bytes
+
+    def nixl_arrays(self, *args):
+        if self.cancelled:
+            raise _ReadCancelled("read cancelled before it was posted")
+        return self.d.nixl_arrays(*args)
 
 
 @dataclass
@@ -72,6 +112,8 @@ class _Read:
     slot: int | None = None    # staged: our staging offset of the segment
     runs: tuple | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
     scatter: object = None     # Future of the scatter from staging into the KV buffer
+    cancel: _Cancellable | None = None
+    done: bool = False         # the transfer completed (seen by poll)
 
 
 @dataclass
@@ -85,23 +127,38 @@ class _Staging:
 
 
 @dataclass
+class _RankRead:
+    """The read of one request from one prefill rank: its state machine, deadlines (this process's
+    monotonic clock) and transfers."""
+
+    prefill: Rank
+    sm: ReadMachine
+    sent_at: float                 # when the acquire/stage request was made: the pin counts from here
+    progress_at: float             # last progress from this rank (its own deadline re-arms only on it)
+    descs: object = None           # direct: lowered descriptors, posted once the pin is granted
+    pin_deadline: float = float("inf")
+    reads: list = field(default_factory=list)
+    staging: _Staging | None = None
+    notify_at_end: bool = False    # no read carries this rank's Done: send it when the request completes
+
+    @property
+    def state(self) -> ReadState:
+        return self.sm.state
+
+
+@dataclass
 class _InFlight:
     req: ReadRequest
     remote: RemoteEngine
-    reads: list
+    ranks: dict          # prefill rank -> _RankRead
     started: float
-    nbytes: int
-    ndescs: int
-    pending_stage: set = field(default_factory=set)  # prefill ranks asked to stage, last segment not in yet
-    staged: dict = field(default_factory=dict)       # prefill rank -> _Staging
-    notify_at_end: set = field(default_factory=set)  # staged ranks: their reads carry no notification
-    stage_deadline: float = 0.0
+    nbytes: int = 0
+    ndescs: int = 0
     stage_sent: float = 0.0
-    started_mono: float = field(default_factory=time.monotonic)
 
     @property
     def xfers(self) -> list:
-        return [r.xfer for r in self.reads]
+        return [r.xfer for rr in self.ranks.values() for r in rr.reads]
 
 
 def fetch_meta(ctx: zmq.Context, endpoint: str, msg: GetMeta, timeout_s: float) -> RankMeta:
@@ -132,7 +189,7 @@ class DecodeRank:
     (``memory``, a :class:`KVMemory` describing tensors the engine allocated)."""
 
     def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, memory: KVMemory | None = None, transport=None,
-                 handshake_timeout_s: float = 5.0, lease_margin_s: float = 0.05,
+                 handshake_timeout_s: float = 5.0,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0,
                  stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1):
@@ -162,10 +219,14 @@ class DecodeRank:
         self.remotes: dict[str, RemoteEngine] = {}
         self.inflight: dict[str, _InFlight] = {}
         self.finished: list[str] = []
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, ReadFailure] = {}
         self.metrics = Metrics()
         self.handshake_timeout_s = handshake_timeout_s
-        self.lease_margin_s = lease_margin_s
+        self._outbox: dict = {}     # (id(remote), prefill rank) -> (remote, rank, [(req_id, attempt)]): acquires
+        self._unsent: list = []     # (socket, frames): side-channel messages ZMQ could not queue yet
+        self._dead_agents: set = set()
+        self._retired: list = []    # (RemoteEngine, not before): engines dropped after a peer died
+        self._monitors: dict = {}   # id(side-channel socket) -> its ZMQ monitor socket (disconnect events)
 
     # ---- handshake -----------------------------------------------------------------------------
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
@@ -173,10 +234,11 @@ class DecodeRank:
         endpoints = {tuple(k): v for k, v in endpoints.items()}
         cached = self.remotes.get(engine_id)
         if cached is not None:
-            # still the same engine? (same endpoints and the same NIXL agent behind rank (0, 0))
+            # still the same engine? (same endpoints and the same NIXL agent behind every rank)
             if cached.endpoints == endpoints and self._same_agent(cached, endpoints):
                 return cached
             self.forget(engine_id)
+        self._reap_retired(engine_id=engine_id)  # its agents go before they are added again
         try:
             remote = self._handshake(engine_id, endpoints)
         except (HandshakeError, IncompatibleLayoutsError):
@@ -187,18 +249,25 @@ class DecodeRank:
         return remote
 
     def _same_agent(self, cached: "RemoteEngine", endpoints: dict) -> bool:
-        try:
-            meta = fetch_meta(self.ctx, endpoints[(0, 0)], GetMeta(self.engine_id, self.rank, (0, 0)),
-                              self.handshake_timeout_s)
-        except HandshakeError:
-            return False
-        return meta.metadata_sha256 == cached.digest0
+        """Every rank this rank handshook with still has the NIXL agent (metadata) it had then."""
+        digests = cached.digests or {(0, 0): cached.digest0}
+        for prank, digest in digests.items():
+            try:
+                meta = fetch_meta(self.ctx, endpoints[prank], self._get_meta(prank), self.handshake_timeout_s)
+            except (HandshakeError, KeyError):
+                return False
+            if meta.metadata_sha256 != digest:
+                return False
+        return True
+
+    def _get_meta(self, prank: Rank) -> GetMeta:
+        return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
 
     def _get(self, engine_id: str, endpoints: dict, prank: Rank) -> RankMeta:
         if prank not in endpoints:
             raise HandshakeError(f"no endpoint given for prefill rank {prank} of engine {engine_id!r}; "
                                  f"give one per rank, got {sorted(endpoints)}")
-        meta = fetch_meta(self.ctx, endpoints[prank], GetMeta(self.engine_id, self.rank, prank), self.handshake_timeout_s)
+        meta = fetch_meta(self.ctx, endpoints[prank], self._get_meta(prank), self.handshake_timeout_s)
         if meta.engine_id != engine_id:
             raise HandshakeError(f"endpoint {endpoints[prank]} is engine {meta.engine_id!r}, expected {engine_id!r}")
         if tuple(meta.rank) != prank:
@@ -236,14 +305,17 @@ class DecodeRank:
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
                      if metas[p].staging_bytes and self.staging.size and self.transfer_mode != "direct"}
         socks = {}
-        for prank in can_stage:
+        for prank in plan.prefill_ranks_for(self.rank):  # acquire (direct) or stage requests
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # the side channel's TCP connection closing is the earliest sign of a dead prefill process
+            self._monitors[id(sock)] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"tcp://{endpoints[prank]}")
             socks[prank] = sock
         from ..cost import pair_shapes
         return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
-                            modes, socks, pair_shapes(lowered))
+                            modes, socks, pair_shapes(lowered),
+                            digests={p: metas[p].metadata_sha256 for p in needed}, can_stage=frozenset(can_stage))
 
     def _add_peers(self, engine_id, layout, first, metas, needed, agents, bases) -> None:
         for prank in needed:
@@ -277,33 +349,42 @@ class DecodeRank:
         handshake starts fresh."""
         for rid, f in list(self.inflight.items()):
             if f.remote.engine_id == engine_id:
-                self._fail(rid, f, reason, notify=not dead)
+                cls = PeerDisconnected if dead else Aborted
+                self._fail(rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead)
         remote = self.remotes.pop(engine_id, None)
         if remote is not None:
             for agent in remote.agents.values():
                 self.transport.remove_peer(agent)
             for sock in remote.stage_socks.values():
-                sock.close(0)
+                self._close_sock(sock)
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
-        """Validate and post the reads of ``req``. Raises RequestError/HandshakeError before anything moves."""
+        """Validate ``req`` and ask its prefill ranks to pin the lease (direct reads are posted when the
+        pin is granted; staged ranks pack on the stage request, which pins too). Raises
+        RequestError/HandshakeError before anything moves."""
         if req.req_id in self.inflight:
             raise RequestError(f"request {req.req_id!r} is already in flight on decode rank {self.rank}")
         remote = self.remotes.get(req.engine_id)
         if remote is None:
             raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call handshake() first")
-        if time.time() > req.expires_at - self.lease_margin_s:
-            self.metrics.failed_requests += 1
-            self.failed[req.req_id] = "lease expired before the read: the prefill may have freed the blocks"
-            return
         t0 = time.perf_counter()
         modes = self._request_modes(remote, req) if self.transfer_mode == "auto" else remote.modes
         direct = [p for p, m in modes.items() if m == "direct"]
         staged = [p for p, m in modes.items() if m == "staged"]
         descs = {d.prefill: d for d in remote.lowered.descriptors(req.num_tokens, req.prefill_blocks,
                                                                     req.decode_blocks, only=direct)}
-        f = _InFlight(req, remote, [], time.perf_counter(), 0, 0)
+        missing = [p for p in remote.agents if not req.attempt_for(p) and (p in staged or (
+            descs.get(p) is not None and descs[p].count))]
+        if missing:  # nothing to present to the prefill: it would refuse; do not even ask
+            self.metrics.failed_requests += 1
+            self.failed[req.req_id] = LeaseExpired(
+                f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
+                f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
+                req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
+            return
+        f = _InFlight(req, remote, {}, t0)
+        now = time.monotonic()
         for prank, agent in remote.agents.items():
             if prank in staged:
                 continue
@@ -311,26 +392,49 @@ class DecodeRank:
             if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
                 self._notify(agent, self._done(req, remote, prank))
                 continue
-            self._post_descs(f, prank, d)
+            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d)
+            self._outbox.setdefault((id(remote), prank), (remote, prank, []))[2].append(
+                (req.req_id, req.attempt_for(prank)))
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self._layout_dict
             for prank in staged:
-                try:
-                    remote.stage_socks[prank].send_multipart(pack(Stage(
-                        req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
-                        self.stage_segment_bytes)), zmq.NOBLOCK)
-                    f.pending_stage.add(prank)
-                except zmq.Again:  # prefill not connected or its queue is full: read directly
-                    self._direct_fallback(f, prank)
-            f.stage_deadline = time.monotonic() + self.stage_timeout_s
+                f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now)
+                self._send(remote.stage_socks[prank], pack(Stage(
+                    req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
+                    self.stage_segment_bytes, req.attempt_for(prank), remote.readers[prank],
+                    remote.digests.get(prank, ""))))
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
-        if not f.reads and not f.pending_stage:
+        if not f.ranks:
             self.finished.append(req.req_id)
             self.metrics.finished_requests += 1
             return
         self.inflight[req.req_id] = f
+
+    def _send(self, sock, frames: list) -> None:
+        """Queue a side-channel message without blocking; what ZMQ cannot take now is retried on poll
+        (the rank's deadline bounds the wait)."""
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._unsent.append((sock, frames))
+        except zmq.ZMQError:  # socket closed (engine forgotten): the request fails on its deadline
+            pass
+
+    def flush(self) -> None:
+        """Send the batched acquire requests (one message per prefill rank) and retry unsent ones."""
+        if self._unsent:
+            unsent, self._unsent = self._unsent, []
+            for sock, frames in unsent:
+                self._send(sock, frames)
+        if self._outbox:
+            out, self._outbox = self._outbox, {}
+            for remote, prank, reqs in out.values():
+                live = [(rid, a) for rid, a in reqs if rid in self.inflight]
+                if live and prank in remote.stage_socks:
+                    self._send(remote.stage_socks[prank], pack(Acquire(
+                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), live)))
 
     def _request_modes(self, remote: RemoteEngine, req: ReadRequest) -> dict:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
@@ -340,85 +444,140 @@ class DecodeRank:
                                       self.engine.block_size, remote.lowered.chunk_tokens)
         shapes = {p: remote.shapes.get(p) for p in remote.modes}
         staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
-                               lambda p: p in remote.stage_socks)
+                               lambda p: p in remote.can_stage)
         return {p: staged.get(p, "direct") for p in remote.modes}
 
     def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
-        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok))
+        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
+                                 req.attempt_for(prank)))
 
-    def _post(self, f: _InFlight, prank: Rank, src, dst, nbytes, notif: bytes | None = None,
-              slot: int | None = None, runs=None) -> None:
-        notif = self._done(f.req, f.remote, prank) if notif is None else notif
-        x = self.transport.read(f.remote.agents[prank], src, dst, nbytes, notif)
-        self._track(f, prank, x, int(nbytes.sum()), int(nbytes.size), slot, runs)
+    def _post_direct(self, f: _InFlight, rr: _RankRead, d) -> None:
+        """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
+        until the post thread reaches it); its Done rides on the read."""
+        c = _Cancellable(d)
+        x = self.transport.read_descs(f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill))
+        self._track(f, rr, _Read(rr.prefill, x, d.total_bytes, cancel=c), d.count)
 
-    def _post_descs(self, f: _InFlight, prank: Rank, d) -> None:
-        """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored)."""
-        x = self.transport.read_descs(f.remote.agents[prank], d, self._done(f.req, f.remote, prank))
-        self._track(f, prank, x, d.total_bytes, d.count)
-
-    def _track(self, f: _InFlight, prank: Rank, x, nbytes: int, ndescs: int, slot=None, runs=None) -> None:
-        f.reads.append(_Read(prank, x, nbytes, slot, runs))
-        f.nbytes += nbytes
+    def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int) -> None:
+        rr.reads.append(r)
+        f.nbytes += r.nbytes
         f.ndescs += ndescs
         self.metrics.transfers += 1
 
-    def _on_stage_reply(self, msg: Staged | StageError, prank: Rank) -> None:
+    def _failure(self, cls, f: _InFlight, prank: Rank | None, text: str) -> ReadFailure:
+        where = f"prefill engine {f.remote.engine_id!r} rank {prank}" if prank is not None else \
+            f"prefill engine {f.remote.engine_id!r}"
+        return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
+                   engine_id=f.remote.engine_id, prefill_rank=prank)
+
+    def _fire_fail(self, f: _InFlight, rr: _RankRead, event: ReadEvent, failure: ReadFailure) -> None:
+        """One rank's read failed: its machine takes ``event``, the request fails (the others cancel)."""
+        rr.sm.fire(event)
+        self._fail(f.req.req_id, f, failure)
+
+    def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
+        if code == "restarted":
+            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(PeerRestarted, f, rr.prefill, text))
+            self._retire(f.remote)  # a later handshake() reaches the new process
+        elif code in ("lease_expired", "done"):
+            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, rr.prefill, text))
+        else:
+            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, rr.prefill, f"[{code}] {text}"))
+
+    def _on_acquired(self, remote: RemoteEngine, prank: Rank, msg: Acquired) -> None:
+        now = time.monotonic()
+        for rid, attempt, ttl_s in msg.granted:
+            f, rr = self._rank_read(remote, prank, rid, attempt)
+            if rr is None or rr.state is not ReadState.ACQUIRING:
+                continue
+            if ttl_s <= 0:
+                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank, "the pin was granted "
+                                                                        "with no time left"))
+                continue
+            rr.sm.fire(ReadEvent.GRANTED)
+            rr.pin_deadline, rr.progress_at = rr.sent_at + ttl_s, now
+            self._post_direct(f, rr, rr.descs)
+            rr.descs = None
+        for rid, attempt, code, text in msg.refused:
+            f, rr = self._rank_read(remote, prank, rid, attempt)
+            if rr is not None and rr.state is ReadState.ACQUIRING:
+                self._refused(f, rr, code, text)
+
+    def _rank_read(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int | None = None):
+        f = self.inflight.get(rid)
+        if f is None or f.remote is not remote or (attempt is not None and attempt != f.req.attempt_for(prank)):
+            return None, None
+        return f, f.ranks.get(prank)
+
+    def _on_stage_reply(self, remote: RemoteEngine, prank: Rank, msg: Staged | StageError) -> None:
         from ..staging import offsets
-        f = self.inflight.get(msg.req_id)
-        if f is None or prank not in f.pending_stage:
+        f, rr = self._rank_read(remote, prank, msg.req_id)
+        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING):
             return  # the request failed or was aborted meanwhile, or we fell back to direct reads
-        f.stage_deadline = time.monotonic() + self.stage_timeout_s
+        now = rr.progress_at = time.monotonic()
+        req = f.req
         if isinstance(msg, StageError):
-            f.pending_stage.discard(prank)
-            if msg.expired:
-                self._fail(f.req.req_id, f, f"prefill rank {prank}: {msg.message}")
+            if msg.expired or msg.code in ("lease_expired", "restarted", "unknown_reader", "done"):
+                self._refused(f, rr, msg.code or "lease_expired", msg.message)
+            elif rr.state is ReadState.STAGE_REQUESTED and msg.ttl_s > 0:  # no room: read directly, pinned
+                rr.pin_deadline = rr.sent_at + msg.ttl_s
+                self._direct_fallback(f, rr)
             else:
-                self._direct_fallback(f, prank)
+                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, prank, msg.message))
             return
-        if msg.last:
-            f.pending_stage.discard(prank)
-            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
-        st = f.staged.get(prank)
-        if st is None:  # first segment
+        if rr.staging is None and rr.state is ReadState.STAGE_REQUESTED:  # first segment
             if msg.total == 0:
-                f.notify_at_end.add(prank)  # nothing to read: Done goes out when the request completes
+                rr.notify_at_end = True  # nothing to read: Done goes out when the request completes
+                rr.pin_deadline = now + 1e9  # nothing read: nothing to trust
+                rr.sm.fire(ReadEvent.STAGE_LAST)
                 return
-            off = self.slots.alloc((f.req.req_id, prank), msg.total)
-            if off is None:  # our staging is full: read directly, ignore the rest of the segments
-                f.pending_stage.discard(prank)
-                self._direct_fallback(f, prank)
-                return
-            req = f.req
             (d,) = f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
             if d.total_bytes != msg.total:
-                self.slots.free((req.req_id, prank))
-                self._fail(req.req_id, f, f"prefill rank {prank} packed {msg.total} B but this rank expects "
-                                          f"{d.total_bytes} B: the two sides lower differently (same kvbridge release?)")
+                self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
+                    RemoteError, f, prank, f"the prefill packed {msg.total} B but this rank expects {d.total_bytes} B: "
+                                           "the two sides lower differently (same kvbridge release?)"))
                 return
-            st = f.staged[prank] = _Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
-            f.notify_at_end.add(prank)
+            if msg.ttl_s <= 0:
+                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank,
+                                                                        "staged with no pin time left"))
+                return
+            rr.pin_deadline = rr.sent_at + msg.ttl_s
+            off = self.slots.alloc((req.req_id, prank), msg.total)
+            if off is None:  # our staging is full: read directly (under the pin), ignore the rest
+                self._direct_fallback(f, rr)
+                return
+            rr.staging = _Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
+            rr.notify_at_end = True
             self.metrics.staged_transfers += 1
+        st = rr.staging
+        if st is None:
+            return
         a, b = np.searchsorted(st.starts, [msg.offset, msg.offset + msg.nbytes])
         if (msg.offset + msg.nbytes > msg.total or a >= st.starts.size or st.starts[a] != msg.offset
                 or int(st.nbytes[a:b].sum()) != msg.nbytes):
-            self._fail(f.req.req_id, f, f"prefill rank {prank} sent a segment [{msg.offset}, +{msg.nbytes}) that "
-                                        "does not start and end on run boundaries of this rank's lowering")
+            self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
+                RemoteError, f, prank, f"the prefill sent a segment [{msg.offset}, +{msg.nbytes}) that does not "
+                                       "start and end on run boundaries of this rank's lowering"))
             return
+        if msg.last:
+            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
+        rr.sm.fire(ReadEvent.STAGE_LAST if msg.last else ReadEvent.STAGE_SEGMENT)
         one = np.ones(1, dtype=np.int64)
         # no notification on segment reads: Done is sent once every segment is read (the prefill frees
         # its staging slot on Done, and segments may complete out of order)
-        self._post(f, prank, one * msg.addr, one * (self.staging_addr + st.slot + msg.offset), one * msg.nbytes,
-                   notif=b"", slot=st.slot + msg.offset, runs=(st.dst[a:b], st.nbytes[a:b]))
+        x = self.transport.read(f.remote.agents[prank], one * msg.addr, one * (self.staging_addr + st.slot + msg.offset),
+                                one * msg.nbytes, b"")
+        self._track(f, rr, _Read(prank, x, int(msg.nbytes), st.slot + msg.offset, (st.dst[a:b], st.nbytes[a:b])), 1)
 
-    def _direct_fallback(self, f: _InFlight, prank: Rank) -> None:
+    def _direct_fallback(self, f: _InFlight, rr: _RankRead) -> None:
         self.metrics.staging_fallbacks += 1
+        rr.sm.fire(ReadEvent.STAGE_FULL)
         req = f.req
-        for d in f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,)):
+        for d in f.remote.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(rr.prefill,)):
             if d.count:
-                self._post_descs(f, prank, d)
+                self._post_direct(f, rr, d)
             else:
-                self._notify(f.remote.agents[prank], self._done(req, f.remote, prank))
+                rr.notify_at_end = True
 
     def _scatter(self, r: _Read) -> None:
         """Staging -> KV buffer for one staged segment (runs on a post thread)."""
@@ -435,147 +594,270 @@ class DecodeRank:
             self.metrics.failed_notifications += 1
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
-        """Abort a request: tell its prefill ranks to free the blocks.
+        """Abort a request: tell its prefill ranks to free the blocks (never waits for a read).
 
-        In flight: reads are settled first (a read still in progress keeps its memory until it ends);
-        a completed direct read carried its notification, every other prefill rank is told now. Not
-        started (``readers_of`` given): every prefill rank this rank notifies is told.
+        In flight: its reads are cancelled (one still in progress is parked with its memory until it
+        ends) and every live prefill rank it notifies is told. Not started (``readers_of`` given): every
+        prefill rank this rank notifies is told.
         """
         f = self.inflight.pop(req_id, None)
         self.metrics.aborted_requests += 1
         if f is not None:
-            self._notify_failed(f, self._release_reads(f))
+            for rr in f.ranks.values():
+                if not rr.sm.terminal:
+                    rr.sm.fire(ReadEvent.ABORT)
+            self._release_reads(f)
+            self._notify_failed(f)
             return
         remote = self.remotes.get(readers_of.engine_id) if readers_of else None
         if remote is not None:
             for p, agent in remote.agents.items():
-                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], ok=False)))
+                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], False,
+                                                      readers_of.attempt_for(p))))
 
-    def poll(self) -> tuple[list[str], dict[str, str]]:
-        """Advance in-flight requests; return (finished ids, {failed id: reason}) since the last call."""
-        dead_engines = set()
-        self._drain_stage_replies()
-        self._reap_zombies()
+    @property
+    def busy(self) -> bool:
+        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
+        return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent)
+
+    def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
+        """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call."""
+        self.flush()
+        self._drain_replies()
         now = time.monotonic()
         for rid, f in list(self.inflight.items()):
-            if f.pending_stage and now > f.stage_deadline:
-                self._fail(rid, f, f"prefill engine {f.remote.engine_id!r} ranks {sorted(f.pending_stage)} did not "
-                                   f"answer the stage request within {self.stage_timeout_s:g} s (dead or overloaded)")
+            if rid not in self.inflight:  # failed meanwhile (a dead peer fails all of its requests)
                 continue
-            if now - f.started_mono > self.transfer_timeout_s:
-                self._fail(rid, f, f"request not done after transfer_timeout_s={self.transfer_timeout_s:g} s")
+            failed = False
+            for rr in f.ranks.values():
+                if rr.sm.terminal:
+                    continue
+                if self._advance(f, rr, now):
+                    failed = True
+                    break
+            if failed or rid not in self.inflight:
                 continue
-            try:
-                states = [self.transport.check(r.xfer) for r in f.reads]
-                for r, st in zip(f.reads, states):  # scatter staged segments as their reads complete
-                    if st == "DONE" and r.runs is not None and r.scatter is None:
-                        r.scatter = self.transport.submit(self._scatter, r)
-                scattering = [r.scatter for r in f.reads if r.scatter is not None]
-                done = [fut for fut in scattering if fut.done()]
-                for fut in done:
-                    fut.result()  # raises what the scatter raised
-            except TransferError as e:
-                self._fail(rid, f, str(e), notify=False)
-                if "disconnect" in str(e).lower():
-                    dead_engines.add(f.remote.engine_id)
-                continue
-            except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
-                self._fail(rid, f, f"scatter failed: {type(e).__name__}: {e}")
-                continue
-            if f.pending_stage or not all(st == "DONE" for st in states) or len(done) < len(scattering):
-                continue
-            if time.time() > f.req.expires_at:
-                self._fail(rid, f, "the prefill's lease expired during the read: its blocks may have been reused, "
-                                   "the data is not trusted")
-                continue
-            self._release_reads(f)
-            del self.inflight[rid]
-            for prank in f.notify_at_end:  # staged reads carry no notification: tell the prefill now
-                self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
-            self.metrics.observe_transfer(time.perf_counter() - f.started)
-            self.metrics.transfer_bytes += f.nbytes
-            self.metrics.descriptors += f.ndescs
-            self.metrics.finished_requests += 1
-            self.finished.append(rid)
-        for eid in dead_engines:
-            self._fail_engine(eid, f"prefill engine {eid!r} disconnected")
+            if all(rr.state is ReadState.DONE for rr in f.ranks.values()):
+                self._complete(rid, f)
+        self._reap_zombies()
+        self._reap_retired()
         out, failed = self.finished, self.failed
         self.finished, self.failed = [], {}
         return out, failed
 
-    def _fail_engine(self, engine_id: str, reason: str) -> None:
-        """Fail every request in flight to a dead engine, then forget it."""
-        self.forget(engine_id, reason, dead=True)
+    def _advance(self, f: _InFlight, rr: _RankRead, now: float) -> bool:
+        """Drive one rank's read: completions, scatters, its deadlines. True if the request failed."""
+        prank = rr.prefill
+        try:
+            for r in rr.reads:
+                if not r.done and self.transport.check(r.xfer) == "DONE":
+                    r.done, rr.progress_at = True, now
+                    if r.runs is not None:  # staged segment: scatter it as soon as it is read
+                        r.scatter = self.transport.submit(self._scatter, r)
+                if r.scatter is not None and r.scatter.done():
+                    r.scatter.result()  # raises what the scatter raised
+        except TransferError as e:
+            agent = f.remote.agents.get(prank)
+            sock = f.remote.stage_socks.get(prank)
+            if agent is not None and (_is_disconnect(e) or (sock is not None and self._disconnected(sock))):
+                self._peer_died(f.remote, agent, f"NIXL: {e}")
+            else:
+                self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
+            return True
+        except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
+            self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
+                ReadFailure, f, prank, f"scatter failed: {type(e).__name__}: {e}"))
+            return True
+        finished = all(r.done and (r.runs is None or (r.scatter is not None and r.scatter.done())) for r in rr.reads)
+        if finished and rr.state in (ReadState.POSTED, ReadState.SCATTERING):
+            if now > rr.pin_deadline:  # the read ended after the pin the prefill granted: not trusted
+                self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
+                    LeaseExpired, f, prank, "the read ended after the lease pin the prefill granted ran out; its "
+                                            "blocks may have been reused, the data is not trusted"))
+                return True
+            rr.sm.fire(ReadEvent.COMPLETED)
+            return False
+        waiting = rr.state in AWAITING_REPLY and not (rr.state is ReadState.STAGING and not finished)
+        limit = self.stage_timeout_s if waiting else self.transfer_timeout_s
+        if now - rr.progress_at > limit:
+            what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
+                    else "made no progress within transfer_timeout_s")
+            self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
+                TransferTimeout, f, prank, f"{what}={limit:g} s (state {rr.state.name}; frozen, overloaded or "
+                                           "unreachable)"))
+            return True
+        if now > rr.pin_deadline:
+            self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
+                LeaseExpired, f, prank, "the lease pin the prefill granted ran out before the read ended"))
+            return True
+        return False
 
-    def _drain_stage_replies(self) -> None:
-        for remote in self.remotes.values():
-            for prank, sock in remote.stage_socks.items():
+    def _complete(self, rid: str, f: _InFlight) -> None:
+        self._release_reads(f)
+        del self.inflight[rid]
+        for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
+            if rr.notify_at_end:
+                self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
+        self.metrics.observe_transfer(time.perf_counter() - f.started)
+        self.metrics.transfer_bytes += f.nbytes
+        self.metrics.descriptors += f.ndescs
+        self.metrics.finished_requests += 1
+        self.finished.append(rid)
+
+    def _peer_died(self, remote: RemoteEngine, agent: str, detail: str) -> None:
+        """NIXL reported ``agent`` disconnected: every request still reading it fails now (its queued reads
+        are cancelled, never posted), the engine is retired (a later handshake starts fresh) and the dead
+        agent is removed; the engine's live ranks keep their agents until the failed requests' Done
+        notifications have gone out."""
+        self._dead_agents.add(agent)
+        for rid, f in list(self.inflight.items()):
+            for prank, rr in f.ranks.items():
+                if not rr.sm.terminal and f.remote.agents.get(prank) == agent:
+                    self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
+                        PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
+                    break
+        self._retire(remote)
+        self.transport.remove_peer(agent)
+
+    def _retire(self, remote: RemoteEngine, grace_s: float = 0.5) -> None:
+        if self.remotes.get(remote.engine_id) is remote:
+            del self.remotes[remote.engine_id]
+        if all(r is not remote for r, _ in self._retired):
+            self._retired.append((remote, time.monotonic() + grace_s))
+
+    def _reap_retired(self, engine_id: str | None = None) -> None:
+        """Remove the agents and sockets of retired engines once nothing references them (or now, for
+        ``engine_id``, which is about to be handshaken again)."""
+        if not self._retired:
+            return
+        now, keep = time.monotonic(), []
+        for remote, not_before in self._retired:
+            forced = remote.engine_id == engine_id
+            if not forced and (now < not_before or any(f.remote is remote for f in self.inflight.values())):
+                keep.append((remote, not_before))
+                continue
+            for rid, f in list(self.inflight.items()):
+                if f.remote is remote:
+                    self._fail(rid, f, self._failure(Aborted, f, None, "the prefill engine is handshaken again"),
+                               notify=False)
+            live = {a for r in self.remotes.values() for a in r.agents.values()}
+            for agent in remote.agents.values():
+                if agent not in live:
+                    self.transport.remove_peer(agent)
+                self._dead_agents.discard(agent)
+            for sock in remote.stage_socks.values():
+                self._close_sock(sock)
+        self._retired = keep
+
+    def _close_sock(self, sock) -> None:
+        mon = self._monitors.pop(id(sock), None)
+        if mon is not None:
+            try:
+                sock.disable_monitor()
+            except (zmq.ZMQError, AttributeError):
+                pass
+            mon.close(0)
+        sock.close(0)
+
+    def _disconnected(self, sock) -> bool:
+        """The side channel's TCP connection to this prefill rank closed (ZMQ monitor event)."""
+        mon = self._monitors.get(id(sock))
+        if mon is None:
+            return False
+        from zmq.utils.monitor import recv_monitor_message
+        seen = False
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return seen
+            seen = seen or ev["event"] == zmq.EVENT_DISCONNECTED
+
+    def _drain_replies(self) -> None:
+        remotes = {id(r): r for r in self.remotes.values()}
+        for f in self.inflight.values():
+            remotes.setdefault(id(f.remote), f.remote)
+        for remote in remotes.values():
+            for prank, sock in list(remote.stage_socks.items()):
+                if self._disconnected(sock) and remote.agents.get(prank) not in self._dead_agents:
+                    self._peer_died(remote, remote.agents[prank], "its side-channel connection closed")
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    except (zmq.Again, zmq.ZMQError):
                         break
                     try:
                         msg = unpack(frames)
                     except HandshakeError:
                         continue
-                    if isinstance(msg, (Staged, StageError)):
-                        self._on_stage_reply(msg, prank)
+                    if isinstance(msg, Acquired):
+                        self._on_acquired(remote, prank, msg)
+                    elif isinstance(msg, (Staged, StageError)):
+                        self._on_stage_reply(remote, prank, msg)
 
     def _release_reads(self, f: _InFlight) -> set:
-        """Release a request's reads and staging slots once nothing can still write into them.
+        """Release a request's reads and staging slots without waiting (never blocks the loop).
 
-        Returns the prefill ranks whose reads did not all complete. A read still in progress (RDMA or
-        TCP transports return PROC) is not released: it is parked with its slot until it settles, so
-        a late write can never land in memory that was handed to someone else.
+        Returns the prefill ranks whose reads did not all complete. A read not yet posted is cancelled; one
+        still in progress (or whose scatter runs) is parked with its slot until it settles, so a late
+        write can never land in memory that was handed to someone else.
         """
         incomplete, parked = set(), []
-        for r in f.reads:
-            state = self.transport.settle(r.xfer, self.release_timeout_s)
-            if r.scatter is not None:
-                r.scatter.exception()  # wait: the slot is in use until the scatter ends
-            if state is None:
-                parked.append(r)
-                incomplete.add(r.prefill)
-                continue
-            if not state:
-                incomplete.add(r.prefill)
-            self.transport.release(r.xfer)
+        for prank, rr in f.ranks.items():
+            if rr.state is not ReadState.DONE and (rr.reads or rr.state is ReadState.POSTED):
+                incomplete.add(prank)
+            for r in rr.reads:
+                if r.cancel is not None and not r.done:
+                    if not r.cancel.cancelled:
+                        self.metrics.cancelled_reads += 1
+                    r.cancel.cancelled = True
+                state = self.transport.settle(r.xfer, 0)
+                if state is None or (r.scatter is not None and not r.scatter.done()):
+                    parked.append(r)
+                    continue
+                self.transport.release(r.xfer)
+        slots = [(f.req.req_id, p) for p, rr in f.ranks.items() if rr.staging is not None]
         if parked:
-            self._zombies.append((f.req.req_id, list(f.staged), parked))
+            self._zombies.append((f.req.req_id, slots, parked))
         else:
-            for prank in f.staged:
-                self.slots.free((f.req.req_id, prank))
+            for key in slots:
+                self.slots.free(key)
         return incomplete
 
     def _reap_zombies(self) -> None:
         for item in list(self._zombies):
-            rid, pranks, reads = item
-            if all(self.transport.settle(r.xfer, 0) is not None for r in reads):
+            rid, slots, reads = item
+            if all(self.transport.settle(r.xfer, 0) is not None and (r.scatter is None or r.scatter.done())
+                   for r in reads):
                 for r in reads:
                     self.transport.release(r.xfer)
-                for prank in pranks:
-                    self.slots.free((rid, prank))
+                for key in slots:
+                    self.slots.free(key)
                 self._zombies.remove(item)
 
-    def _fail(self, rid: str, f: _InFlight, reason: str, notify: bool = True) -> None:
-        """Fail a request: settle and release its reads, then (unless its engine is dead) tell the prefill
-        ranks that did not get a Done with a completed read, so they free blocks and staging now."""
+    def _fail(self, rid: str, f: _InFlight, failure: ReadFailure, notify: bool = True) -> None:
+        """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
+        tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
+        for rr in f.ranks.values():
+            if not rr.sm.terminal:
+                rr.sm.fire(ReadEvent.ABORT)
         incomplete = self._release_reads(f)
         self.inflight.pop(rid, None)
-        self.failed[rid] = reason
+        self.failed[rid] = failure
         self.metrics.failed_transfers += max(1, len(incomplete))
         self.metrics.failed_requests += 1
         if notify:
-            self._notify_failed(f, incomplete)
+            self._notify_failed(f)
 
-    def _notify_failed(self, f: _InFlight, incomplete: set) -> None:
-        ranks = set(f.pending_stage) | set(f.notify_at_end) | incomplete
-        for p in ranks:
-            if p in f.remote.agents:
-                self._notify(f.remote.agents[p], self._done(f.req, f.remote, p, ok=False))
+    def _notify_failed(self, f: _InFlight) -> None:
+        """Done(failed) to every prefill rank of the request whose agent is alive (a prefill counts one
+        Done per reader, so a second one for a rank whose read carried it is harmless)."""
+        peers = self.transport.peers
+        for p, agent in f.remote.agents.items():
+            if agent not in self._dead_agents and agent in peers:
+                self._notify(agent, self._done(f.req, f.remote, p, ok=False))
 
-    def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, str]]:
+    def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
         """Poll until nothing is in flight (or timeout); returns everything finished/failed meanwhile."""
         done, failed = [], {}
         deadline = time.monotonic() + timeout_s
@@ -590,12 +872,18 @@ class DecodeRank:
     def stats(self) -> dict:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
-                "remotes": sorted(self.remotes),
+                "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self._zombies),
+                "staging_used": self.slots.bytes_used,
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
         for eid in list(self.remotes):
             self.forget(eid, "decode rank closing")
+        for remote, _ in list(self._retired):
+            self._reap_retired(engine_id=remote.engine_id)
+        for mon in self._monitors.values():
+            mon.close(0)
+        self._monitors.clear()
         self.transport.close()
 
     # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------
@@ -638,3 +926,8 @@ class DecodeRank:
         """Benchmarks/tests: set every byte of the KV memory to ``value``."""
         for a in self.mem.allocations:
             host_view(a.addr, a.nbytes).fill(value)
+
+
+def _is_disconnect(e: TransferError) -> bool:
+    """The transport's typed text for NIXL_ERR_REMOTE_DISCONNECT (transport/nixl.py ``_wrap``)."""
+    return "REMOTE_DISCONNECT" in str(e) or "disconnect" in str(e).lower()

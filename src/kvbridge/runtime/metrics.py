@@ -24,6 +24,10 @@ class Metrics:
     stage_full: int = 0
     failed_stage_requests: int = 0
     failed_handshakes: int = 0
+    refused_reads: int = 0
+    stale_messages: int = 0
+    forged_messages: int = 0
+    cancelled_reads: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
     stage_wait_seconds_sum: float = 0.0
@@ -67,6 +71,10 @@ _HELP = {
     "failed_stage_requests": ("counter", "stage requests that failed on the prefill while packing (answered with an error)"),
     "stage_full": ("counter", "stage requests the prefill refused (no staging space in time): read directly"),
     "failed_handshakes": ("counter", "failed handshakes"),
+    "refused_reads": ("counter", "acquire/stage requests the prefill refused (lease gone, other attempt, unknown reader)"),
+    "stale_messages": ("counter", "Done/stage/acquire messages for another attempt of a live request (ignored)"),
+    "forged_messages": ("counter", "messages from a reader that did not handshake or from another agent (ignored)"),
+    "cancelled_reads": ("counter", "reads cancelled before the transport posted them (dead peer, failed request)"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
     "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),
     "stage_wait_seconds_sum": ("counter", "total seconds from a stage request to the prefill's answer (its pack)"),

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,8 +19,9 @@ from ..tensors import host_view
 from .memhost import check_memory, host_span, register_memory, transport_device, wire_key
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
-from .protocol import (Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError, blocks_from_wire,
-                       decode_notif, pack, unpack)
+from ..errors import KVBridgeError
+from .protocol import (Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError,
+                       blocks_from_wire, decode_notif, pack, unpack)
 from .slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -29,14 +32,26 @@ def json_key(d: dict) -> str:
     return json.dumps(d, sort_keys=True)
 
 
+def new_attempt() -> int:
+    """A random, non-zero 63-bit attempt id (0 never names a lease)."""
+    return secrets.randbits(63) | 1
+
+
 @dataclass
 class Lease:
+    """Blocks held for one attempt of a request. Only this process's monotonic clock decides when the
+    lease ends: ``deadline`` (``time.monotonic()``), pushed to ``pinned_at + pin_s`` (once) when a reader
+    pins it; Done from every reader of the attempt frees it earlier."""
+
     req_id: str
     blocks: dict[str, GroupBlocks]
-    expires_at: float
+    deadline: float
+    attempt: int = 0
     done_ranks: set = field(default_factory=set)
     readers: int | None = None
     staged: set = field(default_factory=set)  # staging slots held for this request
+    pinned_at: float | None = None            # monotonic time of the first pin (hard cap from there)
+    holders: set = field(default_factory=set)  # readers (decode engine, rank) that pinned it
 
 
 @dataclass
@@ -55,8 +70,16 @@ class PrefillRank:
 
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, memory: KVMemory | None = None,
                  host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0, transport=None,
-                 staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0):
+                 staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0, pin_s: float = 120.0,
+                 lowered_cache: int = 64, lowered_per_peer: int = 16):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
+        # a pinned lease (a reader asked to read it) lives until every reader's Done, or at most pin_s
+        # after the first pin; readers count the granted remainder down on their own clock
+        self.pin_s = pin_s
+        # readers this rank handshook with: (decode engine, decode rank) -> NIXL agent name (bounded)
+        self._readers: OrderedDict = OrderedDict()
+        self._digests: OrderedDict = OrderedDict()  # metadata digests this process has served
+        self._lowered_cap, self._lowered_per_peer = lowered_cache, lowered_per_peer
         # a stage request that finds the staging buffer full waits this long for a slot to free (the
         # previous request's Done is usually in flight) before the prefill says "full, read directly":
         # a direct read of small head slices is many times slower than waiting a few milliseconds
@@ -72,7 +95,9 @@ class PrefillRank:
         self.staging.fill(0)  # touch every page now, not on the first request's critical path
         self.staging_addr = self.transport.register(self.staging) if staging_bytes else 0
         self.slots = SlotAllocator(staging_bytes)
-        self._lowered: dict = {}  # (decode layout, decode rank) -> LoweredPlan (relative offsets)
+        # (decode layout, decode rank) -> (LoweredPlan, decode engine that caused it): LRU, bounded in
+        # total and per decode engine
+        self._lowered: OrderedDict = OrderedDict()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -88,13 +113,18 @@ class PrefillRank:
         self.metrics = Metrics()
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, req_id: str, blocks: dict[str, GroupBlocks], lease_s: float | None = None) -> float:
-        """Hold ``blocks`` for ``req_id`` until its readers are done or the lease expires; returns expiry."""
-        exp = time.time() + (self.lease_s if lease_s is None else lease_s)
+    def add_request(self, req_id: str, blocks: dict[str, GroupBlocks], lease_s: float | None = None,
+                    attempt: int | None = None) -> int:
+        """Hold ``blocks`` for ``req_id`` until its readers are done or the lease (a duration, on this
+        process's monotonic clock) runs out; returns the attempt id the decode must present
+        (``ReadRequest.attempt``). Pass ``attempt`` to use the same id on every rank of the engine
+        (the engine's scheduler draws one per request attempt); by default a random one is drawn."""
+        attempt = int(attempt) if attempt else new_attempt()
         if req_id in self.leases:  # re-registered: its staging slots go back first
             self._release(req_id)
-        self.leases[req_id] = Lease(req_id, blocks, exp)
-        return exp
+        self.leases[req_id] = Lease(req_id, blocks, time.monotonic() + (self.lease_s if lease_s is None else lease_s),
+                                    attempt)
+        return attempt
 
     def take_freed(self) -> dict:
         out = {"freed": self.freed, "expired": self.expired}
@@ -121,8 +151,8 @@ class PrefillRank:
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
                 self._on_notif(agent, m)
-        now = time.time()
-        for rid in [r for r, l in self.leases.items() if l.expires_at < now]:
+        now = time.monotonic()
+        for rid in [r for r, l in self.leases.items() if l.deadline < now]:
             self._release(rid)
             self.expired.append(rid)
             self.metrics.expired_requests += 1
@@ -138,10 +168,8 @@ class PrefillRank:
         for p in parked:
             lease = self.leases.get(p.msg.req_id)
             try:
-                if lease is None:
-                    replies = [StageError(p.msg.req_id, f"request {p.msg.req_id!r} is unknown or its lease expired "
-                                                        f"on prefill rank {self.rank}; do not read its blocks",
-                                          expired=True)]
+                if lease is None or lease.attempt != p.msg.attempt:
+                    replies = [self._expired_error(p.msg.req_id)]
                 elif (p.msg.decode_engine, tuple(p.msg.decode_rank)) in lease.done_ranks:
                     continue  # the decode rank gave up on it meanwhile: nobody will read it
                 else:
@@ -150,23 +178,107 @@ class PrefillRank:
                         if now < p.deadline:
                             self._parked.append(p)
                             continue
-                        replies = [self._full_error(p.msg, p.descs)]
+                        replies = [self._full_error(p.msg, p.descs, lease)]
                 for reply in replies:
                     self.sock.send_multipart(p.envelope + pack(reply))
             except Exception as e:  # noqa: BLE001 - one bad request must not drop the others or the rank
                 log.warning("stage request %s failed while packing: %r", p.msg.req_id, e)
                 self.metrics.failed_stage_requests += 1
-                self.sock.send_multipart(p.envelope + pack(StageError(p.msg.req_id, f"cannot stage: {e!r}")))
+                self.sock.send_multipart(p.envelope + pack(StageError(
+                    p.msg.req_id, f"prefill rank {self.rank} failed packing {p.msg.req_id!r}; read it directly",
+                    code="internal", ttl_s=self._ttl(lease) if lease is not None else 0.0)))
 
-    @staticmethod
-    def _failure_reply(body: list[bytes], e: Exception):
+    def _failure_reply(self, body: list[bytes], e: Exception):
+        """A typed error reply for a request that raised while being served: a kvbridge error's message
+        (it says what to change), never a Python exception's text."""
         try:
             msg = unpack(body)
         except Exception:  # noqa: BLE001
             msg = None
-        if isinstance(msg, Stage):  # the decode fails or falls back on this request only
-            return StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
-        return ErrorReply(f"{type(e).__name__}: {e}")
+        text = str(e) if isinstance(e, KVBridgeError) else f"internal error on prefill rank {self.rank}"
+        if isinstance(msg, Stage):  # the decode falls back to a direct read of this request only
+            lease = self.leases.get(msg.req_id)
+            ok = lease is not None and lease.attempt == msg.attempt
+            return StageError(msg.req_id, f"cannot stage: {text}", code="internal",
+                              ttl_s=self._ttl(lease) if ok else 0.0)
+        return ErrorReply(text, code="internal")
+
+    # ---- leases: attempts, pins, reader identities ----------------------------------------------
+    def _ttl(self, lease: Lease) -> float:
+        return max(0.0, lease.deadline - time.monotonic())
+
+    def _expired_error(self, req_id: str) -> StageError:
+        self.metrics.refused_reads += 1
+        return StageError(req_id, f"request {req_id!r} is unknown, expired or re-registered (another attempt) on "
+                                  f"prefill rank {self.rank}; its blocks may be reused: do not read them",
+                          expired=True, code="lease_expired")
+
+    def _check_reader(self, req_id: str, attempt: int, reader: tuple, incarnation: str):
+        """The live lease of ``req_id`` for ``attempt`` if ``reader`` may read it; else (code, message)."""
+        if incarnation and incarnation not in self._digests:
+            return "restarted", (f"prefill rank {self.rank} of {self.engine_id!r} is not the process this decode "
+                                 "rank handshook with (restarted); handshake again")
+        if reader not in self._readers:
+            self.metrics.forged_messages += 1
+            return "unknown_reader", (f"decode rank {reader[1]} of {reader[0]!r} has not handshaken with prefill "
+                                      f"rank {self.rank}; handshake first")
+        lease = self.leases.get(req_id)
+        if lease is None or lease.attempt != attempt:
+            if lease is not None:
+                self.metrics.stale_messages += 1
+            return "lease_expired", (f"request {req_id!r} attempt {attempt} is unknown, expired or re-registered on "
+                                     f"prefill rank {self.rank}; its blocks may be reused: do not read them")
+        return lease
+
+    def _pin(self, lease: Lease, reader: tuple, readers: int) -> float:
+        """Pin ``lease`` for ``reader``: it now ends on every reader's Done, or ``pin_s`` after the first
+        pin at the latest; returns the seconds it still holds."""
+        now = time.monotonic()
+        if lease.pinned_at is None:
+            lease.pinned_at = now
+            lease.deadline = max(lease.deadline, now + self.pin_s)
+        if lease.readers is None and readers >= 1:
+            lease.readers = readers
+        lease.holders.add(reader)
+        return max(0.0, lease.deadline - now)
+
+    def _acquire(self, msg: Acquire) -> Acquired:
+        reader = (msg.decode_engine, tuple(msg.decode_rank))
+        granted, refused = [], []
+        for rid, attempt in msg.reqs:
+            got = self._check_reader(rid, attempt, reader, msg.incarnation)
+            if isinstance(got, Lease):
+                granted.append((rid, attempt, self._pin(got, reader, msg.readers)))
+            else:
+                self.metrics.refused_reads += 1
+                refused.append((rid, attempt, *got))
+        return Acquired(granted, refused)
+
+    def _remember(self, d: OrderedDict, key, value, cap: int) -> None:
+        d[key] = value
+        d.move_to_end(key)
+        while len(d) > cap:
+            d.popitem(last=False)
+
+    def _lowering(self, msg: Stage) -> LoweredPlan:
+        """The lowered plan for the stage request's decode layout and rank: LRU cache, bounded in total
+        and per decode engine (distinct layouts from one peer evict that peer's oldest first)."""
+        key = (json_key(msg.decode_layout), tuple(msg.decode_rank), wire_key(msg.decode_memory))
+        hit = self._lowered.get(key)
+        if hit is not None:
+            self._lowered.move_to_end(key)
+            return hit[0]
+        decode = engine_from_dict(msg.decode_layout)
+        d_mem = KVMemory.from_wire(decode, msg.decode_memory)
+        if d_mem.rank != tuple(msg.decode_rank):
+            raise LayoutError(f"stage request from rank {tuple(msg.decode_rank)} describes rank {d_mem.rank}")
+        lp = LoweredPlan(plan_transfer(self.engine, decode), tuple(msg.decode_rank),
+                         prefill_mems={self.rank: self.mem}, decode_mem=d_mem)
+        mine = [k for k, (_, owner) in self._lowered.items() if owner == msg.decode_engine]
+        if len(mine) >= self._lowered_per_peer:
+            del self._lowered[mine[0]]
+        self._remember(self._lowered, key, (lp, msg.decode_engine), self._lowered_cap)
+        return lp
 
     def _unpark(self, req_id: str, decode_engine: str, decode_rank) -> None:
         key = (req_id, decode_engine, tuple(decode_rank))
@@ -177,20 +289,31 @@ class PrefillRank:
         """Replies to one side-channel message (a stage request gets one per packed segment, as packed)."""
         try:
             msg = unpack(body)
-        except Exception as e:  # noqa: BLE001 - answer the peer, keep serving
-            yield pack(ErrorReply(str(e)))
+        except KVBridgeError as e:  # noqa: BLE001 - answer the peer, keep serving
+            yield pack(ErrorReply(str(e), code="bad_request"))
+            return
+        except Exception:  # noqa: BLE001
+            yield pack(ErrorReply("malformed side-channel message", code="bad_request"))
             return
         if isinstance(msg, Stage):
             for reply in self._stage(msg, list(envelope)):
                 yield pack(reply)
             return
+        if isinstance(msg, Acquire):
+            yield pack(self._acquire(msg))
+            return
         if not isinstance(msg, GetMeta):
-            yield pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta or stage"))
+            yield pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta, acquire or stage",
+                                  code="unexpected"))
             return
         if tuple(msg.prefill_rank) != self.rank:
-            yield pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}"))
+            yield pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}",
+                                  code="wrong_rank"))
             return
         md = self.transport.metadata()
+        # the reader's identity from the handshake: its Done notifications must come from this agent
+        self._remember(self._readers, (msg.decode_engine, tuple(msg.decode_rank)), msg.decode_agent, 4096)
+        self._remember(self._digests, metadata_digest(md), True, 8)
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
                              self.staging.size))
@@ -200,29 +323,29 @@ class PrefillRank:
         buffer, segment by segment, yielding a Staged reply as soon as each segment is packed (the decode
         reads segment k while segment k+1 is packed). With no free staging space the request waits (up to
         ``stage_wait_s``) for a slot instead of failing at once."""
-        lease = self.leases.get(msg.req_id)
-        if lease is None:
-            yield StageError(msg.req_id, f"request {msg.req_id!r} is unknown or its lease expired on prefill "
-                                         f"rank {self.rank}; its blocks may be reused: do not read them", expired=True)
+        reader = (msg.decode_engine, tuple(msg.decode_rank))
+        lease = self._check_reader(msg.req_id, msg.attempt, reader, msg.incarnation)
+        if not isinstance(lease, Lease):  # stage slots only for readers that hold the lease
+            self.metrics.refused_reads += 1
+            code, text = lease
+            yield StageError(msg.req_id, text, expired=code in ("lease_expired", "restarted"), code=code)
             return
+        if reader in lease.done_ranks:
+            yield StageError(msg.req_id, f"decode rank {tuple(msg.decode_rank)} of {msg.decode_engine!r} already "
+                                         f"sent Done for {msg.req_id!r}; not staging it again", expired=True,
+                             code="done")
+            return
+        ttl = self._pin(lease, reader, msg.readers)
         try:
-            key = (json_key(msg.decode_layout), tuple(msg.decode_rank), wire_key(msg.decode_memory))
-            lp = self._lowered.get(key)
-            if lp is None:
-                decode = engine_from_dict(msg.decode_layout)
-                d_mem = KVMemory.from_wire(decode, msg.decode_memory)
-                if d_mem.rank != tuple(msg.decode_rank):
-                    raise LayoutError(f"stage request from rank {tuple(msg.decode_rank)} describes rank {d_mem.rank}")
-                lp = self._lowered[key] = LoweredPlan(plan_transfer(self.engine, decode), tuple(msg.decode_rank),
-                                                      prefill_mems={self.rank: self.mem}, decode_mem=d_mem)
+            lp = self._lowering(msg)
             descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
                                                           blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
-        except Exception as e:  # noqa: BLE001 - a bad request must not take the rank down
-            yield StageError(msg.req_id, f"cannot stage: {type(e).__name__}: {e}")
+        except KVBridgeError as e:  # a bad request must not take the rank down
+            yield StageError(msg.req_id, f"cannot stage: {e}", code="bad_request", ttl_s=ttl)
             return
-        if (msg.decode_engine, tuple(msg.decode_rank)) in lease.done_ranks:
-            yield StageError(msg.req_id, f"decode rank {tuple(msg.decode_rank)} of {msg.decode_engine!r} already "
-                                         f"sent Done for {msg.req_id!r}; not staging it again")
+        except Exception:  # noqa: BLE001
+            yield StageError(msg.req_id, f"cannot stage {msg.req_id!r}: internal error on prefill rank {self.rank}",
+                             code="bad_request", ttl_s=ttl)
             return
         d = descs.get(self.rank)
         self._unpark(msg.req_id, msg.decode_engine, msg.decode_rank)  # a retried request replaces a parked one
@@ -230,18 +353,19 @@ class PrefillRank:
         if replies is None:
             total = d.total_bytes if d is not None else 0
             if self.slots.rounded(total) > self.slots.capacity or self.stage_wait_s <= 0:
-                yield self._full_error(msg, d)
+                yield self._full_error(msg, d, lease)
                 return
             self.metrics.stage_waits += 1
             self._parked.append(_Parked(envelope, msg, d, time.monotonic() + self.stage_wait_s))
             return
         yield from replies
 
-    def _full_error(self, msg: Stage, d) -> StageError:
+    def _full_error(self, msg: Stage, d, lease: Lease) -> StageError:
         total = d.total_bytes if d is not None else 0
         self.metrics.stage_full += 1
         return StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
-                                      f"used, {total} B asked, waited up to {self.stage_wait_s:g} s); read directly")
+                                      f"used, {total} B asked, waited up to {self.stage_wait_s:g} s); read directly",
+                          code="full", ttl_s=self._ttl(lease))
 
     def _pack_into_slot(self, msg: Stage, d):
         """Allocate a staging slot and return a generator of Staged replies that packs segment by
@@ -253,17 +377,19 @@ class PrefillRank:
         off = self.slots.alloc(slot_key, total)
         if off is None:
             return None
-        self.leases[msg.req_id].staged.add(slot_key)
+        lease = self.leases[msg.req_id]
+        lease.staged.add(slot_key)
 
         def replies():
             if not total:
-                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True)
+                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True, self._ttl(lease))
                 return
             bounds = segment_bounds(d.nbytes, msg.segment_bytes)
             pos = 0
             for i, (a, b) in enumerate(bounds):
                 n = pack_runs(self._kv_view(), d.src[a:b] - self._host_base, d.nbytes[a:b], self.staging, off + pos)
-                yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1)
+                yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1,
+                             self._ttl(lease))
                 pos += n
         return replies()
 
@@ -279,14 +405,27 @@ class PrefillRank:
             self.metrics.unknown_notifications += 1
             log.info("notification for unknown or expired request %s from %s", d.req_id, agent)
             return
-        lease.done_ranks.add((d.decode_engine, tuple(d.decode_rank)))
-        lease.readers = d.readers
+        reader = (d.decode_engine, tuple(d.decode_rank))
+        if lease.attempt != d.attempt:  # a late Done of an earlier attempt, or a guess: not this lease's
+            self.metrics.stale_messages += 1
+            log.info("ignoring Done for %s attempt %s (lease attempt differs) from %s", d.req_id, d.attempt, agent)
+            return
+        bound = self._readers.get(reader)
+        if bound is None or (bound and bound != agent) or d.readers < 1 or (
+                lease.readers is not None and d.readers != lease.readers):
+            self.metrics.forged_messages += 1  # not the agent that handshook as this reader, or a bad count
+            log.warning("ignoring Done for %s from agent %s claiming to be %s (readers=%s)", d.req_id, agent,
+                        reader, d.readers)
+            return
+        lease.done_ranks.add(reader)
+        if lease.readers is None:
+            lease.readers = d.readers
         if self._parked:
             self._unpark(d.req_id, d.decode_engine, d.decode_rank)
         slot_key = (d.req_id, d.decode_engine, tuple(d.decode_rank))
         if self.slots.free(slot_key):
             lease.staged.discard(slot_key)
-        if len(lease.done_ranks) >= d.readers:
+        if len(lease.done_ranks) >= lease.readers:
             self._release(d.req_id)
             self.freed.append(d.req_id)
             self.metrics.freed_requests += 1

@@ -7,6 +7,10 @@ decode failure. Version history:
 1. initial: GetMeta / RankMeta / ErrorReply; Stage / Staged / StageError (staged transfers: the
    prefill packs a request's runs for one decode rank into its staging buffer, answering one Staged
    per packed segment); Done notifications over NIXL.
+2. leases bound to attempts: ``add_request`` issues an attempt id that the decode presents in
+   Acquire / Stage / Done; a direct read starts only after an Acquire the prefill granted (it pins
+   the lease and answers the pin's remaining duration, never a wall-clock time); GetMeta names the
+   decode's NIXL agent (Done notifications must come from it); errors carry a ``code``.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 2  # 2: ranks send their memory description (engine-owned memory)
+PROTOCOL_VERSION = 3  # 2: memory descriptions (engine-owned memory); 3: lease attempts, acquire
 MAGIC = b"KVB1"
 
 
@@ -22,6 +26,7 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
     decode_engine: str
     decode_rank: tuple[int, int]
     prefill_rank: tuple[int, int]
+    decode_agent: str = ""  # the decode rank's NIXL agent: its Done notifications must come from it
 
 
 class RankMeta(msgspec.Struct, tag="rank_meta"):
@@ -56,6 +61,33 @@ class Stage(msgspec.Struct, tag="stage"):
     prefill_blocks: dict[str, tuple[bytes, int]]
     decode_blocks: dict[str, tuple[bytes, int]]
     segment_bytes: int = STAGE_SEGMENT_BYTES
+    attempt: int = 0        # the lease's attempt id (from add_request); a stage request also pins the lease
+    readers: int = 0        # decode ranks that notify this prefill rank for the request (from the plan)
+    incarnation: str = ""   # sha256 of the prefill rank's metadata this decode rank handshook with
+
+
+class Acquire(msgspec.Struct, tag="acquire"):
+    """Ask a prefill rank to pin the leases of ``reqs`` ((req_id, attempt) pairs) before direct reads.
+
+    The prefill pins a lease whose attempt matches (it then stays until every reader's Done or a hard
+    cap, ``pin_s``) and answers with the remaining duration; it refuses unknown, expired or other
+    attempts. Durations only: the decode counts down on its own clock from when it sent this.
+    """
+
+    decode_engine: str
+    decode_rank: tuple[int, int]
+    readers: int
+    incarnation: str
+    reqs: list[tuple[str, int]]
+
+
+class Acquired(msgspec.Struct, tag="acquired"):
+    """Answer to :class:`Acquire`: ``granted`` (req_id, attempt, seconds the pin still holds) and
+    ``refused`` (req_id, attempt, code, message); codes: ``lease_expired``, ``restarted``,
+    ``unknown_reader``, ``bad_request``."""
+
+    granted: list[tuple[str, int, float]]
+    refused: list[tuple[str, int, str, str]]
 
 
 class Staged(msgspec.Struct, tag="staged"):
@@ -69,6 +101,7 @@ class Staged(msgspec.Struct, tag="staged"):
     offset: int = 0
     total: int = 0
     last: bool = True
+    ttl_s: float = 0.0  # seconds the prefill's pin on the lease still holds (from when it answered)
 
 
 class StageError(msgspec.Struct, tag="stage_error"):
@@ -77,10 +110,13 @@ class StageError(msgspec.Struct, tag="stage_error"):
     req_id: str
     message: str
     expired: bool = False
+    code: str = ""      # lease_expired | restarted | unknown_reader | full | bad_request | internal | done
+    ttl_s: float = 0.0  # "full": the lease is pinned for this long; read directly under it
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
+    code: str = "error"  # bad_request | wrong_rank | unexpected | internal (never Python exception text)
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -95,9 +131,10 @@ class Done(msgspec.Struct, tag="done"):
     decode_rank: tuple[int, int]
     readers: int
     ok: bool = True
+    attempt: int = 0  # the lease's attempt: a Done of another attempt (stale, forged) is ignored
 
 
-Message = GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError
+Message = GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 

@@ -82,13 +82,13 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 prefix = int(rng.integers(0, n)) if prefix_hits and rng.random() < 0.3 else 0
                 reqs.append(make_request(i, int(n), prefill, decode, p_pool, d_pool, prefix))
             P.call_all("fill_many", [(r.req_id, r.num_tokens, r.prefill_blocks) for r in reqs])
-            expiry = {}
+            from ..runtime.prefill import new_attempt
+            attempts = {r.req_id: new_attempt() for r in reqs}  # one lease attempt per request, every rank
             for w in P.workers.values():
                 for r in reqs:
-                    expiry[r.req_id] = min(expiry.get(r.req_id, float("inf")),
-                                           w.call("add_request", f"req-{r.req_id}", r.prefill_blocks))
+                    w.call("add_request", f"req-{r.req_id}", r.prefill_blocks, None, attempts[r.req_id])
             reads = [ReadRequest(f"req-{r.req_id}", "prefill-0", r.num_tokens, r.prefill_blocks, r.decode_blocks,
-                                 expiry[r.req_id]) for r in reqs]
+                                 attempts[r.req_id]) for r in reqs]
             prog.update(task, advance=1, description=f"transferring {num_requests} requests through NIXL")
             t0 = time.perf_counter()
             start_errors = {}

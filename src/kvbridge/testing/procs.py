@@ -63,6 +63,10 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     tune_malloc()  # per-request descriptor arrays reuse heap memory instead of page-faulting (kvbridge.malloc)
     from ..runtime.decode import DecodeRank
     from ..runtime.prefill import PrefillRank
+    skew = kw.pop("clock_skew_s", 0.0)
+    if skew:  # fault injection: this process's wall clock is off by ``skew`` seconds (kvbridge must not care)
+        real_time = time.time
+        time.time = lambda: real_time() + skew
     try:
         engine = engine_from_dict(layout)
         memory = default_memory(engine, tuple(rank))  # the harness allocates, as an engine would
@@ -79,7 +83,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
         poller.register(obj.sock, zmq.POLLIN)
     done, failed = [], {}
     while True:
-        busy = role == "decode" and bool(obj.inflight)
+        busy = role == "decode" and obj.busy
         events = dict(poller.poll(timeout=1 if busy else 2))
         if conn.fileno() in events or conn.poll():
             cmd, args, kwargs = conn.recv()
@@ -129,7 +133,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                 conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
         if role == "prefill":
             obj.serve_once()
-        elif obj.inflight or obj.finished or obj.failed:
+        elif obj.busy or obj.finished or obj.failed:  # idle ranks still reap parked reads and retired peers
             d, f = obj.poll()
             done += d
             failed |= f
