@@ -436,7 +436,8 @@ class PrefillRank:
             self.slots.free(key)
 
     def stats(self) -> dict:
-        return {"metrics": self.metrics.to_json(), "leases": len(self.leases),
+        return {"metrics": self.metrics.to_json(), "leases": len(self.leases), "staging_used": self.slots.bytes_used,
+                "parked_stage_requests": len(self._parked),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:

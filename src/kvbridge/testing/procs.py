@@ -23,13 +23,17 @@ from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 Rank = tuple[int, int]
 
 
+_LOWERED: dict = {}  # engine id -> the lowered plan of its last handshake (verify after the engine is gone)
+
+
 def _verify(obj, requests: list) -> dict:
     """Decode side: rebuild the expected buffer for ``requests`` (in order) and compare every byte."""
     layout, buf = rank_memory(obj.engine, *obj.rank), buffer_of(obj.mem)
     expected = new_buffer(layout)
     needed = 0
     for req_num, req in requests:
-        lp = obj.remotes[req.engine_id].lowered
+        remote = obj.remotes.get(req.engine_id)
+        lp = remote.lowered if remote is not None else _LOWERED[req.engine_id]
         ranges = lp._validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
         needed += write_expected(expected, layout, req_num, ranges, req.decode_blocks)
     return {"mismatched_bytes": count_mismatches(buf, expected), "checked_bytes": int(buf.size),
@@ -104,7 +108,9 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                 elif cmd == "verify":
                     res = _verify(obj, *args)
                 elif cmd == "handshake":
-                    res = obj.handshake(*args, **kwargs).summary()
+                    remote = obj.handshake(*args, **kwargs)
+                    _LOWERED[remote.engine_id] = remote.lowered
+                    res = remote.summary()
                 elif cmd == "memcpy_gbps":
                     res = _memcpy_gbps(*args)
                 elif cmd == "fill_many":

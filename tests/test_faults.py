@@ -1,0 +1,249 @@
+"""Fault injection across real rank processes over NIXL: clock skew, kill -9 and SIGSTOP of a prefill
+rank mid-transfer (direct and staged), forged and stale Done, restart on the same port.
+
+Every scenario checks bytes against the oracle, a bounded failure time (measured and printed; the
+bounds here are generous, for a loaded 2-core machine) and that nothing leaks afterwards: decode
+handles, parked reads and staging, prefill leases and staging slots.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvbridge.errors import LeaseExpired, PeerDisconnected, PeerRestarted, TransferTimeout
+from kvbridge.runtime import protocol
+from kvbridge.runtime.prefill import PrefillRank
+from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
+from kvbridge.transport.nixl import NixlTransport, nixl_available
+
+from test_reliability import (Cluster, Jobs, blocks_for, collect, free_port, hold, inproc_decode, layout,
+                              needed_bytes, publish, served, start, take_until, until, verify, wait_freed)
+
+pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
+
+
+def no_leaks(D, P=None, timeout: float = 10.0) -> None:
+    """Decode: no handle, parked read, staging or request left; prefill: no lease, staging slot or parked
+    stage request left (within ``timeout``: Done notifications and reaping run asynchronously)."""
+    def clean():
+        ds = D.call_all("stats").values()
+        ok = all(s["live_handles"] == 0 and s["inflight"] == 0 and s["parked_reads"] == 0
+                 and s["staging_used"] == 0 for s in ds)
+        if P is not None:
+            ok = ok and all(s["leases"] == 0 and s["staging_used"] == 0 for s in P.call_all("stats").values())
+        return ok
+    until(clean, timeout, "no leaked handles, leases or staging slots")
+
+
+# =================================================================================================
+# clock skew: no decision compares clocks of two hosts
+# =================================================================================================
+@pytest.mark.parametrize("side,skew", [("decode", -10.0), ("decode", 10.0), ("prefill", -10.0), ("prefill", 10.0)])
+def test_clock_skew_neither_corrupts_nor_fails(side, skew):
+    """One process's wall clock is ``skew`` seconds off. Leases are short (3 s): every request is read
+    exactly (0 spurious failures); a request whose lease ran out on the prefill, whose blocks were then
+    refilled with another request's data, is refused (LeaseExpired) and writes nothing (0 bad bytes)."""
+    n = 16
+    pl = layout("prefill", 2, blocks_for([64] * (n + 2), 16))
+    dl = layout("decode", 1, blocks_for([64] * (n + 2), 16))
+    jobs = Jobs(dl, seed=21)
+    kw = {"clock_skew_s": skew}
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pS", {"lease_s": 3.0, **(kw if side == "prefill" else {})}),
+                             ("decode", dl, "dS", kw if side == "decode" else {})])
+        D.call_all("handshake", "pS", P.endpoints())
+        jobs.engine("pS", pl)
+        ok = jobs.make("pS", n)
+        publish(P, ok, lease_s=3.0)
+        start(D, [j.read() for j in ok])
+        finished, failed = collect(D, 30)
+        assert not failed and finished == {j.rid for j in ok}, failed
+        # a late read: its lease ran out on the prefill and its blocks now hold another request's bytes
+        (late,) = jobs.make("pS", 1, lengths=[64], prefix_p=0.0, tag="late")
+        publish(P, [late], lease_s=0.3)
+        wait_freed(P, {late.rid}, timeout=5, key="expired")
+        P.call_all("fill_many", [(late.num + 1000, late.req.num_tokens, late.req.prefill_blocks)])
+        t0 = time.monotonic()
+        start(D, [late.read()])
+        finished, failed = collect(D, 10)
+        print(f"skew {side} {skew:+g} s: {len(ok)} read exactly; late read refused after "
+              f"{time.monotonic() - t0:.3f} s: {failed.get(late.rid)!r}")
+        assert isinstance(failed.get(late.rid), LeaseExpired) and late.rid not in finished
+        ver = verify(D, ok)  # the late read wrote nothing: every byte is the oracle's or the sentinel
+        assert ver["mismatched_bytes"] == 0 and ver["needed_bytes"] == needed_bytes(pl, dl, ok)
+        no_leaks(D, P)
+
+
+# =================================================================================================
+# a prefill rank dies or freezes mid-transfer
+# =================================================================================================
+def _mid_transfer(mode: str, fault: str):
+    n = 120
+    pl = layout("prefill", 2, blocks_for([64] * n, 64))
+    dl = layout("decode", 1, blocks_for([64] * n, 64))
+    jobs = Jobs(dl, seed=22 if mode == "direct" else 23)
+    dkw = {"transfer_mode": mode, "stage_timeout_s": 2.0, "transfer_timeout_s": 2.0}
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pF"), ("decode", dl, "dF", dkw)])
+        D.call_all("handshake", "pF", P.endpoints())
+        jobs.engine("pF", pl)
+        js = jobs.make("pF", n, lengths=[64] * n, prefix_p=0.0)
+        publish(P, js, lease_s=60.0)
+        victim = P.workers[(0, 1)]
+        start(D, [j.read() for j in js])
+        early, early_failed = {}, {}
+
+        def first():
+            for d, f in D.call_all("take").values():
+                for rid in d:
+                    early[rid] = early.get(rid, 0) + 1
+                early_failed.update(f)
+            return early or early_failed
+        if mode == "direct":  # staged requests finish too fast here: the fault comes right after the posts
+            until(first, 20, "first reads", 0.002)
+        t0 = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        try:
+            finished, failed = take_until(D, {j.rid for j in js}, 30, early, early_failed)
+            elapsed = time.monotonic() - t0
+            kinds = sorted({type(f).__name__ for f in failed.values()})
+            print(f"{fault} {mode}: {len(finished)} finished, {len(failed)} failed {kinds}, all settled "
+                  f"{elapsed:.2f} s after the {fault}")
+            assert failed, "nothing was in flight when the rank went away; make the batch larger"
+            expected = PeerDisconnected if fault == "kill" else TransferTimeout
+            for rid, why in failed.items():
+                assert isinstance(why, expected) and why.req_id == rid and why.engine_id == "pF", repr(why)
+            assert elapsed < (5.0 if fault == "kill" else 2.0 + 8.0), elapsed
+            ok = [j for j in js if j.rid in finished]
+            ver = verify(D, ok)
+            bad = [j for j in js if j.rid in failed]
+            assert ver["mismatched_bytes"] <= needed_bytes(pl, dl, bad)  # only failed requests' blocks differ
+            # the live rank got Done(failed) for every failed request: its leases and slots come back now
+            live = P.workers[(0, 0)]
+            until(lambda: live.call("stats")["leases"] == 0, 10, "the live prefill rank to free every lease")
+            assert live.call("stats")["staging_used"] == 0
+            if fault == "kill":
+                no_leaks(D)
+            else:  # reads to the frozen rank may still be in progress: parked (not released) until it thaws
+                assert all(s["inflight"] == 0 for s in D.call_all("stats").values())
+        finally:
+            if fault == "stop" and victim.proc.is_alive():
+                os.kill(victim.proc.pid, signal.SIGCONT)
+        if fault == "stop":  # thawed: it hears the Done(failed) notifications and frees everything
+            no_leaks(D, P, timeout=15)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_prefill_rank_killed_mid_transfer(mode):
+    _mid_transfer(mode, "kill")
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_prefill_rank_frozen_mid_transfer(mode):
+    _mid_transfer(mode, "stop")
+
+
+# =================================================================================================
+# restart on the same port
+# =================================================================================================
+def test_prefill_restarted_on_the_same_port():
+    """A prefill rank dies and comes back on the same port with a new NIXL agent: a read started against
+    the cached engine fails typed (never reads the new process's memory as the old one's); a cached
+    handshake() sees the new metadata and handshakes again; then reads are exact."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=24)
+    jobs.engine("pR", pl)
+    port = free_port()
+    with Cluster() as c:
+        P, D = c.start_many([("prefill", pl, "pR", {"port": port}), ("decode", dl, "dR")])
+        D.call_all("handshake", "pR", P.endpoints())
+        first = jobs.make("pR", 3)
+        publish(P, first)
+        start(D, [j.read() for j in first])
+        assert collect(D, 20)[0] == {j.rid for j in first}
+        for w in P.workers.values():
+            w.kill()
+        t0 = time.monotonic()
+        P2 = c.start("prefill", pl, "pR", port=port)
+        assert P2.endpoints() == P.endpoints()
+        stale = jobs.make("pR", 2, tag="stale")
+        publish(P2, stale)
+        try:
+            start(D, [j.read() for j in stale])  # the cached engine may already be retired (disconnect seen)
+            finished, failed = collect(D, 20)
+            print(f"restart: reads against the old handshake: {sorted(type(f).__name__ for f in failed.values())}")
+            assert not finished and set(failed) == {j.rid for j in stale}
+            assert all(isinstance(f, (PeerDisconnected, PeerRestarted, LeaseExpired)) for f in failed.values())
+        except Exception as e:  # noqa: BLE001 - or start() already refuses: no handshake any more
+            assert "handshake" in str(e), e
+        D.call_all("handshake", "pR", P2.endpoints())
+        print(f"restart: re-handshaken {time.monotonic() - t0:.2f} s after the kill")
+        for j in stale:  # the failed requests' leases on the new process: the engine aborts them
+            D.call_all("abort", j.rid, readers_of=j.read())
+        again = [j.renamed(j.rid + "-again") for j in stale]
+        publish(P2, again)
+        start(D, [j.read() for j in again])
+        finished, failed = collect(D, 20)
+        assert not failed and finished == {j.rid for j in again}, failed
+        assert verify(D, first + again)["mismatched_bytes"] == 0
+        no_leaks(D, P2)
+
+
+# =================================================================================================
+# forged and stale messages
+# =================================================================================================
+def test_forged_and_stale_done_do_not_free_a_live_lease():
+    """A Done from a stranger agent (readers=0, guessed attempt, or claiming the real reader's identity),
+    and a late Done of an earlier attempt of a re-registered request id from the real reader: all
+    ignored and counted; the live lease is then read exactly and freed by the real Done. A stage request
+    from a reader that never handshook takes no staging slot."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=25)
+    jobs.engine("pX", pl)
+    (j,) = jobs.make("pX", 1, lengths=[40], prefix_p=0.0)
+    pre = PrefillRank(pl, (0, 0), "pX")
+    stranger = NixlTransport("fx-stranger")
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dX") as dec:
+            ep = f"127.0.0.1:{pre.port}"
+            dec.handshake("pX", {(0, 0): ep})
+            old = hold(pre, lock, j)
+            with lock:  # re-registered: a new attempt of the same request id
+                new = pre.add_request(j.rid, j.req.prefill_blocks)
+            assert new != old
+            import zmq
+            from kvbridge.runtime.decode import fetch_meta
+            meta = fetch_meta(zmq.Context.instance(), ep, protocol.GetMeta("dEvil", (0, 0), (0, 0), "fx-stranger"), 5)
+            agent = stranger.add_peer(meta.agent_metadata, meta.metadata_sha256)
+            forged = [Done(j.rid, "dEvil", (0, 0), 0, True, new),   # readers=0
+                      Done(j.rid, "dEvil", (0, 0), 1, True, 12345),  # guessed attempt
+                      Done(j.rid, "dX", (0, 0), 1, True, new)]       # the real reader's identity, other agent
+            for d in forged:
+                stranger.send_notif(agent, encode_notif(d))
+            real_agent = dec.remotes["pX"].agents[(0, 0)]
+            dec._notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
+            until(lambda: pre.metrics.forged_messages + pre.metrics.stale_messages >= 4, 10, "messages counted")
+            with lock:
+                assert j.rid in pre.leases and pre.leases[j.rid].attempt == new
+                assert pre.metrics.stale_messages >= 2 and pre.metrics.forged_messages >= 2
+                # a stage request naming a made-up decode engine gets no slot
+                replies = list(pre._stage(Stage(j.rid, "made-up", (0, 0), dec._layout_dict, 40, {}, {}, 4096, new, 1),
+                                          []))
+                assert len(replies) == 1 and isinstance(replies[0], StageError)
+                assert replies[0].code == "unknown_reader" and pre.slots.bytes_used == 0
+            t0 = time.monotonic()
+            dec.start(j.read(new))
+            done, failed = dec.wait(20)
+            assert done == [j.rid] and not failed, failed
+            from kvbridge.testing.procs import _verify
+            assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+            until(lambda: not pre.leases, 10, "the real Done to free the lease")
+            print(f"forged/stale: {pre.metrics.forged_messages} forged, {pre.metrics.stale_messages} stale ignored; "
+                  f"read {time.monotonic() - t0:.3f} s")
+            assert dec.stats()["live_handles"] == 0 and pre.slots.bytes_used == 0
+    finally:
+        stranger.close()
+        pre.close()
