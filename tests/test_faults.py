@@ -18,6 +18,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
 from kvbridge.transport.nixl import NixlTransport, nixl_available
+from kvbridge.testing.engine import default_memory
 
 from test_reliability import (Cluster, Jobs, blocks_for, collect, free_port, hold, inproc_decode, layout,
                               needed_bytes, publish, served, start, take_until, until, verify, wait_freed)
@@ -204,7 +205,7 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
     jobs = Jobs(dl, seed=25)
     jobs.engine("pX", pl)
     (j,) = jobs.make("pX", 1, lengths=[40], prefix_p=0.0)
-    pre = PrefillRank(pl, (0, 0), "pX")
+    pre = PrefillRank(pl, (0, 0), "pX", memory=default_memory(pl, (0, 0)))
     stranger = NixlTransport("fx-stranger")
     try:
         with served(pre) as lock, inproc_decode(dl, "dX") as dec:
