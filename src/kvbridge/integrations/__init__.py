@@ -1,0 +1,1 @@
+"""Engine integrations (each imported only by its engine)."""
