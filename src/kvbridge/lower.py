@@ -459,3 +459,15 @@ class LoweredPlan:
             layers = self.decode.stage_layers(g, self.decode_rank[0])
             total += (t1 - t0) * len(layers) * g.bytes_per_rank(self.decode.tp)
         return total
+
+
+# ---- helpers for prepared descriptor lists (kvbridge.prepped); issue 14 --------------------------------
+def chunk_template(lowered: LoweredPlan, low: _ReadLowering, ntok: int) -> ChunkTemplate:
+    """The chunk template of ``ntok`` tokens of one read of ``lowered`` (built and cached on first use)."""
+    return lowered._template(low, ntok)
+
+
+def request_ranges(lowered: LoweredPlan, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
+    """Validate one request against ``lowered`` (as :meth:`LoweredPlan.descriptors` does) and return the
+    token range ``(t0, t1)`` per group; raises :class:`RequestError`."""
+    return lowered._validate(num_tokens, prefill_blocks, decode_blocks)

@@ -26,6 +26,7 @@ from ..tensors import host_view
 from .memhost import check_memory, host_span, register_memory, transport_device
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
+from . import prepped_hook as _prepped_hook
 from .metrics import Metrics
 from .protocol import (STAGE_SEGMENT_BYTES, Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged,
                        StageError, blocks_to_wire, encode_notif, pack, unpack)
@@ -217,6 +218,7 @@ class DecodeRank:
         self.slots = SlotAllocator(self.staging.size)
         self.ctx = zmq.Context.instance()
         self.remotes: dict[str, RemoteEngine] = {}
+        self._prepped: dict[str, dict] = {}  # [i14] engine id -> {prefill rank: prepared lists}
         self.inflight: dict[str, _InFlight] = {}
         self.finished: list[str] = []
         self.failed: dict[str, ReadFailure] = {}
@@ -245,6 +247,7 @@ class DecodeRank:
             self.metrics.failed_handshakes += 1
             raise
         self.remotes[engine_id] = remote
+        self._prepped[engine_id] = _prepped_hook.prepare(self.transport, remote, self._prepped.pop(engine_id, None))  # [i14]
         self.metrics.handshakes += 1
         return remote
 
@@ -352,6 +355,7 @@ class DecodeRank:
                 cls = PeerDisconnected if dead else Aborted
                 self._fail(rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead)
         remote = self.remotes.pop(engine_id, None)
+        _prepped_hook.release(self.transport, self._prepped.pop(engine_id, None))  # [i14]
         if remote is not None:
             for agent in remote.agents.values():
                 self.transport.remove_peer(agent)
@@ -372,8 +376,7 @@ class DecodeRank:
         modes = self._request_modes(remote, req) if self.transfer_mode == "auto" else remote.modes
         direct = [p for p, m in modes.items() if m == "direct"]
         staged = [p for p, m in modes.items() if m == "staged"]
-        descs = {d.prefill: d for d in remote.lowered.descriptors(req.num_tokens, req.prefill_blocks,
-                                                                    req.decode_blocks, only=direct)}
+        descs = _prepped_hook.direct_reads(self._prepped.get(req.engine_id), remote, req, direct)  # [i14]
         missing = [p for p in remote.agents if not req.attempt_for(p) and (p in staged or (
             descs.get(p) is not None and descs[p].count))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
@@ -455,7 +458,7 @@ class DecodeRank:
         """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
         until the post thread reaches it); its Done rides on the read."""
         c = _Cancellable(d)
-        x = self.transport.read_descs(f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill))
+        x = _prepped_hook.post(self.transport, f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill))  # [i14]
         self._track(f, rr, _Read(rr.prefill, x, d.total_bytes, cancel=c), d.count)
 
     def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int) -> None:
@@ -884,6 +887,8 @@ class DecodeRank:
         for mon in self._monitors.values():
             mon.close(0)
         self._monitors.clear()
+        for eid in list(self._prepped):  # [i14] lists of retired engines
+            _prepped_hook.release(self.transport, self._prepped.pop(eid))
         self.transport.close()
 
     # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import HandshakeError, TransferError, TransportUnavailableError
+from ..lower import Descriptors
 
 _API = None
 # NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
@@ -73,6 +74,16 @@ class NixlXfer:
 
 
 @dataclass
+class NixlPrepared:
+    """Prepped lists of one (decode rank, prefill rank) pair: see :meth:`NixlTransport.prepare`."""
+    peer: str
+    geometry: object  # kvbridge.prepped.PreparedGeometry
+    local: object
+    remote: object
+    released: bool = False
+
+
+@dataclass
 class NixlStats:
     handles_created: int = 0
     handles_released: int = 0
@@ -80,6 +91,8 @@ class NixlStats:
     regions_deregistered: int = 0
     peers_added: int = 0
     peers_removed: int = 0
+    dlists_prepared: int = 0
+    dlists_released: int = 0
 
 
 class NixlTransport:
@@ -191,9 +204,7 @@ class NixlTransport:
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
              notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
         """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`."""
-        def arrays():
-            return self._nx3(local, nbytes, self.device_id), self._nx3(remote, nbytes, remote_device)
-        return self._post(peer, arrays, int(nbytes.size), int(nbytes.sum()), notif)
+        return self.read_descs(peer, Descriptors(None, remote, local, nbytes), notif, remote_device)
 
     def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
         """Post a READ of a :class:`~kvbridge.lower.Descriptors`: its NIXL descriptor arrays are written
@@ -201,36 +212,107 @@ class NixlTransport:
         return self._post(peer, lambda: descs.nixl_arrays(self.device_id, remote_device), descs.count,
                           descs.total_bytes, notif)
 
-    @staticmethod
-    def _nx3(addrs: np.ndarray, nbytes: np.ndarray, dev: int) -> np.ndarray:
-        arr = np.empty((addrs.size, 3), dtype=np.uint64)
-        arr[:, 0] = addrs
-        arr[:, 1] = nbytes
-        arr[:, 2] = dev
-        return arr
-
     def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes) -> NixlXfer:
+        def post(x: NixlXfer):
+            local, remote = arrays()
+            x.handle = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer, notif)
+            return self._start(x.handle, peer)
+        return self._submit_post(peer, count, nbytes, post)
+
+    def _submit_post(self, peer: str, count: int, nbytes: int, post) -> NixlXfer:
+        """Track a new transfer and run ``post(x)`` (which sets ``x.handle``) on the post thread."""
         x = NixlXfer(peer, Future(), num_descs=count, nbytes=nbytes)
         with self._lock:
             self._live.add(id(x))
         self.stats.handles_created += 1
 
-        def post():
+        def run():
             try:
-                local, remote = arrays()
-                h = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer, notif)
-                x.handle = h
-                state = self.agent.transfer(h)
-                if state == "ERR":
-                    raise TransferError(f"NIXL transfer from {peer!r} returned ERR", peer=peer)
-                return state
+                return post(x)
             except TransferError:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise _wrap(e, peer) from e
 
-        self._pool.submit(_run_into, x.future, post)
+        self._pool.submit(_run_into, x.future, run)
         return x
+
+    # ---- prepared descriptor lists (issue 14) ------------------------------------------------
+    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "NixlPrepared | None":
+        """At handshake: the lowered chunk templates of (this decode rank, ``prank``) as two regular strided
+        prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`read_prepped`.
+        None when there is nothing to prepare (no reads from that rank)."""
+        from ..prepped import PreparedGeometry
+        geo = PreparedGeometry(lowered, prank, self.device_id, remote_device)
+        if not len(geo.local_rows):
+            return None
+        try:
+            local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", geo.local_rows, self.mem_type)
+            remote = self.agent.prep_xfer_dlist(peer, geo.remote_rows, self.mem_type)
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, peer) from e
+        self.stats.dlists_prepared += 2
+        return NixlPrepared(peer, geo, local, remote)
+
+    def unprepare(self, prep: "NixlPrepared | None") -> None:
+        """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
+        if prep is None or prep.released:
+            return
+        prep.released = True
+        for h in (prep.local, prep.remote):
+            try:
+                self.agent.release_dlist_handle(h)
+                self.stats.dlists_released += 1
+            except Exception:  # noqa: BLE001 - a removed peer's list may refuse; NIXL frees it at teardown
+                pass
+
+    def read_prepped(self, prep: "NixlPrepared", ranges: dict, prefill_blocks, decode_blocks,
+                     notif: bytes = b"", size: tuple[int, int] | None = None, cancel=None) -> NixlXfer:
+        """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
+        the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and
+        ``make_prepped_xfer`` (NIXL merges adjacent ids) run on the post thread. A partial last chunk,
+        which has no entry in the lists, is read first with a small ``initialize_xfer`` that carries no
+        notification; the notification goes with the last transfer. ``cancel``: an object whose
+        ``cancelled`` is checked on the post thread first (a cancelled read is never handed to NIXL)."""
+        count, nbytes = size if size is not None else prep.geometry.size(ranges)
+        peer = prep.peer
+
+        def post(x: NixlXfer):
+            if cancel is not None and cancel.cancelled:
+                raise TransferError("read cancelled before it was posted", peer=peer)
+            req = prep.geometry.request(ranges, prefill_blocks, decode_blocks)
+            main = req.local_ids.size > 0
+            if req.tail is not None:
+                local, remote = Descriptors(prep.geometry.prank, *req.tail).nixl_arrays(
+                    self.device_id, prep.geometry.remote_dev)
+                h = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer,
+                                               b"" if main else notif)
+                if not main:
+                    x.handle = h
+                    return self._start(h, peer)
+                try:
+                    self._wait(h, peer)
+                finally:
+                    self.agent.release_xfer_handle(h)
+            h = self.agent.make_prepped_xfer("READ", prep.local, req.local_ids, prep.remote, req.remote_ids, notif)
+            x.handle = h
+            return self._start(h, peer)
+
+        return self._submit_post(peer, count, nbytes, post)
+
+    def _start(self, h, peer: str) -> str:
+        state = self.agent.transfer(h)
+        if state == "ERR":
+            raise TransferError(f"NIXL transfer from {peer!r} returned ERR", peer=peer)
+        return state
+
+    def _wait(self, h, peer: str) -> None:
+        state = self._start(h, peer)
+        while state == "PROC":
+            time.sleep(0)
+            state = self.agent.check_xfer_state(h)
+        if state != "DONE":
+            raise TransferError(f"NIXL transfer from {peer!r} failed (state {state})", peer=peer)
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn`` on a copy thread (local copies such as a staged scatter, off the caller's thread)."""

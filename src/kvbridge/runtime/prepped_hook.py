@@ -1,0 +1,90 @@
+"""Direct reads through prepared descriptor lists (issue 14), as a few hook calls for ``decode.py``.
+
+At handshake :func:`prepare` asks the transport (when it has ``prepare``) to turn the lowered templates
+of each prefill rank this decode rank reads into prepared lists. Per request :func:`direct_reads`
+validates the request once and hands out, per prefill rank, either a :class:`PreppedWork` (sizes by
+arithmetic: no descriptors are built on the caller's thread) or, where nothing was prepared, the
+lowered :class:`~kvbridge.lower.Descriptors` (the old path). :func:`post` posts either.
+
+``KVBRIDGE_PREPPED=0`` turns the prepared path off (every direct read takes the old path).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from ..lower import request_ranges
+
+log = logging.getLogger(__name__)
+ENABLED = os.environ.get("KVBRIDGE_PREPPED", "1") != "0"
+
+
+@dataclass(frozen=True, slots=True)
+class PreppedWork:
+    """A validated request for one prefill rank, to post through prepared lists (duck-types the
+    ``prefill``/``count``/``total_bytes`` of :class:`~kvbridge.lower.Descriptors`)."""
+
+    prefill: tuple
+    prep: object
+    ranges: dict
+    prefill_blocks: dict
+    decode_blocks: dict
+    count: int
+    total_bytes: int
+
+
+def prepare(transport, remote, previous: dict | None = None) -> dict:
+    """{prefill rank: prepared lists} for the ranks of ``remote`` this decode rank reads; {} when the
+    transport cannot prepare (the old path is used). A rank that fails to prepare falls back alone.
+    ``previous``: the lists of an earlier handshake with the same engine id, released first."""
+    release(transport, previous)
+    if not ENABLED or not hasattr(transport, "prepare"):
+        return {}
+    out = {}
+    for prank, agent in remote.agents.items():
+        if not remote.lowered.by_prefill.get(prank):
+            continue
+        try:
+            p = transport.prepare(agent, remote.lowered, prank)
+        except Exception as e:  # noqa: BLE001 - the old path still works
+            log.warning("could not prepare descriptor lists for prefill rank %s of %s: %r; reading it through "
+                        "per-request lists", prank, remote.engine_id, e)
+            continue
+        if p is not None:
+            out[prank] = p
+    return out
+
+
+def release(transport, preps: dict | None) -> None:
+    for p in (preps or {}).values():
+        transport.unprepare(p)
+
+
+def direct_reads(preps: dict | None, remote, req, direct) -> dict:
+    """{prefill rank: PreppedWork | Descriptors} for the direct ranks of ``req``; raises RequestError."""
+    lowered = remote.lowered
+    rest = [p for p in direct if p not in (preps or {})]
+    out = {}
+    if rest or not direct:
+        out = {d.prefill: d for d in lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks,
+                                                          only=rest)}
+    todo = [p for p in direct if p not in out and p in (preps or {})]
+    if todo:
+        ranges = request_ranges(lowered, req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        for p in todo:
+            prep = preps[p]
+            count, nbytes = prep.geometry.size(ranges)
+            out[p] = PreppedWork(p, prep, ranges, req.prefill_blocks, req.decode_blocks, count, nbytes)
+    return out
+
+
+def post(transport, agent: str, d, notif: bytes):
+    """Post one direct read. ``d``: a :class:`PreppedWork` or :class:`~kvbridge.lower.Descriptors`, or
+    decode.py's cancellable wrapper of either (``.d`` the wrapped read, ``.cancelled`` checked on the post
+    thread before anything is handed to the transport's library)."""
+    w = getattr(d, "d", d)
+    if isinstance(w, PreppedWork):
+        return transport.read_prepped(w.prep, w.ranges, w.prefill_blocks, w.decode_blocks, notif,
+                                      (w.count, w.total_bytes), cancel=None if w is d else d)
+    return transport.read_descs(agent, d, notif)

@@ -1,0 +1,128 @@
+"""Prepared descriptor lists (issue 14): index arrays expand to exactly the lowered descriptors, and a
+read posted through NIXL's prepped lists (two agents in one process, DRAM) is byte-exact."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvbridge.layout import EngineLayout, MemoryLayout
+from kvbridge.lower import GroupBlocks, LoweredPlan, merge_adjacent
+from kvbridge.memory import rank_memory
+from kvbridge.models import load_model
+from kvbridge.plan import plan_transfer
+from kvbridge.prepped import PreparedGeometry
+from kvbridge.transport.nixl import nixl_available
+
+CASES = [  # model, p_tp, d_tp, layout, p_bs, d_bs, tokens
+    ("tiny-dense", 2, 1, "flash_attn_hnd", 16, 16, 256),
+    ("tiny-dense", 1, 2, "flash_attn_hnd", 16, 16, 203),
+    ("tiny-dense", 2, 1, "cross_layer", 16, 32, 203),
+    ("tiny-dense", 1, 2, "universal", 48, 32, 190),
+    ("tiny-mla", 2, 1, "flash_attn_hnd", 16, 16, 100),
+    ("jamba-1.5-mini", 2, 1, "flash_attn_hnd", 16, 16, 64),
+]
+
+
+def _setup(model, ptp, dtp, layout, pbs, dbs, nb=40):
+    m = load_model(model)
+    P = EngineLayout(m, tp=ptp, block_size=pbs, memory=MemoryLayout.parse(layout), num_blocks=nb, role="prefill")
+    D = EngineLayout(m, tp=dtp, block_size=dbs, memory=MemoryLayout.parse(layout), num_blocks=nb, role="decode")
+    return m, plan_transfer(P, D), nb
+
+
+def _blocks(m, tokens, bs, nb, shuffled, rng, slot):
+    n = -(-tokens // bs)
+    ids = rng.permutation(nb)[:n] if shuffled else np.arange(n)
+    return {g.name: GroupBlocks(ids if g.per_token else [slot]) for g in m.groups}
+
+
+def _norm(s, d, n):
+    o = np.lexsort((s, d))
+    return merge_adjacent(s[o], d[o], n[o])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_prepped_indices_expand_to_the_lowered_descriptors(case, shuffled):
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs)
+    rng = np.random.default_rng(3)
+    for drank in plan.decode.ranks():
+        bases = {r: (1 << 40) * (i + 1) for i, r in enumerate(plan.prefill_ranks_for(drank))}
+        lp = LoweredPlan(plan, drank, bases, 1 << 44)
+        pb, db = _blocks(m, tokens, pbs, nb, shuffled, rng, 3), _blocks(m, tokens, dbs, nb, shuffled, rng, 5)
+        for d in lp.descriptors(tokens, pb, db):
+            geo = PreparedGeometry(lp, d.prefill)
+            ranges = geo.validate(tokens, pb, db)
+            req = geo.request(ranges, pb, db)
+            la, ll = geo.addresses(geo.local_rows, req.local_ids)
+            ra, rl = geo.addresses(geo.remote_rows, req.remote_ids)
+            assert np.array_equal(ll, rl)
+            if req.tail is not None:
+                ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
+            got, want = _norm(ra, la, ll), _norm(d.src.copy(), d.dst.copy(), d.nbytes.copy())
+            assert all(np.array_equal(x, y) for x, y in zip(got, want))
+            assert geo.size(ranges) == (req.count, d.total_bytes)
+            assert req.local_ids.dtype == np.int32
+
+
+def _run_nixl_read(case, shuffled):
+    from kvbridge.staging import copy_runs_reference
+    from kvbridge.transport.nixl import NixlTransport
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs)
+    drank = (0, 0)
+    d_t = NixlTransport("i14-dec")
+    p_ts, pbufs, bases, agents = {}, {}, {}, {}
+    try:
+        dbuf = np.zeros(rank_memory(plan.decode, *drank).size, np.uint8)
+        dbase = d_t.register(dbuf)
+        rng = np.random.default_rng(7)
+        for prank in plan.prefill_ranks_for(drank):
+            t = p_ts[prank] = NixlTransport(f"i14-pre{prank[0]}{prank[1]}", multi_threaded=False)
+            buf = pbufs[prank] = rng.integers(0, 256, rank_memory(plan.prefill, *prank).size, dtype=np.uint8)
+            bases[prank] = t.register(buf)
+            agents[prank] = d_t.add_peer(t.metadata())
+        lp = LoweredPlan(plan, drank, bases, dbase)
+        pb, db = _blocks(m, tokens, pbs, nb, shuffled, rng, 3), _blocks(m, tokens, dbs, nb, shuffled, rng, 5)
+        expect = np.zeros_like(dbuf)
+        for d in lp.descriptors(tokens, pb, db):
+            copy_runs_reference(expect, d.dst - dbase, pbufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
+        preps = {p: d_t.prepare(agents[p], lp, p) for p in agents}
+        xs = []
+        for p, prep in preps.items():
+            if prep is None:
+                continue
+            ranges = prep.geometry.validate(tokens, pb, db)
+            xs.append((p, d_t.read_prepped(prep, ranges, pb, db, notif=b"done")))
+        for p, x in xs:
+            deadline = time.monotonic() + 30
+            while d_t.check(x) != "DONE":
+                assert time.monotonic() < deadline
+                time.sleep(1e-3)
+            d_t.release(x)
+        assert np.array_equal(dbuf, expect)
+        assert d_t.live_handles() == 0
+        deadline = time.monotonic() + 10  # every prefill rank read got its notification
+        got = set()
+        while len(got) < len(xs) and time.monotonic() < deadline:
+            for p, t in p_ts.items():
+                if any(b"done" in v for v in t.get_notifs().values()):
+                    got.add(p)
+            time.sleep(1e-3)
+        assert got == {p for p, _ in xs}
+        for prep in preps.values():
+            d_t.unprepare(prep)
+    finally:
+        d_t.close()
+        for t in p_ts.values():
+            t.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+@pytest.mark.parametrize("case", CASES[:4] + CASES[5:], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_prepped_nixl_read_is_byte_exact(case, shuffled):
+    _run_nixl_read(case, shuffled)
