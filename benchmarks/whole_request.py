@@ -1,0 +1,210 @@
+"""Whole request, kvbridge vs vLLM 0.33, in one run (issue 14 point 4).
+
+Times, per request of one decode rank (0, 0), everything from "start a direct read" to "NIXL holds a
+posted-ready transfer handle" (``make_prepped_xfer`` / ``initialize_xfer`` returned), on real NIXL lists
+over real registered memory (address space reserved with MAP_NORESERVE; in-process prefill agents).
+``transfer()`` is not called: the bytes (GBs at 32k tokens) would not fit this machine, and the copy is
+the same for both systems. The two systems alternate request by request; medians and minima.
+
+* kvbridge prepped: ``PreparedGeometry.validate`` + ``size`` (the caller's thread), then ``request`` (index
+  arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided).
+* kvbridge merged: ``LoweredPlan.descriptors`` (merges in Python) + Nx3 + ``get_xfer_descs`` x2 +
+  ``initialize_xfer`` (the old path), to decide which is faster.
+* vLLM 0.33: its own ``NixlConnectorWorker._compute_desc_ids`` (called on a stub holding the attributes
+  it reads for an all-attention model) for the remote and the local side of each read, then
+  ``make_prepped_xfer`` on lists prepared like vLLM's (one strided row per region: K and V of every
+  layer, per block; P>D: the local list split per source rank).
+
+Run (needs the vLLM venv, which has nixl):
+    PYTHONPATH=src /work/main/.venv-vllm/bin/python benchmarks/whole_request.py [--reps 15]
+"""
+from __future__ import annotations
+
+import argparse
+import mmap
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvbridge.layout import EngineLayout, MemoryLayout, ceil_div
+from kvbridge.lower import GroupBlocks, LoweredPlan
+from kvbridge.memory import rank_memory
+from kvbridge.models import load_model
+from kvbridge.plan import plan_transfer
+from kvbridge.prepped import PreparedGeometry
+from kvbridge.transport.nixl import NixlTransport
+
+DR = (0, 0)
+_maps = []
+
+
+def vbuf(nbytes: int) -> np.ndarray:
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000))
+    _maps.append(m)
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def vllm_compute_desc_ids():
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlConnectorWorkerBase as W
+    except Exception:  # noqa: BLE001
+        import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as bw
+        W = next(v for k, v in vars(bw).items() if isinstance(v, type) and hasattr(v, "_compute_desc_ids"))
+    return W._compute_desc_ids
+
+
+def stats(xs):
+    xs = [x * 1e3 for x in xs]
+    return f"{statistics.median(xs):.3f} / {min(xs):.3f}"
+
+
+def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps, cdi, log=print):
+    m = load_model(model)
+    bs = 16
+    P = EngineLayout(m, tp=p_tp, block_size=bs, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="prefill")
+    D = EngineLayout(m, tp=d_tp, block_size=bs, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="decode")
+    plan = plan_transfer(P, D)
+    pranks = plan.prefill_ranks_for(DR)
+    dec = NixlTransport(f"wr-d-{name}-{layout}-{shuffled}")
+    pre = {p: NixlTransport(f"wr-p{p[1]}-{name}-{layout}-{shuffled}", multi_threaded=False) for p in pranks}
+    dsize = rank_memory(D, *DR).size
+    dbuf = vbuf(dsize)
+    dbase = dec.register(dbuf)
+    bases, agents, psize = {}, {}, {}
+    for p, t in pre.items():
+        psize[p] = rank_memory(P, *p).size
+        bases[p] = t.register(vbuf(psize[p]))
+        agents[p] = dec.add_peer(t.metadata())
+    lp = LoweredPlan(plan, DR, bases, dbase)
+    t0 = time.perf_counter()
+    preps = {p: dec.prepare(agents[p], lp, p) for p in pranks}
+    prep_ms = (time.perf_counter() - t0) * 1e3
+    rng = np.random.default_rng(0)
+    n = ceil_div(tokens, bs)
+    ids = lambda: (rng.permutation(num_blocks)[:n] if shuffled else np.arange(n)).astype(np.int64)  # noqa: E731
+    pb = {g.name: GroupBlocks(ids()) for g in m.groups}
+    db = {g.name: GroupBlocks(ids()) for g in m.groups}
+    api = dec.agent
+
+    # ---- vLLM: regions = (layer, K/V) of this rank's per-layer caches; lists prepared once ------------
+    layers = plan.group_layers(plan.reads_for(DR)[0])
+    is_mla = any(g.name.startswith("mla") or "mla" in g.name for g in m.groups) or model.startswith("deepseek")
+    R = len(layers) * (1 if is_mla else 2)
+    ratio = p_tp // d_tp if (p_tp > d_tp and not is_mla) else 1  # P>D: local list split per source rank
+    v_reads = [pranks[0]] if is_mla else pranks                   # MLA: one read (others only notified)
+    d_blk = dsize // (R * num_blocks)
+    l_rows = np.array([[dbase + r * num_blocks * d_blk, d_blk // ratio, 0, d_blk, num_blocks] for r in range(R)],
+                      dtype=np.uint64)
+    v_local = api.prep_xfer_dlist("NIXL_INIT_AGENT", l_rows, "DRAM")
+    v_remote = {}
+    for p in v_reads:
+        p_blk = psize[p] // (R * num_blocks)
+        seg = d_blk // ratio if ratio > 1 else (p_blk if p_tp >= d_tp else d_blk)
+        rr = np.array([[bases[p] + r * num_blocks * p_blk, seg, 0, p_blk, num_blocks] for r in range(R)], dtype=np.uint64)
+        v_remote[p] = api.prep_xfer_dlist(agents[p], rr, "DRAM")
+    stub = SimpleNamespace(_has_mamba=False, _transfer_layer_group_ids=[], num_regions=R,
+                           block_len_per_layer=[d_blk] * R, region_group_ids=[0] * R,
+                           _uses_region_group_mapping=False)
+    v_pb, v_db = [pb[m.groups[0].name].block_ids.tolist()], [db[m.groups[0].name].block_ids.tolist()]
+
+    def run_vllm():
+        t = time.perf_counter()
+        hs, cnt = [], 0
+        for p in v_reads:
+            r_ids = cdi(stub, v_pb, num_blocks, None, 1)
+            l_ids = cdi(stub, v_db, num_blocks, 1.0, 1)
+            hs.append(api.make_prepped_xfer("READ", v_local, l_ids, v_remote[p], r_ids, b"req:4"))
+            cnt += len(l_ids)
+        dt = time.perf_counter() - t
+        for h in hs:
+            api.release_xfer_handle(h)
+        return dt, cnt
+
+    def run_prepped():
+        t = time.perf_counter()
+        works = []
+        for p in pranks:  # caller's thread: validate once, sizes by arithmetic
+            g = preps[p].geometry
+            ranges = g.validate(tokens, pb, db)
+            works.append((p, ranges, g.size(ranges)))
+        t_caller = time.perf_counter() - t
+        hs, cnt = [], 0
+        for p, ranges, _ in works:  # the post thread's part (run inline here)
+            req = preps[p].geometry.request(ranges, pb, db)
+            hs.append(api.make_prepped_xfer("READ", preps[p].local, req.local_ids, preps[p].remote, req.remote_ids, b"x"))
+            cnt += req.local_ids.size
+        dt = time.perf_counter() - t
+        for h in hs:
+            api.release_xfer_handle(h)
+        return dt, cnt, t_caller
+
+    def run_merged():
+        t = time.perf_counter()
+        descs = lp.descriptors(tokens, pb, db)
+        hs, cnt = [], 0
+        for d in descs:
+            loc, rem = d.nixl_arrays(0, 0)
+            hs.append(api.initialize_xfer("READ", dec._xfer_descs(loc), dec._xfer_descs(rem), agents[d.prefill], b"x"))
+            cnt += d.count
+        dt = time.perf_counter() - t
+        for h in hs:
+            api.release_xfer_handle(h)
+        return dt, cnt
+
+    tv, tp, tc, tm = [], [], [], []
+    cv = cp = cm = 0
+    for i in range(reps + 1):
+        a, cv = run_vllm()
+        b, cp, c = run_prepped()
+        mm, cm = run_merged() if (reps <= 5 or i % 3 == 0) else (None, cm)
+        if i:
+            tv.append(a), tp.append(b), tc.append(c)
+            if mm is not None:
+                tm.append(mm)
+    best_kv = min(statistics.median(tp), statistics.median(tm))
+    row = {"scenario": name, "layout": layout, "alloc": "shuffled" if shuffled else "contiguous",
+           "vllm_descs": cv, "kvb_prepped_ids": cp, "kvb_merged_descs": cm,
+           "vllm_ms": stats(tv), "kvb_prepped_ms": stats(tp), "kvb_caller_ms": stats(tc), "kvb_merged_ms": stats(tm),
+           "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms}
+    log(row)
+    for p in pranks:
+        dec.unprepare(preps[p])
+    dec.close()
+    for t in pre.values():
+        t.close()
+    return row
+
+
+SCEN = [("llama70b-p8d4", "llama-3.1-70b", 8, 4), ("llama70b-p2d8", "llama-3.1-70b", 2, 8),
+        ("deepseekv3-mla-p8d4", "deepseek-v3", 8, 4)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--blocks", type=int, default=100_000)
+    ap.add_argument("--layouts", default="flashinfer,cross_layer,universal")
+    ap.add_argument("--only", default="")
+    a = ap.parse_args()
+    cdi = vllm_compute_desc_ids()
+    rows = []
+    for name, model, ptp, dtp in SCEN:
+        if a.only and a.only not in name:
+            continue
+        for layout in a.layouts.split(","):
+            for sh in (False, True):
+                rows.append(scenario(name, model, ptp, dtp, layout, a.tokens, a.blocks, sh, a.reps, cdi))
+    print("\n| scenario | layout | alloc | vLLM descs | vLLM ms med / min | kvbridge prepped ids | prepped ms med / min "
+          "| caller's thread ms | kvbridge merged descs | merged (old path) ms | vLLM / best kvbridge |")
+    print("|" + "---|" * 11)
+    for r in rows:
+        print(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['vllm_descs']:,} | {r['vllm_ms']} | "
+              f"{r['kvb_prepped_ids']:,} | {r['kvb_prepped_ms']} | {r['kvb_caller_ms']} | {r['kvb_merged_descs']:,} | "
+              f"{r['kvb_merged_ms']} | {r['ratio']:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
