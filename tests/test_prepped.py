@@ -126,3 +126,57 @@ def _run_nixl_read(case, shuffled):
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_prepped_nixl_read_is_byte_exact(case, shuffled):
     _run_nixl_read(case, shuffled)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_loopback_transport_prepped_and_plain_reads_are_byte_exact(case, shuffled):
+    from kvbridge.staging import copy_runs_reference
+    from kvbridge.transport.base import Transport
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs)
+    reg = LoopbackRegistry()
+    dec = LoopbackTransport("dec", reg)
+    assert isinstance(dec, Transport)
+    rng = np.random.default_rng(11)
+    drank = (0, 0)
+    bufs, bases, agents, pts = {}, {}, {}, {}
+    for prank in plan.prefill_ranks_for(drank):
+        t = pts[prank] = LoopbackTransport(f"pre{prank}", reg)
+        bufs[prank] = rng.integers(0, 256, rank_memory(plan.prefill, *prank).size, dtype=np.uint8)
+        bases[prank] = t.register(bufs[prank])
+        agents[prank] = dec.add_peer(t.metadata())
+    for use_prepped in (True, False):
+        dbuf = np.zeros(rank_memory(plan.decode, *drank).size, np.uint8)
+        dbase = dec.register(dbuf)
+        lp = LoweredPlan(plan, drank, bases, dbase)
+        pb, db = _blocks(m, tokens, pbs, nb, shuffled, rng, 3), _blocks(m, tokens, dbs, nb, shuffled, rng, 5)
+        expect = np.zeros_like(dbuf)
+        for d in lp.descriptors(tokens, pb, db):
+            copy_runs_reference(expect, d.dst - dbase, bufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
+            if use_prepped:
+                prep = dec.prepare(agents[d.prefill], lp, d.prefill)
+                x = dec.read_prepped(prep, prep[1].validate(tokens, pb, db), pb, db, b"ok")
+            else:
+                x = dec.read_descs(agents[d.prefill], d, b"ok")
+            assert dec.check(x) == "DONE"
+            dec.release(x)
+        assert np.array_equal(dbuf, expect)
+        assert all(t.get_notifs() == {"dec": [b"ok"]} for t in pts.values())
+        dec.deregister(dbuf)
+    assert dec.live_handles() == 0
+
+
+def test_loopback_refuses_reads_outside_registered_memory():
+    from kvbridge.errors import TransferError
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    reg = LoopbackRegistry()
+    a, b = LoopbackTransport("a", reg), LoopbackTransport("b", reg)
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    sa, da = a.register(src), b.register(dst)
+    peer = b.add_peer(a.metadata())
+    with pytest.raises(TransferError, match="outside"):
+        b.read(peer, np.array([sa + 60]), np.array([da]), np.array([8]))
+    b.read(peer, np.array([sa + 8]), np.array([da]), np.array([8]))
+    assert dst[:8].tolist() == list(range(8, 16))

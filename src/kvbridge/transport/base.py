@@ -1,7 +1,13 @@
-"""The transport interface: register memory, read descriptor pairs from a peer, poll, release."""
+"""The transport seam: everything the runtime asks of a transport, without naming NIXL.
+
+Implemented by :class:`~kvbridge.transport.nixl.NixlTransport` (cross-process, NIXL/UCX) and
+:class:`~kvbridge.transport.loopback.LoopbackTransport` (agents in one process, memmove copies).
+Memory is registered as raw regions ``(addr, nbytes, device)`` (engine-owned memory); ``register`` of a
+numpy array is a convenience over :meth:`Transport.register_region`.
+"""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -10,22 +16,54 @@ class XferHandle(Protocol):
     """Opaque per-transfer handle; released exactly once with :meth:`Transport.release`."""
 
 
+@runtime_checkable
 class Transport(Protocol):
     name: str
 
+    # ---- memory --------------------------------------------------------------------------------
+    def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
+        """Register ``nbytes`` at ``addr`` ("cpu" or "cuda:N") as one region; returns ``addr``."""
+
+    def deregister_region(self, addr: int) -> None: ...
+
     def register(self, buf: np.ndarray) -> int:
-        """Register ``buf`` (uint8, contiguous) for transfers; returns its base address."""
+        """Convenience: register a contiguous array's bytes; returns its base address."""
 
     def deregister(self, buf: np.ndarray) -> None: ...
 
+    # ---- peers and metadata --------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's metadata, for a peer's :meth:`add_peer`."""
+
+    def add_peer(self, metadata: bytes, digest: str | None = None) -> str:
+        """Add a remote agent from its metadata (``digest``: sha256, checked first); returns its name."""
+
+    def remove_peer(self, name: str) -> None: ...
+
+    @property
+    def peers(self) -> frozenset[str]: ...
+
+    # ---- reads ---------------------------------------------------------------------------------
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
              notif: bytes = b"") -> XferHandle:
         """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory) to ``local[i]``."""
 
     def read_descs(self, peer: str, descs, notif: bytes = b"") -> XferHandle:
-        """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local);
-        a transport may expand its factored form straight into its own descriptor format."""
+        """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local)."""
 
+    def prepare(self, peer: str, lowered, prank):
+        """At handshake: prepared lists for reading ``prank`` of ``lowered`` (None: nothing to read)."""
+
+    def unprepare(self, prep) -> None: ...
+
+    def read_prepped(self, prep, ranges: dict, prefill_blocks, decode_blocks, notif: bytes = b"",
+                     size: tuple[int, int] | None = None) -> XferHandle:
+        """Post a READ of one validated request through prepared lists (see :mod:`kvbridge.prepped`)."""
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` off the caller's thread (a staged scatter); returns a Future."""
+
+    # ---- completion ----------------------------------------------------------------------------
     def check(self, handle: XferHandle) -> str:
         """"DONE" or "PROC"; raises :class:`~kvbridge.errors.TransferError` on failure."""
 
@@ -36,3 +74,11 @@ class Transport(Protocol):
 
     def live_handles(self) -> int:
         """Transfer handles created and not yet released (for leak checks)."""
+
+    # ---- notifications -------------------------------------------------------------------------
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sending agent."""
+
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+
+    def close(self) -> None: ...
