@@ -124,11 +124,9 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
 
     def run_prepped():
         t = time.perf_counter()
-        works = []
-        for p in pranks:  # caller's thread: validate once, sizes by arithmetic
-            g = preps[p].geometry
-            ranges = g.validate(tokens, pb, db)
-            works.append((p, ranges, g.size(ranges)))
+        # caller's thread (what runtime/prepped_hook.direct_reads does): validate once, sizes by arithmetic
+        ranges = preps[pranks[0]].geometry.validate(tokens, pb, db)
+        works = [(p, ranges, preps[p].geometry.size(ranges)) for p in pranks]
         t_caller = time.perf_counter() - t
         hs, cnt = [], 0
         for p, ranges, _ in works:  # the post thread's part (run inline here)

@@ -10,6 +10,7 @@ from kvbridge.layout import EngineLayout, MemoryLayout
 from kvbridge.lower import LoweredPlan
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
+from kvbridge.testing.oracle import copy_runs_reference
 from kvbridge.testing.verify import BlockPool, make_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmarks/bench.py
@@ -35,13 +36,13 @@ def test_pack_scatter_round_trip(lengths):
     out = np.zeros(int(nbytes.sum()) + 16, dtype=np.uint8)
     assert staging.pack(buf, src, nbytes, out, out_offset=16) == nbytes.sum()
     ref = np.zeros_like(out)
-    staging.copy_runs_reference(ref, staging.offsets(nbytes) + 16, buf, src, nbytes)
+    copy_runs_reference(ref, staging.offsets(nbytes) + 16, buf, src, nbytes)
     assert np.array_equal(out, ref)
     dst, _ = _runs(rng, size, n, [int(nbytes.max())])  # destinations big enough for any run
     back = np.full(size, 0xA5, dtype=np.uint8)
     staging.scatter(out, back, dst, nbytes, staging_offset=16)
     expect = np.full(size, 0xA5, dtype=np.uint8)
-    staging.copy_runs_reference(expect, dst, buf, src, nbytes)  # direct copies, run by run
+    copy_runs_reference(expect, dst, buf, src, nbytes)  # direct copies, run by run
     assert np.array_equal(back, expect)
 
 
@@ -60,7 +61,7 @@ def test_staged_equals_direct_on_lowered_descriptors():
         dsize = rank_memory(d, 0, 0).size
         direct, staged = np.zeros(dsize, np.uint8), np.zeros(dsize, np.uint8)
         for ds in lp.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks):
-            staging.copy_runs_reference(direct, ds.dst, pbufs[ds.prefill], ds.src, ds.nbytes)
+            copy_runs_reference(direct, ds.dst, pbufs[ds.prefill], ds.src, ds.nbytes)
             st = np.empty(ds.total_bytes, np.uint8)
             staging.pack(pbufs[ds.prefill], ds.src, ds.nbytes, st)
             staging.scatter(st, staged, ds.dst, ds.nbytes)

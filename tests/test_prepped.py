@@ -69,7 +69,7 @@ def test_prepped_indices_expand_to_the_lowered_descriptors(case, shuffled):
 
 
 def _run_nixl_read(case, shuffled):
-    from kvbridge.staging import copy_runs_reference
+    from kvbridge.testing.oracle import copy_runs_reference
     from kvbridge.transport.nixl import NixlTransport
     model, ptp, dtp, layout, pbs, dbs, tokens = case
     m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs)
@@ -131,7 +131,7 @@ def test_prepped_nixl_read_is_byte_exact(case, shuffled):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_loopback_transport_prepped_and_plain_reads_are_byte_exact(case, shuffled):
-    from kvbridge.staging import copy_runs_reference
+    from kvbridge.testing.oracle import copy_runs_reference
     from kvbridge.transport.base import Transport
     from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
     model, ptp, dtp, layout, pbs, dbs, tokens = case

@@ -17,6 +17,8 @@ cut into pieces of their common divisor first so the number of groups stays smal
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 MAX_LENGTH_GROUPS = 8
@@ -97,10 +99,19 @@ def _copy_group(dst_buf, d, src_buf, s, L) -> None:
             dv[di[k:k + c]] = sv[si[k:k + c]]
 
 
-def _copy_runs(dst_buf: np.ndarray, dst: np.ndarray, src_buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
-    """``dst_buf[dst[i]:dst[i]+nbytes[i]] = src_buf[src[i]:src[i]+nbytes[i]]`` for every i (runs must not overlap)."""
+def copy_runs(dst_buf, dst, src_buf, src, nbytes) -> None:
+    """``dst_buf[dst[i]:dst[i]+nbytes[i]] = src_buf[src[i]:src[i]+nbytes[i]]`` for every i (runs must not
+    overlap; positions are byte offsets into the buffers). The one run-copy routine: numpy buffers are
+    copied with numpy; torch tensors (CPU or CUDA) with torch index/copy operations on their own device."""
+    nbytes = np.asarray(nbytes, np.int64)
     if nbytes.size == 0:
         return
+    torch = _torch_of(dst_buf, src_buf)
+    if torch is not None:
+        _copy_runs_torch(torch, _tensor_bytes(torch, dst_buf), np.asarray(dst, np.int64),
+                         _tensor_bytes(torch, src_buf), np.asarray(src, np.int64), nbytes)
+        return
+    dst_buf, src_buf = _byte_view(dst_buf), _byte_view(src_buf)
     src, dst, nbytes, lengths = _regroup(np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(nbytes, np.int64))
     for L in lengths.tolist():
         if L <= 0:
@@ -135,30 +146,76 @@ def segment_bounds(nbytes: np.ndarray, segment_bytes: int) -> list[tuple[int, in
     return list(zip(edges[:-1], edges[1:]))
 
 
-def pack(buf: np.ndarray, src: np.ndarray, nbytes: np.ndarray, out: np.ndarray, out_offset: int = 0) -> int:
-    """Pack the runs ``(src, nbytes)`` of ``buf`` contiguously into ``out`` from ``out_offset``; returns the bytes packed."""
-    buf, out = _byte_view(buf), _byte_view(out)
+def _nbytes_of(buf) -> int:
+    return int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
+
+
+def pack(buf, src: np.ndarray, nbytes: np.ndarray, out, out_offset: int = 0) -> int:
+    """Pack the runs ``(src, nbytes)`` of ``buf`` contiguously into ``out`` from ``out_offset``; returns the
+    bytes packed. ``buf`` and ``out``: numpy arrays, or torch tensors on one device (the copy runs there)."""
     nbytes = np.asarray(nbytes, np.int64)
     total = int(nbytes.sum())
-    if out_offset + total > out.size:
-        raise ValueError(f"staging buffer too small: {out_offset + total} bytes needed, {out.size} available")
-    _copy_runs(out, offsets(nbytes) + out_offset, buf, src, nbytes)
+    if out_offset + total > _nbytes_of(out):
+        raise ValueError(f"staging buffer too small: {out_offset + total} bytes needed, {_nbytes_of(out)} available")
+    copy_runs(out, offsets(nbytes) + out_offset, buf, src, nbytes)
     return total
 
 
-def scatter(staging: np.ndarray, buf: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, staging_offset: int = 0) -> int:
-    """Inverse of :func:`pack`: run ``i`` of ``staging`` (from ``staging_offset``) goes to ``buf[dst[i]:]``."""
-    staging, buf = _byte_view(staging), _byte_view(buf)
+def scatter(staging, buf, dst: np.ndarray, nbytes: np.ndarray, staging_offset: int = 0) -> int:
+    """Inverse of :func:`pack`: run ``i`` of ``staging`` (from ``staging_offset``) goes to ``buf[dst[i]:]``
+    (numpy arrays, or torch tensors on one device)."""
     nbytes = np.asarray(nbytes, np.int64)
-    _copy_runs(buf, dst, staging, offsets(nbytes) + staging_offset, nbytes)
+    copy_runs(buf, dst, staging, offsets(nbytes) + staging_offset, nbytes)
     return int(nbytes.sum())
 
 
-def copy_runs_reference(dst_buf: np.ndarray, dst, src_buf: np.ndarray, src, nbytes) -> None:
-    """Slow, obviously correct reference (a Python loop), for tests."""
-    d, s = _byte_view(dst_buf), _byte_view(src_buf)
-    for a, b, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(nbytes).tolist()):
-        d[a:a + n] = s[b:b + n]
+# ---- one code path for device tensors (issue 14.3) ------------------------------------------------
+def _torch_of(*bufs):
+    """The torch module when any of ``bufs`` is a torch tensor (torch is never imported here)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(b, torch.Tensor) for b in bufs):
+        return torch
+    return None
 
 
-__all__ = ["pack", "scatter", "offsets", "segment_bounds", "copy_runs_reference"]
+def _tensor_bytes(torch, t):
+    if not isinstance(t, torch.Tensor):
+        t = torch.from_numpy(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    if not t.is_contiguous():
+        raise ValueError("staging needs contiguous byte buffers")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _copy_runs_torch(torch, dst_buf, dst, src_buf, src, nbytes) -> None:
+    """:func:`copy_runs` with torch index/copy operations on the tensors' own device (CPU or CUDA).
+
+    Buffers are viewed as rows of ``u`` bytes, ``u`` the largest power of two dividing every position
+    and length (up to 4 KiB); each run is ``nbytes/u`` consecutive rows, so one ``index_select`` plus one
+    ``index_copy_`` (or a plain slice on a packed side) moves every run, whatever the lengths."""
+    if nbytes.size == 0:
+        return
+    if dst_buf.device != src_buf.device:
+        raise ValueError(f"staging copies stay on one device: {src_buf.device} -> {dst_buf.device}")
+    dev = dst_buf.device
+    bits = np.bitwise_or.reduce(np.concatenate([src, dst, nbytes, [dst_buf.numel(), src_buf.numel()]]).astype(np.int64))
+    u = int(bits & -bits) if bits else 4096
+    u = min(u, 4096)
+    pieces = nbytes // u
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(first, pieces)
+    si = np.repeat(src // u, pieces) + k
+    di = np.repeat(dst // u, pieces) + k
+    s2, d2 = src_buf.view(-1, u), dst_buf.view(-1, u)
+    s_packed = si.size and si[-1] - si[0] == si.size - 1 and np.all(np.diff(si) == 1)
+    d_packed = di.size and di[-1] - di[0] == di.size - 1 and np.all(np.diff(di) == 1)
+    if s_packed and d_packed:
+        d2[int(di[0]):int(di[0]) + di.size].copy_(s2[int(si[0]):int(si[0]) + si.size])
+    elif s_packed:  # scatter: packed source
+        d2.index_copy_(0, torch.as_tensor(di, device=dev), s2[int(si[0]):int(si[0]) + si.size])
+    elif d_packed:  # pack: gather straight into the packed destination
+        torch.index_select(s2, 0, torch.as_tensor(si, device=dev), out=d2[int(di[0]):int(di[0]) + di.size])
+    else:
+        d2.index_copy_(0, torch.as_tensor(di, device=dev), s2.index_select(0, torch.as_tensor(si, device=dev)))
+
+
+__all__ = ["pack", "scatter", "copy_runs", "offsets", "segment_bounds"]

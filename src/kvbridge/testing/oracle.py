@@ -89,4 +89,12 @@ def count_mismatches(actual: np.ndarray, expected: np.ndarray) -> int:
     return int(np.count_nonzero(actual != expected))
 
 
-__all__ = ["fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values"]
+def copy_runs_reference(dst_buf: np.ndarray, dst, src_buf: np.ndarray, src, nbytes) -> None:
+    """Slow, obviously correct run copy (a Python loop over runs): the oracle for
+    :func:`kvbridge.staging.copy_runs` and the transports' copies, for tests only."""
+    d, s = dst_buf.reshape(-1).view(np.uint8), src_buf.reshape(-1).view(np.uint8)
+    for a, b, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(nbytes).tolist()):
+        d[a:a + n] = s[b:b + n]
+
+
+__all__ = ["fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values", "copy_runs_reference"]

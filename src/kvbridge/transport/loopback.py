@@ -1,12 +1,11 @@
 """In-process loopback transport: several agents in one process share a registry; reads are memory
-copies (``ctypes.memmove``), bounds-checked against the registered regions of both agents first (like
+copies (:func:`kvbridge.staging.copy_runs`), bounds-checked against the registered regions of both agents first (like
 NIXL's ``NIXL_ERR_NOT_FOUND``), and a read's notification is delivered to the peer in-process when the
 read completes. Implements :class:`~kvbridge.transport.base.Transport`, so runtime tests can run
 without starting NIXL processes. Reads complete when posted (``check`` answers "DONE").
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 from collections import defaultdict
@@ -15,7 +14,6 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..errors import HandshakeError, TransferError
-from ..lower import Descriptors
 
 
 class LoopbackRegistry:
@@ -95,9 +93,10 @@ class LoopbackTransport:
         return t
 
     # ---- reads ---------------------------------------------------------------------------------
-    def _check_inside(self, regions: dict, addrs: np.ndarray, nbytes: np.ndarray, side: str) -> None:
+    def _check_inside(self, regions: dict, addrs: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
+        """Index (into ``sorted(regions)``) of the region holding each descriptor; raises if any is outside."""
         if not addrs.size:
-            return
+            return np.zeros(0, np.int64)
         bases = np.array(sorted(regions), dtype=np.int64)
         if not bases.size:
             raise TransferError(f"{side}: no registered memory")
@@ -109,15 +108,16 @@ class LoopbackTransport:
             k = int(np.flatnonzero(bad)[0])
             raise TransferError(f"{side} descriptor {k} [{int(addrs[k]):#x}, +{int(nbytes[k])}) is outside every "
                                 "registered region (NIXL would answer NIXL_ERR_NOT_FOUND)")
+        return i
 
     def _copy(self, peer: str, remote, local, nbytes, notif: bytes) -> int:
         src = self._peer(peer)
         remote, local, nbytes = (np.asarray(a, dtype=np.int64) for a in (remote, local, nbytes))
         if not (remote.shape == local.shape == nbytes.shape):
             raise TransferError("descriptor lists differ in length")
-        self._check_inside(src._regions, remote, nbytes, "remote")
-        self._check_inside(self._regions, local, nbytes, "local")
-        copy_runs_abs(local, remote, nbytes)
+        ri = self._check_inside(src._regions, remote, nbytes, "remote")
+        li = self._check_inside(self._regions, local, nbytes, "local")
+        copy_between_regions(self._regions, li, local, src._regions, ri, remote, nbytes)
         self.bytes_moved += int(nbytes.sum())
         self.descriptors_moved += int(nbytes.size)
         if notif:
@@ -193,10 +193,20 @@ class LoopbackTransport:
         self._peers.clear()
 
 
-def copy_runs_abs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
-    """Copy runs between absolute addresses (validated by the caller): one memmove per run."""
-    for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
-        ctypes.memmove(d, s, n)
+def copy_between_regions(dst_regions: dict, di: np.ndarray, dst: np.ndarray, src_regions: dict, si: np.ndarray,
+                         src: np.ndarray, nbytes: np.ndarray) -> None:
+    """Copy runs between registered host regions with :func:`kvbridge.staging.copy_runs` (the one run-copy
+    routine), once per (source region, destination region) pair; ``di``/``si`` index ``sorted(regions)``."""
+    from ..staging import copy_runs
+    from ..tensors import host_view
+    if not nbytes.size:
+        return
+    d_bases, s_bases = sorted(dst_regions), sorted(src_regions)
+    pair = si * len(d_bases) + di
+    for p in np.unique(pair).tolist():
+        m = pair == p
+        sb, db = s_bases[p // len(d_bases)], d_bases[p % len(d_bases)]
+        copy_runs(host_view(db, dst_regions[db]), dst[m] - db, host_view(sb, src_regions[sb]), src[m] - sb, nbytes[m])
 
 
-__all__ = ["LoopbackTransport", "LoopbackRegistry", "Descriptors"]
+__all__ = ["LoopbackTransport", "LoopbackRegistry", "copy_between_regions"]
