@@ -157,7 +157,7 @@ def test_loopback_transport_prepped_and_plain_reads_are_byte_exact(case, shuffle
             copy_runs_reference(expect, d.dst - dbase, bufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
             if use_prepped:
                 prep = dec.prepare(agents[d.prefill], lp, d.prefill)
-                x = dec.read_prepped(prep, prep[1].validate(tokens, pb, db), pb, db, b"ok")
+                x = dec.read_prepped(prep, prep.geometry.validate(tokens, pb, db), pb, db, b"ok")
             else:
                 x = dec.read_descs(agents[d.prefill], d, b"ok")
             assert dec.check(x) == "DONE"

@@ -43,6 +43,17 @@ class _PreppedRead:
 
 
 @dataclass
+class Prepared:
+    """What a transport's ``prepare`` returns: the geometry plus the transport's list handles."""
+
+    peer: str
+    geometry: "PreparedGeometry"
+    local: object = None
+    remote: object = None
+    released: bool = False
+
+
+@dataclass
 class PreppedRequest:
     """One request's work for one prefill rank: prepped indices plus an optional unprepped tail."""
 

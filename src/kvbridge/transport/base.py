@@ -7,9 +7,23 @@ numpy array is a convenience over :meth:`Transport.register_region`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+
+@dataclass
+class TransportStats:
+    """Counters every transport keeps (leak checks compare created/released, added/removed)."""
+    handles_created: int = 0
+    handles_released: int = 0
+    regions_registered: int = 0
+    regions_deregistered: int = 0
+    peers_added: int = 0
+    peers_removed: int = 0
+    dlists_prepared: int = 0
+    dlists_released: int = 0
 
 
 class XferHandle(Protocol):
@@ -19,6 +33,8 @@ class XferHandle(Protocol):
 @runtime_checkable
 class Transport(Protocol):
     name: str
+    agent_name: str
+    stats: TransportStats
 
     # ---- memory --------------------------------------------------------------------------------
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..errors import HandshakeError, TransferError
+from .base import TransportStats
 
 
 class LoopbackRegistry:
@@ -45,16 +46,19 @@ class LoopbackTransport:
         self._nlock = threading.Lock()
         self.bytes_moved = 0
         self.descriptors_moved = 0
+        self.stats = TransportStats()
 
     # ---- memory --------------------------------------------------------------------------------
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
         if device != "cpu":
             raise TransferError("the loopback transport moves host memory only")
         self._regions[int(addr)] = int(nbytes)
+        self.stats.regions_registered += 1
         return int(addr)
 
     def deregister_region(self, addr: int) -> None:
-        self._regions.pop(int(addr), None)
+        if self._regions.pop(int(addr), None) is not None:
+            self.stats.regions_deregistered += 1
 
     def register(self, buf: np.ndarray) -> int:
         if not buf.flags.c_contiguous:
@@ -76,11 +80,15 @@ class LoopbackTransport:
         name = metadata.decode()
         if name not in self.registry.agents:
             raise HandshakeError(f"no loopback agent {name!r} in this process")
-        self._peers.add(name)
+        if name not in self._peers:
+            self._peers.add(name)
+            self.stats.peers_added += 1
         return name
 
     def remove_peer(self, name: str) -> None:
-        self._peers.discard(name)
+        if name in self._peers:
+            self._peers.discard(name)
+            self.stats.peers_removed += 1
 
     @property
     def peers(self) -> frozenset[str]:
@@ -124,6 +132,7 @@ class LoopbackTransport:
             src._deliver(self.agent_name, notif)
         h = next(self._ids)
         self._live.add(h)
+        self.stats.handles_created += 1
         return h
 
     def read(self, peer, remote, local, nbytes, notif=b""):
@@ -133,16 +142,21 @@ class LoopbackTransport:
         return self._copy(peer, descs.src, descs.dst, descs.nbytes, notif)
 
     def prepare(self, peer: str, lowered, prank):
-        from ..prepped import PreparedGeometry
+        from ..prepped import Prepared, PreparedGeometry
         self._peer(peer)
         geo = PreparedGeometry(lowered, prank)
-        return (peer, geo) if len(geo.local_rows) else None
+        if not len(geo.local_rows):
+            return None
+        self.stats.dlists_prepared += 2
+        return Prepared(peer, geo)
 
     def unprepare(self, prep) -> None:
-        pass
+        if prep is not None and not prep.released:
+            prep.released = True
+            self.stats.dlists_released += 2
 
     def read_prepped(self, prep, ranges, prefill_blocks, decode_blocks, notif=b"", size=None):
-        peer, geo = prep
+        peer, geo = prep.peer, prep.geometry
         req = geo.request(ranges, prefill_blocks, decode_blocks)
         la, ll = geo.addresses(geo.local_rows, req.local_ids)
         ra, _ = geo.addresses(geo.remote_rows, req.remote_ids)
@@ -168,7 +182,9 @@ class LoopbackTransport:
         return handle in self._live
 
     def release(self, handle) -> None:
-        self._live.discard(handle)
+        if handle in self._live:
+            self._live.discard(handle)
+            self.stats.handles_released += 1
 
     def live_handles(self) -> int:
         return len(self._live)
@@ -189,8 +205,10 @@ class LoopbackTransport:
     def close(self) -> None:
         with self.registry.lock:
             self.registry.agents.pop(self.agent_name, None)
-        self._regions.clear()
-        self._peers.clear()
+        for addr in list(self._regions):
+            self.deregister_region(addr)
+        for p in list(self._peers):
+            self.remove_peer(p)
 
 
 def copy_between_regions(dst_regions: dict, di: np.ndarray, dst: np.ndarray, src_regions: dict, si: np.ndarray,

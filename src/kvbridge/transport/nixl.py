@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import HandshakeError, TransferError, TransportUnavailableError
 from ..lower import Descriptors
+from .base import TransportStats
 
 _API = None
 # NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
@@ -73,26 +74,7 @@ class NixlXfer:
     released: bool = False
 
 
-@dataclass
-class NixlPrepared:
-    """Prepped lists of one (decode rank, prefill rank) pair: see :meth:`NixlTransport.prepare`."""
-    peer: str
-    geometry: object  # kvbridge.prepped.PreparedGeometry
-    local: object
-    remote: object
-    released: bool = False
-
-
-@dataclass
-class NixlStats:
-    handles_created: int = 0
-    handles_released: int = 0
-    regions_registered: int = 0
-    regions_deregistered: int = 0
-    peers_added: int = 0
-    peers_removed: int = 0
-    dlists_prepared: int = 0
-    dlists_released: int = 0
+NixlStats = TransportStats  # the counters every transport keeps
 
 
 class NixlTransport:
@@ -238,11 +220,11 @@ class NixlTransport:
         return x
 
     # ---- prepared descriptor lists (issue 14) ------------------------------------------------
-    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "NixlPrepared | None":
+    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "Prepared | None":
         """At handshake: the lowered chunk templates of (this decode rank, ``prank``) as two regular strided
         prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`read_prepped`.
         None when there is nothing to prepare (no reads from that rank)."""
-        from ..prepped import PreparedGeometry
+        from ..prepped import Prepared, PreparedGeometry
         geo = PreparedGeometry(lowered, prank, self.device_id, remote_device)
         if not len(geo.local_rows):
             return None
@@ -252,9 +234,9 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             raise _wrap(e, peer) from e
         self.stats.dlists_prepared += 2
-        return NixlPrepared(peer, geo, local, remote)
+        return Prepared(peer, geo, local, remote)
 
-    def unprepare(self, prep: "NixlPrepared | None") -> None:
+    def unprepare(self, prep: "Prepared | None") -> None:
         """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
         if prep is None or prep.released:
             return
@@ -266,7 +248,7 @@ class NixlTransport:
             except Exception:  # noqa: BLE001 - a removed peer's list may refuse; NIXL frees it at teardown
                 pass
 
-    def read_prepped(self, prep: "NixlPrepared", ranges: dict, prefill_blocks, decode_blocks,
+    def read_prepped(self, prep: "Prepared", ranges: dict, prefill_blocks, decode_blocks,
                      notif: bytes = b"", size: tuple[int, int] | None = None, cancel=None) -> NixlXfer:
         """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
         the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and

@@ -1,0 +1,64 @@
+"""Runtime over the in-process LoopbackTransport: handshake, direct (prepared lists) and staged reads,
+notifications, leases and releases, without NIXL processes or agents."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvbridge.runtime.decode import DecodeRank
+from kvbridge.runtime.prefill import PrefillRank
+from kvbridge.testing.engine import buffer_of, default_memory
+from kvbridge.testing.oracle import SENTINEL
+from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+from test_reliability import Jobs, _verify, hold, layout, served, until
+
+_n = itertools.count()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("prepped", [True, False])
+def test_loopback_ranks_read_release_and_notify(mode, prepped, monkeypatch):
+    from kvbridge.runtime import prepped_hook
+    monkeypatch.setattr(prepped_hook, "ENABLED", prepped)
+    reg = LoopbackRegistry()
+    k = next(_n)
+    pl, dl = layout("prefill", 2, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=7)
+    jobs.engine("pl", pl)
+    pres = [PrefillRank(pl, (0, r), memory=default_memory(pl, (0, r)), engine_id="pl",
+                        transport=LoopbackTransport(f"pl{k}-{r}", reg)) for r in range(2)]
+    dec = None
+    try:
+        with served(pres[0]) as lock0, served(pres[1]) as lock1:
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dl", transfer_mode=mode,
+                             transport=LoopbackTransport(f"dl{k}", reg))
+            buffer_of(dec.mem).fill(SENTINEL)
+            dec.handshake("pl", {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)})
+            assert bool(dec._prepped["pl"]) == (prepped and mode == "direct") or mode == "staged"
+            js = jobs.make("pl", 6)
+            for j in js:
+                e = min(hold(p, lock, j) for p, lock in ((pres[0], lock0), (pres[1], lock1)))
+                dec.start(j.read(e))
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            freed = {0: set(), 1: set()}
+
+            def all_freed():
+                for r, (p, lock) in enumerate(((pres[0], lock0), (pres[1], lock1))):
+                    with lock:
+                        freed[r].update(p.take_freed()["freed"])
+                return all(f >= {j.rid for j in js} for f in freed.values())
+
+            until(all_freed, 10, "in-process prefill ranks to free")
+            assert dec.stats()["live_handles"] == 0
+    finally:
+        if dec is not None:
+            dec.close()
+        for p in pres:
+            p.close()
+    s = dec.transport.stats
+    assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed
+    assert s.dlists_prepared == s.dlists_released
+    assert s.regions_registered == s.regions_deregistered
