@@ -26,6 +26,8 @@ import numpy as np
 from .lower import LoweredPlan, chunk_template, request_ranges
 
 INT32_MAX = (1 << 31) - 1
+# chunk sizes up to this many tokens get every partial-chunk template built at handshake (g - 1 of them)
+PRECOMPUTE_TAILS_UP_TO = 64
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ class PreparedGeometry:
             self.reads.append((low, pre, tpl))
             p_off += runs * p_k * p_nb
             d_off += runs * d_k * d_nb
+        if g <= PRECOMPUTE_TAILS_UP_TO:  # partial last chunks: build their templates now, not per request
+            for low, pre, _ in self.reads:
+                if pre.per_token:
+                    for ntok in range(1, g):
+                        chunk_template(lowered, low, ntok)
         self.remote_rows = np.concatenate(rrows) if rrows else np.empty((0, 5), np.uint64)
         self.local_rows = np.concatenate(lrows) if lrows else np.empty((0, 5), np.uint64)
         self.remote_entries, self.local_entries = p_off, d_off
