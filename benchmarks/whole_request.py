@@ -33,7 +33,6 @@ from kvbridge.lower import GroupBlocks, LoweredPlan
 from kvbridge.memory import rank_memory
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
-from kvbridge.prepped import PreparedGeometry
 from kvbridge.transport.nixl import NixlTransport
 
 DR = (0, 0)
@@ -177,7 +176,8 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
     best_kv = statistics.median(tp)  # the runtime posts prepped (see RESULTS.md: prepped vs merged)
     row = {"scenario": name, "layout": layout, "alloc": "shuffled" if shuffled else "contiguous",
            "vllm_descs": cv, "kvb_prepped_ids": cp, "kvb_merged_descs": cm,
-           "vllm_ms": stats(tv), "kvb_prepped_ms": stats(tp), "kvb_caller_ms": stats(tc), "kvb_merged_ms": stats(tm), "staged_post_ms": stats(ts),
+           "vllm_ms": stats(tv), "kvb_prepped_ms": stats(tp), "kvb_caller_ms": stats(tc), "kvb_merged_ms": stats(tm),
+           "staged_post_ms": stats(ts),
            "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms}
     log(row)
     for p in pranks:
@@ -208,8 +208,9 @@ def main():
         for layout in a.layouts.split(","):
             for sh in (False, True):
                 rows.append(scenario(name, model, ptp, dtp, layout, a.tokens, a.blocks, sh, a.reps, cdi))
-    print("\n| scenario | layout | alloc | vLLM descs | vLLM ms med / min | kvbridge prepped ids | prepped ms med / min "
-          "| caller's thread ms | kvbridge merged descs | merged (old path) ms | vLLM / kvbridge prepped (medians) | staged posting ms |")
+    print("\n| scenario | layout | alloc | vLLM descs | vLLM ms med / min | kvbridge prepped ids "
+          "| prepped ms med / min | caller's thread ms | kvbridge merged descs | merged (old path) ms "
+          "| vLLM / kvbridge prepped (medians) | staged posting ms |")
     print("|" + "---|" * 12)
     for r in rows:
         print(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['vllm_descs']:,} | {r['vllm_ms']} | "

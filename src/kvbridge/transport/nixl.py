@@ -18,12 +18,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import HandshakeError, TransferError, TransportUnavailableError
 from ..lower import Descriptors
 from .base import TransportStats
+
+if TYPE_CHECKING:
+    from .. import prepped
 
 _API = None
 # NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
@@ -220,7 +224,7 @@ class NixlTransport:
         return x
 
     # ---- prepared descriptor lists (issue 14) ------------------------------------------------
-    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "Prepared | None":
+    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "prepped.Prepared | None":
         """At handshake: the lowered chunk templates of (this decode rank, ``prank``) as two regular strided
         prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`read_prepped`.
         None when there is nothing to prepare (no reads from that rank)."""
@@ -236,7 +240,7 @@ class NixlTransport:
         self.stats.dlists_prepared += 2
         return Prepared(peer, geo, local, remote)
 
-    def unprepare(self, prep: "Prepared | None") -> None:
+    def unprepare(self, prep: "prepped.Prepared | None") -> None:
         """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
         if prep is None or prep.released:
             return
@@ -248,7 +252,7 @@ class NixlTransport:
             except Exception:  # noqa: BLE001 - a removed peer's list may refuse; NIXL frees it at teardown
                 pass
 
-    def read_prepped(self, prep: "Prepared", ranges: dict, prefill_blocks, decode_blocks,
+    def read_prepped(self, prep: "prepped.Prepared", ranges: dict, prefill_blocks, decode_blocks,
                      notif: bytes = b"", size: tuple[int, int] | None = None, cancel=None) -> NixlXfer:
         """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
         the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and
