@@ -73,7 +73,7 @@ class Transport(Protocol):
     def unprepare(self, prep) -> None: ...
 
     def read_prepped(self, prep, ranges: dict, prefill_blocks, decode_blocks, notif: bytes = b"",
-                     size: tuple[int, int] | None = None) -> XferHandle:
+                     size: tuple[int, int] | None = None, cancel=None) -> XferHandle:
         """Post a READ of one validated request through prepared lists (see :mod:`kvbridge.prepped`)."""
 
     def submit(self, fn, *args):

@@ -139,7 +139,10 @@ class LoopbackTransport:
         return self._copy(peer, remote, local, nbytes, notif)
 
     def read_descs(self, peer, descs, notif=b""):
-        return self._copy(peer, descs.src, descs.dst, descs.nbytes, notif)
+        if getattr(descs, "cancelled", False):
+            raise TransferError("read cancelled before it was posted", peer=peer)
+        d = getattr(descs, "d", descs)  # decode.py hands reads over in a cancellable wrapper (``.d``)
+        return self._copy(peer, d.src, d.dst, d.nbytes, notif)
 
     def prepare(self, peer: str, lowered, prank):
         from ..prepped import Prepared, PreparedGeometry
@@ -155,7 +158,9 @@ class LoopbackTransport:
             prep.released = True
             self.stats.dlists_released += 2
 
-    def read_prepped(self, prep, ranges, prefill_blocks, decode_blocks, notif=b"", size=None):
+    def read_prepped(self, prep, ranges, prefill_blocks, decode_blocks, notif=b"", size=None, cancel=None):
+        if cancel is not None and cancel.cancelled:
+            raise TransferError("read cancelled before it was posted", peer=prep.peer)
         peer, geo = prep.peer, prep.geometry
         req = geo.request(ranges, prefill_blocks, decode_blocks)
         la, ll = geo.addresses(geo.local_rows, req.local_ids)
