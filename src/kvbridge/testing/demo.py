@@ -161,7 +161,7 @@ def headline(res: DemoResult, n_decode_ranks: int = 1) -> list[tuple[str, str]]:
     memcpy only when one large request was moved (small requests are bound by per-transfer latency, and
     their aggregate GB/s against memcpy reads as a slowdown that is not there)."""
     per_req = res.bytes_moved / max(res.requests, 1) / max(n_decode_ranks, 1)
-    rows = [("per-request latency p50 / p90 (start to all bytes in, one decode rank)",
+    rows = [("per-request latency p50 / p90 (start to all bytes in; worst decode rank)",
              f"{res.latency_p50_s * 1e3:.2f} / {res.latency_p90_s * 1e3:.2f} ms"),
             ("bytes per request per decode rank", f"{per_req / 2**20:.2f} MiB")]
     if res.requests == 1 and per_req >= LARGE_REQUEST_BYTES:
