@@ -79,6 +79,32 @@ def test_mla_and_mamba_byte_exact(model, ptp, dtp, form):
     assert cells > 0 and bad == 0
 
 
+@pytest.mark.parametrize("p_bs, d_bs, p_form, d_form", [
+    ({"sliding": 16, "full": 32}, {"sliding": 32, "full": 16}, "vllm-LBNHC", "vllm-LBHNC"),
+    ({"sliding": 16, "full": 32}, {}, "flash_attn", "vllm-BLNHC"),
+    ({}, {"sliding": 8, "full": 64}, "vllm-LBHNC", "split")])
+@pytest.mark.parametrize("ptp, dtp", [(1, 2), (4, 1)])
+def test_groups_with_their_own_block_sizes_byte_exact(p_bs, d_bs, p_form, d_form, ptp, dtp):
+    """vLLM's hybrid allocator gives groups different block sizes (one page size, e.g. Gemma-4: full
+    attention 32 tokens per block, sliding window 16): each group's own block size on each side."""
+    model = kvbridge.load_model("gemma-4-mini")  # groups "sliding" (8 KV heads x 32) and "full" (2 x 64)
+    p = kvbridge.EngineLayout(model, tp=ptp, block_size=16, num_blocks=40, group_block_sizes=p_bs)
+    d = kvbridge.EngineLayout(model, tp=dtp, block_size=16, num_blocks=40, group_block_sizes=d_bs)
+    assert {p.block_size_of(g) for g in model.groups} | {d.block_size_of(g) for g in model.groups} != {16}
+    bad, cells = _move(p, d, p_form, d_form, n_requests=4)
+    assert cells > 0 and bad == 0
+
+
+def test_group_block_sizes_travel_in_the_handshake_form():
+    from kvbridge.layout import engine_from_dict, engine_to_dict
+    model = kvbridge.load_model("gemma-4-mini")
+    e = kvbridge.EngineLayout(model, tp=2, block_size=16, group_block_sizes={model.groups[0].name: 32})
+    back = engine_from_dict(engine_to_dict(e))
+    assert back == e and back.block_size_of(model.groups[0]) == 32 and back.block_size_of(model.groups[1]) == 16
+    with pytest.raises(LayoutError, match="group_block_sizes"):
+        kvbridge.EngineLayout(model, group_block_sizes={"nope": 32})
+
+
 def test_a_wrong_stride_in_the_description_is_caught_by_the_oracle():
     """The oracle reads the tensors, not kvbridge's view of them: a description with K and V swapped
     (still inside the memory, still non-overlapping, every check of kvbridge's passes) must fail it."""

@@ -22,20 +22,31 @@ CASES = [  # model, p_tp, d_tp, layout, p_bs, d_bs, tokens
     ("tiny-dense", 1, 2, "universal", 48, 32, 190),
     ("tiny-mla", 2, 1, "flash_attn_hnd", 16, 16, 100),
     ("jamba-1.5-mini", 2, 1, "flash_attn_hnd", 16, 16, 64),
+    # groups with their own block sizes (vLLM's hybrid allocator): (default, {group: block size})
+    ("gemma-4-mini", 2, 1, "flash_attn_hnd", (16, (("full", 32),)), (16, (("sliding", 32),)), 150),
 ]
+
+
+def _bs(bs):
+    return (bs, ()) if isinstance(bs, int) else bs
 
 
 def _setup(model, ptp, dtp, layout, pbs, dbs, nb=40):
     m = load_model(model)
-    P = EngineLayout(m, tp=ptp, block_size=pbs, memory=MemoryLayout.parse(layout), num_blocks=nb, role="prefill")
-    D = EngineLayout(m, tp=dtp, block_size=dbs, memory=MemoryLayout.parse(layout), num_blocks=nb, role="decode")
+    P = EngineLayout(m, tp=ptp, block_size=_bs(pbs)[0], group_block_sizes=_bs(pbs)[1],
+                     memory=MemoryLayout.parse(layout), num_blocks=nb, role="prefill")
+    D = EngineLayout(m, tp=dtp, block_size=_bs(dbs)[0], group_block_sizes=_bs(dbs)[1],
+                     memory=MemoryLayout.parse(layout), num_blocks=nb, role="decode")
     return m, plan_transfer(P, D), nb
 
 
 def _blocks(m, tokens, bs, nb, shuffled, rng, slot):
-    n = -(-tokens // bs)
-    ids = rng.permutation(nb)[:n] if shuffled else np.arange(n)
-    return {g.name: GroupBlocks(ids if g.per_token else [slot]) for g in m.groups}
+    out = {}
+    for g in m.groups:
+        n = -(-tokens // dict(_bs(bs)[1]).get(g.name, _bs(bs)[0]))
+        ids = rng.permutation(nb)[:n] if shuffled else np.arange(n)
+        out[g.name] = GroupBlocks(ids if g.per_token else [slot])
+    return out
 
 
 def _norm(s, d, n):

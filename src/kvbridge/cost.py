@@ -100,11 +100,12 @@ def pair_shapes(lp) -> dict:
     for p, lows in lp.by_prefill.items():
         rs = rc = b = sr = sb = 0.0
         for low in lows:
-            t = low.templates[lp.chunk_tokens if low.per_token else 1]
-            if low.per_token:
-                rs += t.nbytes.size
-                rc += max(t.runs_two_chunks - t.nbytes.size, 0)
-                b += float(t.nbytes.sum())
+            t = low.templates[low.chunk]
+            if low.per_token:  # per chunk of lp.chunk_tokens tokens (a group's own chunk may be larger)
+                f = lp.chunk_tokens / low.chunk
+                rs += t.nbytes.size * f
+                rc += max(t.runs_two_chunks - t.nbytes.size, 0) * f
+                b += float(t.nbytes.sum()) * f
             else:
                 sr += t.nbytes.size
                 sb += float(t.nbytes.sum())
@@ -112,7 +113,7 @@ def pair_shapes(lp) -> dict:
     return out
 
 
-def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_block_size: int,
+def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_block_size,
                    chunk_tokens: int) -> tuple[float, float]:
     """(chunks, consecutive fraction) of one request, from its largest per-token group: runs merge
     across consecutive block ids, so a request whose blocks are mostly consecutive on both sides posts
@@ -123,7 +124,8 @@ def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_blo
         if not g.per_token or g.name not in decode_blocks:
             continue
         ids_d, ids_p = decode_blocks[g.name].block_ids, prefill_blocks[g.name].block_ids
-        n = ids_d.size * decode_block_size / chunk_tokens
+        bsd = decode_block_size(g) if callable(decode_block_size) else decode_block_size
+        n = ids_d.size * bsd / chunk_tokens
         if n > chunks:
             chunks = n
             fd = float(np.mean(np.diff(ids_d) == 1)) if ids_d.size > 1 else 0.0

@@ -123,8 +123,8 @@ def _attention_views(engine: EngineLayout, g: CacheGroup, tp_rank: int, layer: i
         else:
             _check(want_units == 1, where, "axes", f"no head axis H, but this rank holds {want_units} heads")
             ustride = c.unit_bytes
-        _check("T" in d and d["T"][0] == engine.block_size, where, "shape",
-               f"token axis T/N must have block_size={engine.block_size} entries (axes {spec.axes!r}, "
+        _check("T" in d and d["T"][0] == engine.block_size_of(g), where, "shape",
+               f"token axis T/N must have block_size={engine.block_size_of(g)} entries (axes {spec.axes!r}, "
                f"shape {info.shape})")
         _check("B" in d and d["B"][0] >= engine.num_blocks, where, "shape",
                f"block axis B has {d.get('B', (0,))[0]} blocks, the engine declares num_blocks={engine.num_blocks}")
@@ -248,7 +248,7 @@ def describe_memory(engine: EngineLayout, rank, layers: Mapping[int, LayerKV | L
                                        c.units_per_rank(engine.tp), c.unit_range(engine.tp, tp_rank)[0], stage))
         if not g.per_token:
             bstride, tstride = comps[0].block_stride, 0
-        regions[g.name] = GroupRegion(g, 0, 0, bstride, tstride, engine.block_size if g.per_token else 1, tuple(comps))
+        regions[g.name] = GroupRegion(g, 0, 0, bstride, tstride, engine.block_size_of(g) if g.per_token else 1, tuple(comps))
     # allocations: storage of every tensor; merge the ones nested in another (views of one buffer)
     merged: list[Allocation] = []
     for a in sorted(allocs.values(), key=lambda a: (a.device, a.addr, -a.nbytes)):

@@ -309,6 +309,16 @@ class EngineLayout:
     mamba_blocks_per_request: int | None = None
     num_blocks: int = 64
     role: str = "engine"
+    group_block_sizes: tuple[tuple[str, int], ...] = ()
+
+    def block_size_of(self, group: "str | CacheGroup") -> int:
+        """Tokens per block of one group: ``group_block_sizes`` where given (vLLM's hybrid allocator gives
+        groups different block sizes so that their pages have one size), else ``block_size``."""
+        name = group if isinstance(group, str) else group.name
+        for n, bs in self.group_block_sizes:
+            if n == name:
+                return bs
+        return self.block_size
 
     def __post_init__(self) -> None:
         where = f"{self.role} engine (tp={self.tp}, pp={self.pp})"
@@ -329,6 +339,14 @@ class EngineLayout:
                               f"[start, stop) ranges covering layers 0..{self.model.num_layers}")
         for g in self.model.groups:
             g.check_tp(self.tp, where)
+        gbs = self.group_block_sizes
+        gbs = tuple(sorted((str(n), int(b)) for n, b in (gbs.items() if isinstance(gbs, dict) else gbs)))
+        object.__setattr__(self, "group_block_sizes", gbs)
+        names = {g.name for g in self.model.groups}
+        for n, b in gbs:
+            if n not in names or b < 1:
+                raise LayoutError(f"{where}: group_block_sizes entry {n!r}={b} must name a group of the model "
+                                  f"({sorted(names)}) with a block size >= 1")
         if self.mamba_blocks_per_request is not None and self.mamba_blocks_per_request < 1:
             raise LayoutError(f"{where}: mamba_blocks_per_request must be >= 1")
 
@@ -350,7 +368,8 @@ class EngineLayout:
         return tuple(l for l in group.layers if s <= l < e)
 
     def __str__(self) -> str:
-        return f"{self.model.name}[tp={self.tp},pp={self.pp},bs={self.block_size},{self.memory}]"
+        bs = str(self.block_size) + "".join(f",{n}:{b}" for n, b in self.group_block_sizes)
+        return f"{self.model.name}[tp={self.tp},pp={self.pp},bs={bs},{self.memory}]"
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -376,7 +395,7 @@ def engine_to_dict(e: EngineLayout) -> dict:
     return {"model": {"name": e.model.name, "num_layers": e.model.num_layers, "groups": [group(g) for g in e.model.groups]},
             "tp": e.tp, "pp": e.pp, "block_size": e.block_size, "memory": e.memory.order,
             "pp_layers": [list(x) for x in e.pp_layers], "mamba_blocks_per_request": e.mamba_blocks_per_request,
-            "num_blocks": e.num_blocks, "role": e.role}
+            "num_blocks": e.num_blocks, "role": e.role, "group_block_sizes": [list(x) for x in e.group_block_sizes]}
 
 
 def engine_from_dict(d: dict) -> EngineLayout:
@@ -392,6 +411,7 @@ def engine_from_dict(d: dict) -> EngineLayout:
         return EngineLayout(model, tp=d["tp"], pp=d["pp"], block_size=d["block_size"], memory=MemoryLayout(d["memory"]),
                             pp_layers=tuple(tuple(x) for x in d["pp_layers"]),
                             mamba_blocks_per_request=d["mamba_blocks_per_request"], num_blocks=d["num_blocks"],
-                            role=d.get("role", "engine"))
+                            role=d.get("role", "engine"),
+                            group_block_sizes=tuple((str(n), int(b)) for n, b in d.get("group_block_sizes", ())))
     except (KeyError, TypeError) as e:
         raise LayoutError(f"malformed engine layout description: {e!r}") from e

@@ -309,6 +309,9 @@ class _ReadLowering:
     per_token: bool
     layers: tuple[int, ...]
     templates: dict  # ntok -> ChunkTemplate
+    chunk: int = 1   # tokens per chunk: gcd of the group's block sizes on both sides (1 for a state slot)
+    bsp: int = 1     # the group's block size on the prefill side
+    bsd: int = 1     # ... and on the decode side
 
 
 class LoweredPlan:
@@ -331,13 +334,19 @@ class LoweredPlan:
         self.prefill_ranks = plan.prefill_ranks_for(decode_rank)
         self.prefill_bases = {r: 0 for r in self.prefill_ranks} | dict(prefill_bases or {})
         self.decode_base = decode_base
-        self.chunk_tokens = math.gcd(self.prefill.block_size, self.decode.block_size)
+        # tokens per chunk of each per-token group (groups may have their own block sizes, vLLM's hybrid
+        # allocator); ``chunk_tokens`` is their gcd, the unit the cost model counts in
+        self.group_chunks = {g.name: math.gcd(self.prefill.block_size_of(g), self.decode.block_size_of(g))
+                             for g in self.prefill.model.groups if g.per_token}
+        self.chunk_tokens = math.gcd(*self.group_chunks.values()) if self.group_chunks else 1
         groups = [g.name for g in self.prefill.model.groups]
         self.by_prefill: dict[Rank, list[_ReadLowering]] = {r: [] for r in self.prefill_ranks}
         for read in plan.reads_for(decode_rank):
             g = self.prefill.model.group(read.group)
-            low = _ReadLowering(read, groups.index(read.group), g.per_token, plan.group_layers(read), {})
-            self._template(low, self.chunk_tokens if g.per_token else 1)
+            low = _ReadLowering(read, groups.index(read.group), g.per_token, plan.group_layers(read), {},
+                                self.group_chunks.get(g.name, 1), self.prefill.block_size_of(g),
+                                self.decode.block_size_of(g))
+            self._template(low, low.chunk)
             self.by_prefill[read.prefill].append(low)
 
     def _template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
@@ -357,8 +366,8 @@ class LoweredPlan:
     # ---- per request -------------------------------------------------------------------------
     def token_range(self, group_index: int, num_tokens: int, prefill: GroupBlocks, decode: GroupBlocks):
         """Validated token range [t0, t1) the decode side needs for a per-token group."""
-        bsp, bsd = self.prefill.block_size, self.decode.block_size
         gname = self.prefill.model.groups[group_index].name
+        bsp, bsd = self.prefill.block_size_of(gname), self.decode.block_size_of(gname)
         nd, npf = decode.block_ids.size, prefill.block_ids.size
         t0 = decode.first_block * bsd
         t1 = min((decode.first_block + nd) * bsd, num_tokens)
@@ -431,10 +440,9 @@ class LoweredPlan:
                      t.dst_rel + t.dst_bs * int(db.block_ids[0]) + base_d, t.nbytes)]
         if t1 <= t0:
             return []
-        g = self.chunk_tokens
+        g, bsp, bsd = low.chunk, low.bsp, low.bsd
         pr = self.p_mem(low.read.prefill).region(low.read.group)
         dr = self.d_mem.region(low.read.group)
-        bsp, bsd = self.prefill.block_size, self.decode.block_size
         n_full = (t1 - t0) // g
         tail = (t1 - t0) - n_full * g
         parts = []

@@ -76,7 +76,7 @@ def _per_token_region(engine: EngineLayout, g: CacheGroup, layers: tuple[int, ..
     if len({c.unit_bytes for c in comps}) != 1:
         raise LayoutError(f"group {g.name!r}: K and V must have the same head size for a paged layout")
     c0 = comps[0]
-    sizes = {"L": len(layers), "K": len(comps), "B": engine.num_blocks, "T": engine.block_size,
+    sizes = {"L": len(layers), "K": len(comps), "B": engine.num_blocks, "T": engine.block_size_of(g),
              "H": c0.units_per_rank(engine.tp), "D": c0.unit_bytes}
     strides: dict[str, int] = {}
     s = 1
@@ -89,14 +89,14 @@ def _per_token_region(engine: EngineLayout, g: CacheGroup, layers: tuple[int, ..
         token_stride=strides["T"], unit_stride=strides["H"], unit_bytes=c.unit_bytes, itemsize=c.itemsize,
         num_layers=len(layers), num_units=c.units_per_rank(engine.tp),
         unit0=c.unit_range(engine.tp, tp_rank)[0], layers=layers) for k, c in enumerate(comps))
-    return GroupRegion(g, offset, s, strides["B"], strides["T"], engine.block_size, views)
+    return GroupRegion(g, offset, s, strides["B"], strides["T"], engine.block_size_of(g), views)
 
 
 def attention_page_bytes(engine: EngineLayout) -> int | None:
     """Bytes of one block of one layer of the engine's first per-token group on one rank (K+V)."""
     for g in engine.model.groups:
         if g.per_token:
-            return sum(c.units_per_rank(engine.tp) * c.unit_bytes for c in g.components) * engine.block_size
+            return sum(c.units_per_rank(engine.tp) * c.unit_bytes for c in g.components) * engine.block_size_of(g)
     return None
 
 

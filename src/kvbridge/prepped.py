@@ -80,12 +80,12 @@ class PreparedGeometry:
         lows = lowered.by_prefill[self.prank]
         base_s, base_d = lowered.prefill_bases[self.prank], lowered.decode_base
         p_mem = lowered.p_mem(self.prank)
-        g = lowered.chunk_tokens
         self.reads: list[tuple] = []  # (low, _PreppedRead)
         lrows, rrows = [], []
         p_off = d_off = 0
         for low in lows:
             pr, dr = p_mem.region(low.read.group), lowered.d_mem.region(low.read.group)
+            g = low.chunk
             if low.per_token:
                 tpl = chunk_template(lowered, low, g)
                 p_k, d_k = pr.tokens_per_block // g, dr.tokens_per_block // g
@@ -116,10 +116,9 @@ class PreparedGeometry:
             self.reads.append((low, pre, tpl))
             p_off += runs * p_k * p_nb
             d_off += runs * d_k * d_nb
-        if g <= PRECOMPUTE_TAILS_UP_TO:  # partial last chunks: build their templates now, not per request
-            for low, pre, _ in self.reads:
-                if pre.per_token:
-                    for ntok in range(1, g):
+        for low, pre, _ in self.reads:  # partial last chunks: build their templates now, not per request
+            if pre.per_token and low.chunk <= PRECOMPUTE_TAILS_UP_TO:
+                for ntok in range(1, low.chunk):
                         chunk_template(lowered, low, ntok)
         self.remote_rows = np.concatenate(rrows) if rrows else np.empty((0, 5), np.uint64)
         self.local_rows = np.concatenate(lrows) if lrows else np.empty((0, 5), np.uint64)
@@ -133,9 +132,9 @@ class PreparedGeometry:
 
     def size(self, ranges) -> tuple[int, int]:
         """(descriptors before merging, bytes) of a validated request: arithmetic only."""
-        g = self.lowered.chunk_tokens
         count = nbytes = 0
         for low, pre, tpl in self.reads:
+            g = low.chunk
             t0, t1 = ranges[low.read.group]
             if not pre.per_token:
                 count += pre.runs
@@ -153,12 +152,12 @@ class PreparedGeometry:
     def request(self, ranges, prefill_blocks, decode_blocks) -> PreppedRequest:
         """Index arrays (local, remote) and the unprepped tail of one validated request."""
         lo = self.lowered
-        g, bsp, bsd = lo.chunk_tokens, lo.prefill.block_size, lo.decode.block_size
         dt = self.index_dtype
         l_parts, r_parts, tails = [], [], []
         base_s, base_d = lo.prefill_bases[self.prank], lo.decode_base
         for low, pre, tpl in self.reads:
             gname = low.read.group
+            g, bsp, bsd = low.chunk, low.bsp, low.bsd
             pb, db = prefill_blocks[gname], decode_blocks[gname]
             run_r = pre.p_off + np.arange(pre.runs, dtype=np.int64) * (pre.p_k * pre.p_nb)
             run_l = pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)

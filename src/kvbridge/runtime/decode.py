@@ -444,7 +444,7 @@ class DecodeRank:
         mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
         from ..cost import request_chunks, request_modes
         chunks, frac = request_chunks(remote.layout.model.groups, req.decode_blocks, req.prefill_blocks,
-                                      self.engine.block_size, remote.lowered.chunk_tokens)
+                                      self.engine.block_size_of, remote.lowered.chunk_tokens)
         shapes = {p: remote.shapes.get(p) for p in remote.modes}
         staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
                                lambda p: p in remote.can_stage)

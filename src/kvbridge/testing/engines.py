@@ -46,7 +46,7 @@ def _flat(nbytes: int) -> np.ndarray:
 
 def _attention_layer(form: str, g: CacheGroup, eng: EngineLayout, dt, flat=None, off=0):
     """One layer in ``form``: (LayerKV, [logical view per component], owner)."""
-    B, T = eng.num_blocks, eng.block_size
+    B, T = eng.num_blocks, eng.block_size_of(g)
     comps = g.components
     if g.kind == "mla":
         D = comps[0].unit_elems
@@ -80,7 +80,7 @@ def _attention_layer(form: str, g: CacheGroup, eng: EngineLayout, dt, flat=None,
 def _vllm_views(g: CacheGroup, eng: EngineLayout, dt, order: str, layers: list[int], flat: np.ndarray | None):
     """vLLM 0.33: every layer a [B, H, N, C] view (C = K|V packed) of one flat buffer; ``order`` is its
     KVCacheLayout (physical order of L, B, H, N, C)."""
-    B, T = eng.num_blocks, eng.block_size
+    B, T = eng.num_blocks, eng.block_size_of(g)
     comps = g.components
     H = _units(comps[0], eng.tp) if g.kind != "mla" else 1
     C = sum(c.unit_elems for c in comps) if g.kind != "mla" else comps[0].unit_elems
@@ -153,9 +153,9 @@ def allocate(eng: EngineLayout, rank, form: str, seed: int = 0) -> RankCache:
             continue
         if form == "scattered":  # one buffer, layers at shuffled offsets with gaps between them
             if g.kind == "mla":
-                shape = (eng.num_blocks, eng.block_size, g.components[0].unit_elems)
+                shape = (eng.num_blocks, eng.block_size_of(g), g.components[0].unit_elems)
             else:
-                shape = (2, eng.num_blocks, eng.block_size, _units(g.components[0], eng.tp), g.components[0].unit_elems)
+                shape = (2, eng.num_blocks, eng.block_size_of(g), _units(g.components[0], eng.tp), g.components[0].unit_elems)
             nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
             per = nbytes + 4096
             flat = _flat(per * len(stage) + 4096)
@@ -209,13 +209,14 @@ def write_request(cache: RankCache, eng: EngineLayout, rank, req: int, num_token
                 v = cache.logical[(layer, ci)]
                 u = _UINT[c.itemsize]
                 if g.per_token:
-                    t0 = fb * eng.block_size
-                    t1 = min((fb + ids.size) * eng.block_size, num_tokens)
+                    bs = eng.block_size_of(g)
+                    t0 = fb * bs
+                    t1 = min((fb + ids.size) * bs, num_tokens)
                     if t1 <= t0:
                         continue
                     tok = np.arange(t0, t1)
-                    b = ids[tok // eng.block_size - fb]
-                    off = tok % eng.block_size
+                    b = ids[tok // bs - fb]
+                    off = tok % bs
                     units = _global_units(c, eng.tp, rank[1], v.shape[2])
                     want = value(req, layer, ci, tok[:, None, None], units[None, :, None],
                                  np.arange(v.shape[3])[None, None, :], c.itemsize)

@@ -43,7 +43,7 @@ def _cells(mem: RankMemory, group: str, comp: int, req: int, blocks: GroupBlocks
     elems = np.arange(v.unit_bytes // v.itemsize)[None, None, None, :]
     if g.per_token:
         tok = np.arange(t0, t1)
-        bs = engine.block_size
+        bs = engine.block_size_of(group)
         blk = blocks.block_ids[tok // bs - blocks.first_block]
         idx = (slice(None), blk, tok % bs)
         values = element_values(req, gi, layers, tok[None, :, None, None], comp, units, elems, v.itemsize)
@@ -55,9 +55,9 @@ def _cells(mem: RankMemory, group: str, comp: int, req: int, blocks: GroupBlocks
 
 def fill_prefill(buf: np.ndarray, mem: RankMemory, req: int, num_tokens: int, blocks: dict[str, GroupBlocks]) -> None:
     """Write the global-coordinate values of request ``req`` into a prefill rank's buffer."""
-    bs = mem.engine.block_size
     for gname, r in mem.regions.items():
         b = blocks[gname]
+        bs = mem.engine.block_size_of(gname)
         t0 = b.first_block * bs
         t1 = min((b.first_block + b.block_ids.size) * bs, num_tokens)
         for ci in range(len(r.components)):

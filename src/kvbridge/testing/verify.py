@@ -49,8 +49,8 @@ def make_request(req_id: int, num_tokens: int, prefill: EngineLayout, decode: En
     Sliding-window groups keep only the blocks covering the window on both sides.
     """
     pb, db = {}, {}
-    bsp, bsd = prefill.block_size, decode.block_size
     for g in prefill.model.groups:
+        bsp, bsd = prefill.block_size_of(g), decode.block_size_of(g)
         if not g.per_token:
             pb[g.name] = GroupBlocks(p_pool.take(g.name, 1))
             db[g.name] = GroupBlocks(d_pool.take(g.name, 1))
