@@ -378,6 +378,11 @@ class LoweredPlan:
             raise RequestError(f"group {gname!r}: decode has {decode.first_block}+{nd} blocks of {bsd} tokens "
                                f"but the request has {num_tokens} tokens; allocate {ceil_div(num_tokens, bsd)} blocks")
         p0, p1 = prefill.first_block * bsp, min((prefill.first_block + npf) * bsp, num_tokens)
+        g = self.prefill.model.groups[group_index]
+        if nd and t0 < p0 and g.kind == "sliding_window" and p0 <= max(0, num_tokens - g.sliding_window + 1):
+            # the prefill's window already dropped tokens [.., p0) that the decode's blocks still cover:
+            # no later token attends to them, so they are not read (their slots keep what they hold)
+            t0 = min(p0, t1)
         if nd and (t0 < p0 or t1 > p1):
             raise RequestError(f"group {gname!r}: decode needs tokens [{t0}, {t1}) but the prefill sent blocks "
                                f"for tokens [{p0}, {p1}); the decode request has more blocks than the prefill sent")

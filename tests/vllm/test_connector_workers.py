@@ -1,0 +1,50 @@
+"""The connector's worker side on vLLM 0.33's own KV-cache planner/allocator tensors, one process per rank,
+over NIXL, every byte checked through the tensors' own indexing (see ``worker_harness``): the pairs
+vLLM's NixlConnector refuses or mishandles."""
+import pytest
+
+pytest.importorskip("vllm.v1.worker.utils")
+pytest.importorskip("nixl._api")
+
+from worker_harness import Side, deepseek_like, gemma_like, llama, run_pair  # noqa: E402
+
+PAIRS = {
+    # prefill block size larger than the decode's, and smaller
+    "block-32-to-16": (llama(2), Side(1, 1, 32), Side(1, 1, 16)),
+    "block-16-to-64": (llama(2), Side(1, 1, 16), Side(1, 1, 64)),
+    # prefill TP larger than the KV heads (replicated heads on the prefill side)
+    "tp4-2heads-to-tp1": (llama(2), Side(4, 1, 16), Side(1, 1, 16)),
+    # a non-divisible TP pair on a 6-KV-head model
+    "6heads-tp3-to-tp2": (llama(6), Side(3, 1, 16), Side(2, 1, 16)),
+    "6heads-tp2-to-tp3": (llama(6), Side(2, 1, 16), Side(3, 1, 32)),
+    # different KVCacheLayouts on the two sides
+    "LBNHC-to-LBHNC": (llama(2), Side(2, 1, 16, "LBNHC"), Side(1, 1, 16, "LBHNC")),
+    "BLNHC-to-LHBNC": (llama(2), Side(1, 1, 16, "BLNHC"), Side(2, 1, 32, "LHBNC")),
+    # sliding window + full attention with different KV head counts (hybrid allocator: per-group block sizes)
+    "swa-full-gemma-like": (gemma_like(), Side(1, 1, 16, "LBNHC"), Side(2, 1, 16, "LBHNC")),
+    # MLA
+    "mla": (deepseek_like(), Side(2, 1, 16), Side(1, 1, 64)),
+    # pipeline parallelism on one side
+    "pp2-to-tp2": (llama(2, num_layers=4), Side(1, 2, 16), Side(2, 1, 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_worker_pair_byte_exact(name):
+    model, P, D = PAIRS[name]
+    r = run_pair(model, P, D)
+    print(f"{name}: {len(r.done)} reads, {r.checked} values checked in {r.seconds * 1e3:.1f} ms; stats {r.stats}")
+    assert r.failed == [] and r.done == ["req-1", "req-2", "req-3"]
+    assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
+    # the prefill got every decode rank's Done: vLLM frees the held blocks (finished_sending)
+    assert r.sent == ["req-1", "req-2", "req-3"]
+    assert r.stats.get("reads_done", 0) == 3 * D.tp * D.pp
+
+
+def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early():
+    """kv_transfer_params naming another attempt: the prefill refuses, the decode reports failed_recving
+    (after the short grace for a lease not registered yet) and never reports the bytes as received."""
+    model, P, D = PAIRS["block-32-to-16"]
+    r = run_pair(model, P, D, requests=((40, 0),), corrupt_attempt=True)
+    assert r.done == [] and r.failed == ["req-1"]
+    assert r.stats.get("reads_failed_LeaseExpired", 0) == D.tp

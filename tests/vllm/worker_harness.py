@@ -1,0 +1,389 @@
+"""The connector's worker side on vLLM 0.33's own KV-cache tensors, one OS process per rank, over NIXL.
+
+Each rank process builds what a vLLM worker has when it calls ``register_kv_caches``: a ``VllmConfig``
+for a local model directory, the per-layer ``KVCacheSpec``s its attention layers publish (KV heads per
+rank as vLLM splits or replicates them), vLLM's own planner (``get_global_kv_cache_groups`` ->
+``get_kv_cache_configs``) and allocator (``vllm.v1.worker.utils.allocate_kv_cache``, one flat int8
+buffer, ``[B, H, N, C]`` views in a ``KVCacheLayout``). It then loads :class:`KVBridgeConnector` in the
+worker role and drives it the way vLLM's model runner does (``bind_connector_metadata`` ->
+``start_load_kv`` -> ``get_transfer_results``) with the metadata its scheduler side would send.
+
+The oracle writes and checks values through the tensors' own indexing (``t[block, head, token, c]``, K
+then V packed in ``c``) from global coordinates (request, layer, token, global KV head, element): never
+through kvbridge's layout code. Processes are forked from a parent that already imported vLLM (an
+import costs ~30 s of CPU here); each child creates its own NIXL agent, ZMQ context and tensors.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.utils import get_pp_indices
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvbridge.integrations.vllm import KVBridgeConnector, KVBridgeConnectorMetadata, RecvReq
+
+from sched_utils import make_vllm_config
+
+BUDGET = 6 << 20  # KV-cache bytes per worker (small: every byte is checked)
+
+
+@dataclass
+class Side:
+    tp: int = 1
+    pp: int = 1
+    block_size: int = 16
+    layout: str = "LBNHC"
+
+
+@dataclass
+class Model:
+    """An HF config and the per-layer attention shapes vLLM's model code would publish from it."""
+
+    hf: dict
+    # layer -> ("full" | "sliding" | "mla", total KV heads, head size)
+    layers: dict = field(default_factory=dict)
+    window: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf["num_hidden_layers"]
+
+
+def llama(num_kv_heads: int, num_layers: int = 2, head_dim: int = 64) -> Model:
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4 * num_kv_heads * head_dim,
+          "intermediate_size": 256, "num_hidden_layers": num_layers, "num_attention_heads": 4 * num_kv_heads,
+          "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "vocab_size": 512, "max_position_embeddings": 4096,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+          "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    return Model(hf, {i: ("full", num_kv_heads, head_dim) for i in range(num_layers)})
+
+
+def gemma_like(window: int = 48) -> Model:
+    """Sliding-window and full-attention layers with different KV head counts and head sizes (Gemma-4
+    style: ``num_global_key_value_heads`` / ``global_head_dim`` for the full layers)."""
+    m = llama(4, num_layers=4, head_dim=64)
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    m.hf.update(layer_types=types, sliding_window=window, num_global_key_value_heads=1, global_head_dim=128)
+    m.layers = {i: ("sliding", 4, 64) if t == "sliding_attention" else ("full", 1, 128) for i, t in enumerate(types)}
+    m.window = window
+    return m
+
+
+def deepseek_like(num_layers: int = 2) -> Model:
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+          "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": num_layers,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": 64,
+          "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "first_k_dense_replace": num_layers, "vocab_size": 512,
+          "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+          "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+    return Model(hf, {i: ("mla", 1, 96) for i in range(num_layers)})
+
+
+def free_port_base(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000:
+            ok = True
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", p))
+                    except OSError:
+                        ok = False
+                        break
+            if ok:
+                return base
+    raise RuntimeError("no free port range")
+
+
+# ---------------------------------------------------------------------- inside a rank process
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16) -> dict:
+    s, e = get_pp_indices(model.num_layers, stage, side.pp)
+    out = {}
+    for i in range(s, e):
+        kind, heads, hs = model.layers[i]
+        per_rank = max(1, heads // side.tp)
+        if kind == "mla":
+            out[layer_name(i)] = MLAAttentionSpec(block_size=side.block_size, num_kv_heads=1, head_size=hs, dtype=dtype)
+        elif kind == "sliding":
+            out[layer_name(i)] = SlidingWindowSpec(block_size=side.block_size, num_kv_heads=per_rank, head_size=hs,
+                                                   dtype=dtype, sliding_window=model.window)
+        else:
+            out[layer_name(i)] = FullAttentionSpec(block_size=side.block_size, num_kv_heads=per_rank, head_size=hs,
+                                                   dtype=dtype)
+    return out
+
+
+def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, engine_id: str, port: int, tmp: str,
+                 extra: dict | None = None):
+    """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them."""
+    cfg = make_vllm_config(os.path.join(tmp, engine_id), model.hf, block_size=side.block_size,
+                           kv_cache_layout=side.layout, max_model_len=512, kv_transfer_config=dict(
+                               kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
+                               kv_role=role, engine_id=engine_id,
+                               kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port,
+                                                          "staging_bytes": 4 << 20, "lease_s": 20.0, **(extra or {})}))
+    cfg.parallel_config.tensor_parallel_size = side.tp
+    cfg.parallel_config.pipeline_parallel_size = side.pp
+    cfg.parallel_config.rank = rank[0] * side.tp + rank[1]
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator, as on a GPU
+    specs_all = [_specs(model, side, st) for st in range(side.pp)]
+    groups = get_global_kv_cache_groups(cfg, specs_all)
+    kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[rank[0]]
+    kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
+    conn = KVBridgeConnector(cfg, KVConnectorRole.WORKER, kvc)
+    conn.register_kv_caches(kv)
+    return conn, kv, kvc, cfg
+
+
+def _values(req: int, layer: int, tok, head, c):
+    """The int16 pattern of (request, layer, token, global KV head, element): broadcasting torch ints."""
+    v = (req * 7919 + layer * 104729 + tok * 613 + head * 7211 + c * 31) % 65521
+    return (v - 32760).to(torch.int16)
+
+
+def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids, first: int, t0: int, t1: int, req: int):
+    """(view, block idx, token-in-block idx, expected values) for tokens [t0, t1) of one layer."""
+    kind, heads, hs = model.layers[layer]
+    bs = next(g.kv_cache_spec.block_size for g in kvc.kv_cache_groups if layer_name(layer) in g.layer_names)
+    tok = torch.arange(t0, t1)
+    blk = torch.as_tensor(ids)[tok // bs - first]
+    off = tok % bs
+    H, C = t.shape[1], t.shape[3]
+    head0 = 0 if kind == "mla" else (rank[1] * heads) // side.tp
+    hh = head0 + torch.arange(H)
+    want = _values(req, layer, tok[:, None, None], hh[None, :, None], torch.arange(C)[None, None, :])
+    return t.view(torch.int16), blk, off, want
+
+
+def _group_of(kvc, layer: int) -> int:
+    return next(i for i, g in enumerate(kvc.kv_cache_groups) if layer_name(layer) in g.layer_names)
+
+
+def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+    try:
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp)
+        conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
+        cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
+        for rid, (no, n, ids, _) in reqs.items():
+            for lname, t in kv.items():
+                layer = int(lname.split(".")[2])
+                g = _group_of(kvc, layer)
+                bs = kvc.kv_cache_groups[g].kv_cache_spec.block_size
+                nulls = next((i for i, b in enumerate(ids[g]) if b != 0), len(ids[g]))
+                t0, t1 = nulls * bs, min(len(ids[g]) * bs, n)
+                if t1 <= t0:
+                    continue
+                v, blk, off, want = _cells(model, side, kvc, layer, t, rank, ids[g], 0, t0, t1, no)
+                v[blk, :, off, :] = want
+        conn.bind_connector_metadata(KVBridgeConnectorMetadata(send={r: (x[2], x[3]) for r, x in reqs.items()}))
+        conn.start_load_kv(None)
+        conn.clear_connector_metadata()
+        conn_pipe.send(("loaded",))
+        sent: set = set()
+        deadline = time.monotonic() + 60
+        while sent != set(reqs) and time.monotonic() < deadline:
+            sent |= conn.get_transfer_results(set()).finished_sending or set()
+            time.sleep(0.005)
+        stats = conn.get_kv_connector_stats()
+        conn_pipe.send(("sent", sorted(sent), stats.data if stats else {}))
+        conn_pipe.recv()
+        conn.shutdown()
+    except Exception:  # noqa: BLE001
+        conn_pipe.send(("error", traceback.format_exc()))
+
+
+def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+    try:
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp)
+        conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
+        cmd, reads = conn_pipe.recv()  # {rid: (req no, RecvReq)}
+        conn.bind_connector_metadata(KVBridgeConnectorMetadata(recv={r: x[1] for r, x in reads.items()}))
+        t_start = time.monotonic()
+        conn.start_load_kv(None)
+        conn.clear_connector_metadata()
+        done, failed = set(), set()
+        deadline = time.monotonic() + 60
+        while done | failed != set(reads) and time.monotonic() < deadline:
+            out = conn.get_transfer_results(set())
+            failed |= out.failed_recving or set()
+            done |= (out.finished_recving or set()) - failed
+            time.sleep(0.002)
+        elapsed = time.monotonic() - t_start
+        bad = checked = untouched_bad = 0
+        for rid, (no, r) in reads.items():
+            if rid not in done:
+                continue
+            n = int(r.remote["remote_num_tokens"])
+            for lname, t in kv.items():
+                layer = int(lname.split(".")[2])
+                g = _group_of(kvc, layer)
+                spec = kvc.kv_cache_groups[g].kv_cache_spec
+                bs = spec.block_size
+                first = r.local_first_block[g]
+                ids = r.local_block_ids[g]
+                t0, t1 = first * bs, min((first + len(ids)) * bs, n)
+                if model.layers[layer][0] == "sliding":  # tokens the window dropped are never needed
+                    rbs = r.remote["_remote_block_sizes"][g]
+                    rnull = next((i for i, b in enumerate(r.remote["remote_block_ids"][g]) if b != 0), 0)
+                    t0 = max(t0, rnull * rbs)
+                if t1 <= t0:
+                    continue
+                v, blk, off, want = _cells(model, side, kvc, layer, t, rank, ids, first, t0, t1, no)
+                got = v[blk, :, off, :]
+                bad += int((got != want).sum())
+                checked += want.numel()
+        # blocks nobody wrote must still be zero (the read wrote nothing outside the request's blocks)
+        used = {b for _, r in reads.values() for ids in r.local_block_ids for b in ids}
+        for lname, t in kv.items():
+            free = [b for b in range(kvc.num_blocks) if b not in used]
+            untouched_bad += int((t.view(torch.int16)[free] != 0).sum())
+        stats = conn.get_kv_connector_stats()
+        conn_pipe.send(("checked", sorted(done), sorted(failed), bad, checked, untouched_bad, elapsed,
+                        stats.data if stats else {}))
+        conn_pipe.recv()
+        conn.shutdown()
+    except Exception:  # noqa: BLE001
+        conn_pipe.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------- the parent (test) side
+@dataclass
+class PairResult:
+    done: list
+    failed: list
+    sent: list
+    bad: int
+    checked: int
+    untouched_bad: int
+    seconds: float
+    stats: dict
+
+
+def _recv(pipe, what: str, timeout: float = 120.0):
+    if not pipe.poll(timeout):
+        raise TimeoutError(f"no {what!r} from a rank process within {timeout} s")
+    msg = pipe.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"rank process failed:\n{msg[1]}")
+    return msg
+
+
+def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (300, 0)), seed: int = 0,
+             corrupt_attempt: bool = False) -> PairResult:
+    """Prefill engine ``P`` and decode engine ``D`` (one process per rank) move ``requests`` ((tokens,
+    decode prefix-hit blocks) each); returns what the decode ranks saw."""
+    import random
+
+    ctx = mp.get_context("fork")
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="kvb-workers-")
+    base = free_port_base(P.tp * P.pp)
+    procs, pipes_p, pipes_d = [], {}, {}
+    try:
+        for pp in range(P.pp):
+            for tp in range(P.tp):
+                a, b = ctx.Pipe()
+                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp), daemon=True)
+                pr.start()
+                procs.append(pr)
+                pipes_p[(pp, tp)] = a
+        for pp in range(D.pp):
+            for tp in range(D.tp):
+                a, b = ctx.Pipe()
+                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp), daemon=True)
+                pr.start()
+                procs.append(pr)
+                pipes_d[(pp, tp)] = a
+        ready_p = {r: _recv(p, "ready") for r, p in pipes_p.items()}
+        ready_d = {r: _recv(p, "ready") for r, p in pipes_d.items()}
+        nb_p, ng_p = next(iter(ready_p.values()))[1:]
+        nb_d, ng_d = next(iter(ready_d.values()))[1:]
+        bs_p = _group_block_sizes(model, P)
+        bs_d = _group_block_sizes(model, D)
+        assert ng_p == len(bs_p) and ng_d == len(bs_d), (ng_p, bs_p, ng_d, bs_d)
+        free_p = list(range(1, nb_p))
+        free_d = list(range(1, nb_d))
+        rng.shuffle(free_p)
+        rng.shuffle(free_d)
+        send, recv = {}, {}
+        for no, (n, hit) in enumerate(requests, start=1):
+            rid = f"req-{no}"
+            attempt = rng.getrandbits(52) | 1
+            p_ids, d_ids, d_first, p_bs = [], [], [], []
+            for g, ((kind, bp), (_, bd)) in enumerate(zip(bs_p, bs_d)):
+                np_, nd = -(-n // bp), -(-n // bd)
+                # a sliding window drops whole blocks below the window on the prefill (null block 0)
+                p_null = max(0, n - model.window + 1) // bp if kind == "sliding" else 0
+                p_ids.append([0] * p_null + [free_p.pop() for _ in range(np_ - p_null)])
+                h = min(hit, nd - 1) if kind != "sliding" else 0
+                d_ids.append([free_d.pop() for _ in range(nd - h)])
+                d_first.append(h)
+                p_bs.append(bp)
+            send[rid] = (no, n, p_ids, attempt)
+            params = {"do_remote_prefill": True, "remote_engine_id": "prefill-e", "remote_host": "127.0.0.1",
+                      "remote_port": base, "remote_block_ids": p_ids, "remote_request_id": rid, "remote_num_tokens": n,
+                      "remote_tp_size": P.tp, "remote_pp_size": P.pp,
+                      "remote_attempt": (attempt ^ 2) if corrupt_attempt else attempt, "_remote_block_sizes": p_bs}
+            recv[rid] = (no, RecvReq(rid, d_ids, d_first, params))
+        for p in pipes_p.values():
+            p.send(("send", send))
+        for p in pipes_p.values():
+            _recv(p, "loaded")
+        for p in pipes_d.values():
+            p.send(("recv", recv))
+        res_d = [_recv(p, "checked", 180) for p in pipes_d.values()]
+        res_p = [_recv(p, "sent", 180) for p in pipes_p.values()]
+        for p in list(pipes_p.values()) + list(pipes_d.values()):
+            p.send(("exit",))
+        done = sorted(set.intersection(*(set(r[1]) for r in res_d)))
+        failed = sorted(set().union(*(set(r[2]) for r in res_d)))
+        sent = sorted(set.intersection(*(set(r[1]) for r in res_p)))
+        stats: dict = {}
+        for r in res_d:
+            for k, v in r[7].items():
+                stats[k] = stats.get(k, 0) + v
+        for r in res_p:
+            for k, v in r[2].items():
+                stats[k] = stats.get(k, 0) + v
+        return PairResult(done, failed, sent, sum(r[3] for r in res_d), sum(r[4] for r in res_d),
+                          sum(r[5] for r in res_d), max(r[6] for r in res_d), stats)
+    finally:
+        for pr in procs:
+            pr.join(timeout=20)
+            if pr.is_alive():
+                pr.kill()
+
+
+def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
+    """(kind of the group's layers, block size) per vLLM group, from a throw-away planner run here."""
+    from sched_utils import make_vllm_config as mk
+    tmp = tempfile.mkdtemp(prefix="kvb-plan-")
+    cfg = mk(tmp, model.hf, block_size=side.block_size, kv_cache_layout=side.layout, max_model_len=512)
+    cfg.parallel_config.tensor_parallel_size = side.tp
+    cfg.parallel_config.pipeline_parallel_size = side.pp
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    specs_all = [_specs(model, side, st) for st in range(side.pp)]
+    groups = get_global_kv_cache_groups(cfg, specs_all)
+    kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
+    return [(model.layers[int(g.layer_names[0].split(".")[2])][0], g.kv_cache_spec.block_size)
+            for g in kvc.kv_cache_groups]
