@@ -34,7 +34,7 @@ def test_worker_pair_byte_exact(name):
     model, P, D = PAIRS[name]
     r = run_pair(model, P, D)
     print(f"{name}: {len(r.done)} reads, {r.checked} values checked in {r.seconds * 1e3:.1f} ms; stats {r.stats}")
-    assert r.failed == [] and r.done == ["req-1", "req-2", "req-3"]
+    assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2", "dec-req-3"]
     assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
     # the prefill got every decode rank's Done: vLLM frees the held blocks (finished_sending)
     assert r.sent == ["req-1", "req-2", "req-3"]
@@ -46,5 +46,5 @@ def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early()
     (after the short grace for a lease not registered yet) and never reports the bytes as received."""
     model, P, D = PAIRS["block-32-to-16"]
     r = run_pair(model, P, D, requests=((40, 0),), corrupt_attempt=True)
-    assert r.done == [] and r.failed == ["req-1"]
+    assert r.done == [] and r.failed == ["dec-req-1"]
     assert r.stats.get("reads_failed_LeaseExpired", 0) == D.tp

@@ -344,7 +344,8 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
                       "remote_port": base, "remote_block_ids": p_ids, "remote_request_id": rid, "remote_num_tokens": n,
                       "remote_tp_size": P.tp, "remote_pp_size": P.pp,
                       "remote_attempt": (attempt ^ 2) if corrupt_attempt else attempt, "_remote_block_sizes": p_bs}
-            recv[rid] = (no, RecvReq(rid, d_ids, d_first, params))
+            # vLLM gives the decode engine's copy of the request its own id
+            recv[f"dec-{rid}"] = (no, RecvReq(f"dec-{rid}", d_ids, d_first, params))
         for p in pipes_p.values():
             p.send(("send", send))
         for p in pipes_p.values():

@@ -136,6 +136,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._decode = None
         self._inflight: dict[str, tuple] = {}   # req id -> (RecvReq, monotonic time of the first try)
         self._retry: list[tuple] = []            # (RecvReq, first try, retry at)
+        self._local_id: dict[str, str] = {}      # prefill's request id -> this engine's request id
         self._received = 0
         self._failures: Counter = Counter()
         self._stats_seen: dict = {}
@@ -287,11 +288,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             if eid not in self._decode.remotes:
                 self._decode.handshake(eid, {(a, b): f"{rp['remote_host']}:{int(rp['remote_port']) + a * tp + b}"
                                              for a in range(pp) for b in range(tp)})
-            req = kvbridge.ReadRequest(r.req_id, eid, int(rp["remote_num_tokens"]),
+            # the prefill leased the blocks under ITS request id (vLLM gives each engine's copy of a request
+            # its own id): read under that one, report under ours
+            remote_id = str(rp.get("remote_request_id") or r.req_id)
+            if remote_id in self._local_id and self._local_id[remote_id] != r.req_id:
+                raise kvbridge.RequestError(f"prefill request {remote_id!r} is already being read for "
+                                            f"{self._local_id[remote_id]!r}")
+            req = kvbridge.ReadRequest(remote_id, eid, int(rp["remote_num_tokens"]),
                                        self._blocks(rp["remote_block_ids"]),
                                        self._blocks(r.local_block_ids, r.local_first_block),
                                        attempt=int(rp.get("remote_attempt", 0)))
             self._decode.start(req)
+            self._local_id[remote_id] = r.req_id
             self._inflight[r.req_id] = (r, started)
         except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
             log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
@@ -319,11 +327,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._retry_reads()
             done, failed = self._decode.poll()
             now = time.monotonic()
-            for rid in done:
+            for remote_id in done:
+                rid = self._local_id.pop(remote_id, remote_id)
                 self._inflight.pop(rid, None)
                 self._done_recv.add(rid)
                 self._received += 1
-            for rid, why in failed.items():
+            for remote_id, why in failed.items():
+                rid = self._local_id.pop(remote_id, remote_id)
                 got = self._inflight.pop(rid, None)
                 if got is None:
                     continue
