@@ -6,7 +6,11 @@ import pytest
 pytest.importorskip("vllm.v1.worker.utils")
 pytest.importorskip("nixl._api")
 
-from worker_harness import Side, deepseek_like, gemma_like, llama, run_pair  # noqa: E402
+import tempfile  # noqa: E402
+
+from kvbridge.integrations.vllm import VLLMConfigError, engine_from_vllm  # noqa: E402
+from sched_utils import make_vllm_config  # noqa: E402
+from worker_harness import Side, deepseek_like, gemma_like, llama, plan_and_allocate, run_pair  # noqa: E402
 
 PAIRS = {
     # prefill block size larger than the decode's, and smaller
@@ -48,3 +52,23 @@ def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early()
     r = run_pair(model, P, D, requests=((40, 0),), corrupt_attempt=True)
     assert r.done == [] and r.failed == ["dec-req-1"]
     assert r.stats.get("reads_failed_LeaseExpired", 0) == D.tp
+
+
+@pytest.mark.parametrize("hf_model, spec_model, side, match", [
+    # the HF config says 2 KV heads, the attention layers published 4 per rank
+    (llama(2), llama(8), Side(2, 1, 16), "KV heads per rank"),
+    # head size disagrees
+    (llama(2, head_dim=64), llama(2, head_dim=128), Side(1, 1, 16), "head_size"),
+    # vLLM caches MLA, the config describes plain attention
+    (llama(2), deepseek_like(), Side(1, 1, 16), "mla"),
+])
+def test_config_and_tensors_that_disagree_get_a_typed_error(hf_model, spec_model, side, match):
+    """The connector cross-checks the HF config, the KVCacheConfig specs and the tensors."""
+    cfg = make_vllm_config(tempfile.mkdtemp(), hf_model.hf, block_size=side.block_size, max_model_len=512)
+    kvc, kv = plan_and_allocate(cfg, spec_model, side, (0, 0))
+    with pytest.raises(VLLMConfigError, match=match):
+        engine_from_vllm(cfg, kvc, kv, (0, 0))
+    # the same config with its own specs is accepted, one kvbridge group per vLLM group
+    kvc, kv = plan_and_allocate(cfg, hf_model, side, (0, 0))
+    engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, 0))
+    assert names == [f"g{i}" for i in range(len(kvc.kv_cache_groups))] and sorted(layers) == list(range(hf_model.num_layers))

@@ -133,6 +133,18 @@ def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16) -> dict:
     return out
 
 
+def plan_and_allocate(cfg, model: Model, side: Side, rank: tuple[int, int]):
+    """vLLM's planner and allocator for ``model``'s layer specs on one worker: (KVCacheConfig, kv_caches)."""
+    cfg.parallel_config.tensor_parallel_size = side.tp
+    cfg.parallel_config.pipeline_parallel_size = side.pp
+    cfg.parallel_config.rank = rank[0] * side.tp + rank[1]
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator, as on a GPU
+    specs_all = [_specs(model, side, st) for st in range(side.pp)]
+    groups = get_global_kv_cache_groups(cfg, specs_all)
+    kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[rank[0]]
+    return kvc, allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
+
+
 def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, engine_id: str, port: int, tmp: str,
                  extra: dict | None = None):
     """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them."""
@@ -142,14 +154,7 @@ def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, eng
                                kv_role=role, engine_id=engine_id,
                                kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port,
                                                           "staging_bytes": 4 << 20, "lease_s": 20.0, **(extra or {})}))
-    cfg.parallel_config.tensor_parallel_size = side.tp
-    cfg.parallel_config.pipeline_parallel_size = side.pp
-    cfg.parallel_config.rank = rank[0] * side.tp + rank[1]
-    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator, as on a GPU
-    specs_all = [_specs(model, side, st) for st in range(side.pp)]
-    groups = get_global_kv_cache_groups(cfg, specs_all)
-    kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[rank[0]]
-    kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
+    kvc, kv = plan_and_allocate(cfg, model, side, rank)
     conn = KVBridgeConnector(cfg, KVConnectorRole.WORKER, kvc)
     conn.register_kv_caches(kv)
     return conn, kv, kvc, cfg
