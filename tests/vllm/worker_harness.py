@@ -44,6 +44,7 @@ class Side:
     pp: int = 1
     block_size: int = 16
     layout: str = "LBNHC"
+    content: str = "packed"  # or "kv_blocks": vLLM's CPU attention backend ([B, H, 2N, D]: K rows, then V rows)
 
 
 @dataclass
@@ -153,7 +154,8 @@ def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, eng
                                kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
                                kv_role=role, engine_id=engine_id,
                                kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port,
-                                                          "staging_bytes": 4 << 20, "lease_s": 20.0, **(extra or {})}))
+                                                          "staging_bytes": 4 << 20, "lease_s": 20.0,
+                                                          "kv_content": side.content, **(extra or {})}))
     kvc, kv = plan_and_allocate(cfg, model, side, rank)
     conn = KVBridgeConnector(cfg, KVConnectorRole.WORKER, kvc)
     conn.register_kv_caches(kv)
@@ -177,7 +179,29 @@ def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids
     head0 = 0 if kind == "mla" else (rank[1] * heads) // side.tp
     hh = head0 + torch.arange(H)
     want = _values(req, layer, tok[:, None, None], hh[None, :, None], torch.arange(C)[None, None, :])
-    return t.view(torch.int16), blk, off, want
+    v = t.view(torch.int16)
+    if side.content == "kv_blocks" and kind != "mla":  # element (token n, K|V k, d) at [b, h, k*N + n, d]
+        v = _KVBlocks(v)
+    return v, blk, off, want
+
+
+class _KVBlocks:
+    """[b, :, n, :] indexing of a CPU-backend layer (K of all tokens of a block and head, then V) with the
+    same (tokens, heads, C = K|V) shape as the packed form."""
+
+    def __init__(self, v):
+        B, H, N, C = v.shape
+        self.v5 = v.view(B, H, 2, N, C // 2)
+
+    def __getitem__(self, idx):
+        blk, _, off, _ = idx
+        x = self.v5[blk, :, :, off, :]          # (tokens, H, 2, D)
+        return x.reshape(x.shape[0], x.shape[1], -1)
+
+    def __setitem__(self, idx, value):
+        blk, _, off, _ = idx
+        n, H, C = value.shape
+        self.v5[blk, :, :, off, :] = value.view(n, H, 2, C // 2)
 
 
 def _group_of(kvc, layer: int) -> int:

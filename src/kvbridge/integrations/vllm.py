@@ -490,6 +490,24 @@ def _layer_spec(group):
     return spec
 
 
+def kv_content_form(vllm_config) -> str:
+    """How the attention backend uses the last axis ``C`` of vLLM's ``[B, H, N, C]`` layer view:
+    ``"packed"`` (K then V of each token: GPU backends) or ``"kv_blocks"`` (vLLM's CPU backend views
+    ``[B, H, 2N, D]``: the K of all N tokens of a block and head, then their V). Override with
+    ``kv_connector_extra_config["kv_content"]``."""
+    extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+    form = extra.get("kv_content")
+    if form is None:
+        try:
+            from vllm.platforms import current_platform
+            form = "kv_blocks" if current_platform.is_cpu() else "packed"
+        except Exception:  # noqa: BLE001
+            form = "packed"
+    if form not in ("packed", "kv_blocks"):
+        raise VLLMConfigError(f"kv_content={form!r}: use 'packed' (K|V per token) or 'kv_blocks' (vLLM's CPU backend)")
+    return form
+
+
 def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[int, int]):
     """kvbridge's :class:`~kvbridge.EngineLayout`, group names and per-layer memory description of one vLLM
     worker, from what vLLM gives a connector: the model's Hugging Face config (kvbridge's importer), TP/PP,
@@ -575,6 +593,7 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
     engine = EngineLayout(model, tp=tp, pp=pp, block_size=int(cc.block_size), memory=memory, pp_layers=pp_layers,
                           num_blocks=int(kv_cache_config.num_blocks), group_block_sizes=block_sizes)
     layers = {}
+    content = kv_content_form(vllm_config)
     by_name = {n: names[i] for i, vg in enumerate(vgroups) for n in vg.layer_names}
     for lname, t in kv_caches.items():
         if lname not in by_name:
@@ -585,7 +604,11 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
         if tuple(t.shape)[0] < engine.num_blocks:
             raise VLLMConfigError(f"layer {lname!r}: tensor has {tuple(t.shape)[0]} blocks, KVCacheConfig.num_blocks="
                                   f"{engine.num_blocks}")
-        layers[li] = kvbridge.LayerKV(t, "BHNC")
+        if content == "kv_blocks" and groups[names.index(by_name[lname])].kind != "mla":
+            B, H, N, C = tuple(t.shape)
+            layers[li] = kvbridge.LayerKV(t.view(B, H, 2, N, C // 2), "BHKTD")  # what the CPU backend reads
+        else:
+            layers[li] = kvbridge.LayerKV(t, "BHNC")
     missing = [l for g in groups for l in engine.stage_layers(g, rank[0]) if l not in layers]
     if missing:
         raise VLLMConfigError(f"register_kv_caches got no tensor for layers {missing[:8]} of this stage")
