@@ -56,6 +56,17 @@ def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early()
     assert r.stats.get("reads_failed_LeaseExpired", 0) == D.tp
 
 
+def test_a_dead_prefill_ends_as_failed_recving_within_a_bounded_time():
+    """kill -9 of the prefill engine's ranks after they registered the leases: every decode rank reports the
+    reads in failed_recving (vLLM then recomputes or errors the request) and nothing as received."""
+    model, P, D = PAIRS["6heads-tp3-to-tp2"]
+    r = run_pair(model, P, D, requests=((40, 0), (70, 1)), kill_prefill=True)
+    print(f"dead prefill: failed {r.failed} after {r.seconds:.2f} s; stats {r.stats}")
+    assert r.done == [] and r.failed == ["dec-req-1", "dec-req-2"]
+    assert r.seconds < 30
+    assert sum(v for k, v in r.stats.items() if k.startswith("reads_failed_")) == 2 * D.tp
+
+
 @pytest.mark.parametrize("hf_model, spec_model, side, match", [
     # the HF config says 2 KV heads, the attention layers published 4 per rank
     (llama(2), llama(8), Side(2, 1, 16), "KV heads per rank"),

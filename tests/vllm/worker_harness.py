@@ -318,7 +318,7 @@ def _recv(pipe, what: str, timeout: float = 120.0):
 
 
 def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (300, 0)), seed: int = 0,
-             corrupt_attempt: bool = False) -> PairResult:
+             corrupt_attempt: bool = False, kill_prefill: bool = False) -> PairResult:
     """Prefill engine ``P`` and decode engine ``D`` (one process per rank) move ``requests`` ((tokens,
     decode prefix-hit blocks) each); returns what the decode ranks saw."""
     import random
@@ -379,15 +379,19 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
             p.send(("send", send))
         for p in pipes_p.values():
             _recv(p, "loaded")
+        if kill_prefill:  # kill -9 every prefill rank after it registered the leases, before any read
+            for pr in procs[:len(pipes_p)]:
+                pr.kill()
+                pr.join(10)
         for p in pipes_d.values():
             p.send(("recv", recv))
         res_d = [_recv(p, "checked", 180) for p in pipes_d.values()]
-        res_p = [_recv(p, "sent", 180) for p in pipes_p.values()]
-        for p in list(pipes_p.values()) + list(pipes_d.values()):
+        res_p = [] if kill_prefill else [_recv(p, "sent", 180) for p in pipes_p.values()]
+        for p in (list(pipes_p.values()) if not kill_prefill else []) + list(pipes_d.values()):
             p.send(("exit",))
         done = sorted(set.intersection(*(set(r[1]) for r in res_d)))
         failed = sorted(set().union(*(set(r[2]) for r in res_d)))
-        sent = sorted(set.intersection(*(set(r[1]) for r in res_p)))
+        sent = sorted(set.intersection(*(set(r[1]) for r in res_p))) if res_p else []
         stats: dict = {}
         for r in res_d:
             for k, v in r[7].items():
