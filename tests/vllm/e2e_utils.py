@@ -292,6 +292,12 @@ class Engine:
                 break
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
+        # the file torch.distributed (gloo) rendezvoused through; vLLM leaves it behind
+        for path in set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9a-f]+)", self.log_text())):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def group_alive(pgid: int) -> bool:

@@ -119,7 +119,7 @@ class Cluster:
             raise RuntimeError(f"engine {name} was already released")
         if name not in self.es.engines:
             while len(self.es.alive()) >= MAX_ALIVE:  # not reached in plan order
-                self.release(next(n for n in self.plan if n in self.es.engines and n != name and n != "prefill"))
+                self.release(next(e.spec.name for e in self.es.alive() if e.spec.name not in (name, "prefill")))
             self.es.start(self.specs[name])
         e = self.es.engines[name]
         e.wait_ready(STARTUP_S)
@@ -238,8 +238,8 @@ def test_pd_tp1_same_block_size(cluster, reference):
 def test_pd_corrupted_kv_changes_tokens(cluster, reference):
     """Same pair, but the decode flips the sign of every received element (requests tagged corrupt-me):
     the tokens must differ from the reference for at least one prompt, and the corruption must have run."""
-    d = cluster.get("decode-tp1")
     try:
+        d = cluster.get("decode-tp1")
         got, _ = _run_pair(cluster, reference, "decode-tp1", CORRUPT, "corrupt-me")
         differ = [k for k in CORRUPT if got[k] != reference[k]]
         n_logged = d.log_text().count("corrupting_connector: flipped")
@@ -249,11 +249,14 @@ def test_pd_corrupted_kv_changes_tokens(cluster, reference):
     except BaseException:
         print(cluster.es.tails(80))
         raise
-    cluster.release("decode-tp1")
+    finally:
+        cluster.release("decode-tp1")
 
 
 def test_pd_decode_tp2(cluster, reference):
     """Heterogeneous pair: prefill TP1 → decode TP2 (each decode rank reads its KV head from the one prefill
     rank), block TP2_BLOCK (128; 64 with KVB_E2E_TP2_BLOCK=64: also a prefill block larger than the decode's)."""
-    _check_pair(cluster, reference, "decode-tp2", HETERO, "hetero")
-    cluster.release("decode-tp2")
+    try:
+        _check_pair(cluster, reference, "decode-tp2", HETERO, "hetero")
+    finally:
+        cluster.release("decode-tp2")
