@@ -455,20 +455,26 @@ class _PrefillServer:
     def _run(self) -> None:
         import queue
 
+        next_stats = 0.0
         while not self._stop.is_set():
             try:
-                while True:
-                    rid, blocks, attempt = self._new.get_nowait()
-                    self.ep.add_request(rid, blocks, attempt=attempt)
-            except queue.Empty:
-                pass
-            try:
+                try:
+                    while True:
+                        rid, blocks, attempt = self._new.get_nowait()
+                        self.ep.add_request(rid, blocks, attempt=attempt)
+                except queue.Empty:
+                    pass
                 self.ep.serve_once()
                 freed = self.ep.take_freed()
+                now = time.monotonic()
+                stats = None
+                if now >= next_stats:
+                    stats, next_stats = self.ep.stats(), now + 0.5
                 with self._lock:
                     self._finished.update(freed["freed"])
                     self._finished.update(freed["expired"])
-                    self._stats = self.ep.stats()
+                    if stats is not None:
+                        self._stats = stats
                 self.ep.sock.poll(self.poll_ms)
             except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
                 log.exception("kvbridge: prefill side channel")
