@@ -1274,7 +1274,7 @@ def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():
     jobs.engine("ps", pl)
     pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps")
     try:
-        with served(pre) as lock, inproc_decode(dl, "dst", transfer_timeout_s=0.5, release_timeout_s=0.05) as dec:
+        with served(pre) as lock, inproc_decode(dl, "dst", transfer_timeout_s=0.5) as dec:
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
             (j,) = jobs.make("ps", 1)
             e = hold(pre, lock, j)
