@@ -14,11 +14,14 @@ import time
 import pytest
 
 from kvbridge.errors import LeaseExpired, PeerDisconnected, PeerRestarted, TransferTimeout
+from kvbridge.lower import LoweredPlan
+from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
 from kvbridge.transport.nixl import NixlTransport, nixl_available
 from kvbridge.testing.engine import default_memory
+from kvbridge.testing.procs import _verify
 
 from test_reliability import (Cluster, Jobs, blocks_for, collect, free_port, hold, inproc_decode, layout,
                               needed_bytes, publish, served, start, take_until, until, verify, wait_freed)
@@ -239,7 +242,6 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             dec.start(j.read(new))
             done, failed = dec.wait(20)
             assert done == [j.rid] and not failed, failed
-            from kvbridge.testing.procs import _verify
             assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
             until(lambda: not pre.leases, 10, "the real Done to free the lease")
             print(f"forged/stale: {pre.metrics.forged_messages} forged, {pre.metrics.stale_messages} stale ignored; "
@@ -247,4 +249,90 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             assert dec.stats()["live_handles"] == 0 and pre.slots.bytes_used == 0
     finally:
         stranger.close()
+        pre.close()
+
+
+# =================================================================================================
+# per-peer quotas: staging slots and the lowering cache
+# =================================================================================================
+def test_one_decode_engine_cannot_take_more_than_its_share_of_staging():
+    """Decode engine dA asks to stage 4 requests and never reads them (stuck); the prefill's staging
+    holds 4 such requests and one peer's share is half: dA gets 2 slots, its other stage requests wait.
+    Decode engine dB's requests still get the other half: staged (no fallback), exact. Once dA reads,
+    its waiting requests are staged (or read directly past stage_wait_s); every byte arrives, nothing
+    leaks."""
+    pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
+    jobs = Jobs(dl, seed=26)
+    jobs.engine("pQ", pl)
+    a_jobs = jobs.make("pQ", 4, lengths=[64] * 4, prefix_p=0.0, tag="a")
+    b_jobs = jobs.make("pQ", 2, lengths=[64] * 2, prefix_p=0.0, tag="b")
+    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, a_jobs[0].req.prefill_blocks,
+                                                                  a_jobs[0].req.decode_blocks)[0].total_bytes
+    assert one % 256 == 0
+    pre = PrefillRank(pl, (0, 0), "pQ", memory=default_memory(pl, (0, 0)), staging_bytes=4 * one,
+                      stage_wait_s=3.0, staging_peer_share=0.5)
+    assert pre.staging_peer_bytes == 2 * one
+    try:
+        with served(pre) as lock, inproc_decode(dl, "dA", transfer_mode="staged") as da, \
+                inproc_decode(dl, "dB", transfer_mode="staged") as db:
+            ep = {(0, 0): f"127.0.0.1:{pre.port}"}
+            da.handshake("pQ", ep)
+            db.handshake("pQ", ep)
+            for j in a_jobs + b_jobs:
+                hold(pre, lock, j)
+            for j in a_jobs:  # stage requests go out now; dA does not poll: it never reads them
+                da.start(j.read())
+
+            def a_waits():
+                with lock:
+                    return len(pre._parked) == 2 and pre.slots.group_bytes("dA") == 2 * one
+            until(a_waits, 10, "dA to hold its share and wait for the rest")
+            t0 = time.monotonic()
+            for j in b_jobs:
+                db.start(j.read())
+            done, failed = db.wait(10)
+            print(f"quota: dB staged {len(done)} requests in {time.monotonic() - t0:.3f} s beside a stuck dA")
+            assert sorted(done) == sorted(j.rid for j in b_jobs) and not failed, failed
+            assert db.metrics.staged_transfers == 2 and db.metrics.staging_fallbacks == 0
+            with lock:
+                assert pre.slots.group_bytes("dA") == 2 * one  # never past its share
+            done, failed = da.wait(20)
+            assert sorted(done) == sorted(j.rid for j in a_jobs) and not failed, failed
+            for dec, js in ((da, a_jobs), (db, b_jobs)):
+                assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+                assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
+            until(lambda: not pre.leases and not pre._parked, 10, "the prefill to free every lease")
+            with lock:
+                assert pre.slots.bytes_used == 0 and not pre.slots.used
+                assert pre.metrics.stage_waits >= 2
+    finally:
+        pre.close()
+
+
+def test_lowering_cache_is_bounded_per_peer_and_in_total():
+    """Stage requests describing ever new decode layouts: the prefill's lowering cache keeps at most
+    ``lowered_per_peer`` entries per decode engine (its oldest evicted first) and ``lowered_cache`` in
+    all; an evicted layout is lowered again, correctly."""
+    from kvbridge.layout import engine_to_dict
+    pl = layout("prefill", 1, 64)
+    pre = PrefillRank(pl, (0, 0), "pC", memory=default_memory(pl, (0, 0)), staging_bytes=0,
+                      lowered_cache=6, lowered_per_peer=3)
+
+    def stage(peer: str, nblocks: int) -> Stage:
+        dl = layout("decode", 1, nblocks)
+        return Stage("r", peer, (0, 0), engine_to_dict(dl), default_memory(dl, (0, 0)).to_wire(), 8, {}, {})
+    try:
+        first = pre._lowering(stage("dA", 32))
+        for n in range(33, 40):  # one peer, 8 distinct layouts
+            pre._lowering(stage("dA", n))
+        owners = [owner for _, owner in pre._lowered.values()]
+        assert owners.count("dA") == 3 and len(pre._lowered) == 3
+        for i in range(8):  # eight other peers, each its own layout
+            pre._lowering(stage(f"d{i}", 40 + i))
+        assert len(pre._lowered) == 6
+        assert [owner for _, owner in pre._lowered.values()].count("dA") <= 3
+        again = pre._lowering(stage("dA", 32))  # evicted long ago: lowered again, the same plan
+        assert again is not first and again.decode_rank == first.decode_rank and len(pre._lowered) == 6
+        assert pre.stats()["lowered_cached"] == 6
+    finally:
         pre.close()

@@ -1342,7 +1342,8 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
     js = jobs.make("ps", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps", staging_bytes=one + 4096, stage_wait_s=wait_s)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps", staging_bytes=one + 4096, stage_wait_s=wait_s,
+                      staging_peer_share=1.0)
     dec = None
     try:
         with served(pre) as lock:
@@ -1501,7 +1502,8 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
     js = jobs.make("pa", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pa", staging_bytes=one + 256, stage_wait_s=30.0)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pa", staging_bytes=one + 256, stage_wait_s=30.0,
+                      staging_peer_share=1.0)
     try:
         with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
             dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})
