@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -355,43 +357,64 @@ def pair():
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_prefill_engine_death(when):
     """Kill prefill engine pA (all its ranks) before / during a batch; pB's requests are untouched,
-    exactly pA's unfinished requests fail, pA is forgotten; a restarted pA with the same id works."""
+    exactly pA's unfinished requests fail, pA is forgotten; a restarted pA with the same id works.
+
+    "during" lands mid-transfer by construction, not by timing: pA is frozen (SIGSTOP) once the first
+    reads of a large batch are done, then a second batch is started (its acquire requests to pA cannot
+    be answered), and pA is killed (SIGKILL) while the decode reports them in flight: every one of them
+    must fail, whatever the first batch did."""
     # "during": decode tp=1 reads per-token pieces of both prefill ranks (~1,000 descriptors a request),
-    # so its post thread needs about a second for the batch and pA dies with most of it in flight
+    # so its post thread needs about a second for the batch and pA is frozen with much of it in flight
     n_per_engine, dtp = (12, 2) if when == "before" else (150, 1)
-    pl = layout("prefill", 2, blocks_for([64] * n_per_engine, 64))
-    dl = layout("decode", dtp, blocks_for([64] * 2 * n_per_engine, 64))
+    n_late = 0 if when == "before" else 8
+    pl = layout("prefill", 2, blocks_for([64] * (n_per_engine + n_late), 64))
+    dl = layout("decode", dtp, blocks_for([64] * 2 * (n_per_engine + n_late), 64))
     reads_per_engine = {r: len(plan_transfer(pl, dl).prefill_ranks_for(r)) for r in dl.ranks()}
     jobs = Jobs(dl, seed=1 if when == "before" else 2)
     with Cluster() as c:
-        pa, pb, D = c.start_many([("prefill", pl, "pA"), ("prefill", pl, "pB"), ("decode", dl, "d0")])
+        # the frozen pA's unanswered acquires must not time out before the kill (a loaded machine)
+        pa, pb, D = c.start_many([("prefill", pl, "pA"), ("prefill", pl, "pB"),
+                                  ("decode", dl, "d0", {"stage_timeout_s": 60.0})])
         P = {"pA": pa, "pB": pb}
         for e, p in P.items():
             D.call_all("handshake", e, p.endpoints())
             jobs.engine(e, pl)
         A, B = jobs.make("pA", n_per_engine), jobs.make("pB", n_per_engine)
-        exp = publish(P["pA"], A) | publish(P["pB"], B)
-        interleaved = [j for ab in zip(A, B) for j in ab]
+        A2, B2 = jobs.make("pA", n_late, tag="late"), jobs.make("pB", n_late, tag="late")
+        exp = publish(P["pA"], A + A2) | publish(P["pB"], B + B2)
+        late = {j.rid for j in A2 + B2}
+        A, B = A + A2, B + B2
+        interleaved = [j for ab in zip(A, B) for j in ab if j.rid not in late]
         warm = interleaved[:4]  # connections are up before the death
         start(D, [j.read(exp[j.rid]) for j in warm])
         fin, fail = collect(D, 30)
         assert fin == {j.rid for j in warm} and not fail
-        rest = interleaved[4:]
+        rest = interleaved[4:] + [j for ab in zip(A2, B2) for j in ab]
         early, early_failed = {}, {}
         t0 = time.monotonic()
         if when == "before":
             kill(P["pA"])
             t0 = time.monotonic()
             start(D, [j.read(exp[j.rid]) for j in rest])
-        else:  # kill pA as soon as the first reads of the batch are done: the rest are in flight
-            start(D, [j.read(exp[j.rid]) for j in rest])
+        else:
+            first = [j for j in rest if j.rid not in late]
+            start(D, [j.read(exp[j.rid]) for j in first])
             until(lambda: merge(D.call_all("take").values(), len(D.workers), early, early_failed) or early, 10,
                   "first reads", 0.002)
-            kill(P["pA"])
+            for w in P["pA"].workers.values():  # freeze pA: nothing more of it is answered or read
+                os.kill(w.proc.pid, signal.SIGSTOP)
+            start(D, [j.read(exp[j.rid]) for j in A2 + B2])  # pA cannot answer their acquires
+            time.sleep(0.2)  # (their acquire requests are on the wire)
+            merge(D.call_all("take").values(), len(D.workers), early, early_failed)
+            in_flight = sum(s["inflight"] for s in D.call_all("stats").values())
+            assert in_flight >= n_late, f"only {in_flight} requests in flight before pA dies"
+            t0 = time.monotonic()
+            kill(P["pA"])  # SIGKILL, while frozen
         finished, failed = take_until(D, {j.rid for j in rest}, 30, early, early_failed)
         elapsed = time.monotonic() - t0
         assert elapsed < 15, f"failures took {elapsed:.1f} s to be reported"
-        print(f"{when}: pA finished {len(finished & {j.rid for j in A})}, failed {len(failed)}, {elapsed:.2f} s")
+        print(f"{when}: pA finished {len(finished & {j.rid for j in A})}, failed {len(failed)}, "
+              f"{elapsed:.2f} s after the kill")
 
         a_rest = {j.rid for j in rest if j.engine == "pA"}
         b_rest = {j.rid for j in rest if j.engine == "pB"}
@@ -401,8 +424,8 @@ def test_prefill_engine_death(when):
         assert a_rest <= finished | set(failed)
         if when == "before":
             assert set(failed) == a_rest  # nothing can be read from a dead engine
-        else:
-            assert failed, "no pA request was in flight when pA died; make the batch larger"
+        else:  # every request pA could not answer was in flight when it died, and fails
+            assert {j.rid for j in A2} <= set(failed)
         for rid, why in failed.items():
             assert isinstance(why, PeerDisconnected) and why.engine_id == "pA" and why.req_id == rid, repr(why)
             assert "pA" in str(why) and "disconnect" in str(why).lower(), why
