@@ -11,6 +11,10 @@ time-stamps what it sees with ``time.monotonic()``, polling every 0.2 ms like an
 * ``stop``: the same, with ``SIGSTOP`` instead of the kill and ``transfer_timeout_s`` =
   ``stage_timeout_s`` = ``--timeout``. Time from the stop to each failure (``TransferTimeout``),
   compared with the timeout (a rank's deadline runs from its last progress, which was before the stop).
+* ``other``: two prefill engines (TP 2 each) serve the decode rank (direct, pA's requests started
+  first); once reads are posted, pA's ranks get SIGSTOP. Do pB's requests still finish, and how fast? (The decode's post
+  thread is shared by every engine; a request whose last chunk is partial posts a "tail" read first and
+  waits for it on that thread.)
 * ``decode``: a prefill rank in this process (leases ``--lease`` s, pins ``--pin`` s) serves a decode
   rank process that freezes itself with reads in flight and then gets ``kill -9``. Time from the kill
   until the prefill frees each lease, and how late each is freed after its own deadline (requests the
@@ -48,12 +52,12 @@ def layouts(n: int) -> tuple[EngineLayout, EngineLayout]:
             EngineLayout(MODEL, tp=1, block_size=BS, num_blocks=blocks, role="decode"))
 
 
-def requests(pl: EngineLayout, dl: EngineLayout, n: int, seed: int, tag: str) -> list:
+def requests(pl: EngineLayout, dl: EngineLayout, n: int, seed: int, tag: str, tokens: int = TOKENS) -> list:
     rng = np.random.default_rng(seed)
     pp, dp = BlockPool(pl, rng), BlockPool(dl, rng)
     out = []
     for i in range(n):
-        r = make_request(i, TOKENS, pl, dl, pp, dp, 0)
+        r = make_request(i, tokens, pl, dl, pp, dp, 0)
         rid = f"{tag}{i}"
         out.append((rid, r, zlib.crc32(rid.encode()) | 1))
     return out
@@ -126,6 +130,49 @@ def prefill_fault(mode: str, fault: str, n: int, timeout_s: float, seed: int) ->
             w.kill()
 
 
+def other_engine(n: int, cap_s: float, seed: int, tokens: int) -> dict:
+    """Two prefill engines (TP 2 each) serve one decode rank (direct reads, pA's queued first); once reads
+    are posted, both ranks of pA get SIGSTOP. How long do pB's requests take meanwhile (the decode's post thread is
+    shared by every engine)? Stops looking after ``cap_s``."""
+    pl, dl = layouts(2 * n)
+    engines = {e: EngineProcs.start("prefill", pl, e) for e in ("pA", "pB")}
+    dec = None
+    try:
+        dec = DecodeRank(dl, (0, 0), "dO", memory=default_memory(dl, (0, 0)), transfer_mode="direct",
+                         stage_timeout_s=cap_s + 30, transfer_timeout_s=cap_s + 30)
+        reqs = {}
+        for i, (e, P) in enumerate(engines.items()):
+            dec.handshake(e, P.endpoints())
+            reqs[e] = requests(pl, dl, n, seed * 2 + i, e, tokens)
+            publish_procs(P, reqs[e], 120.0)
+        for e in ("pA", "pB"):  # pA's reads are queued first
+            for rid, r, att in reqs[e]:
+                dec.start(read_of(e, rid, r, att))
+        finished = set()
+        while not any(r for f in dec.inflight.values() for rr in f.ranks.values() for r in rr.reads if not r.done):
+            finished.update(dec.poll()[0])  # pA is frozen once reads are posted: mid-transfer
+            time.sleep(2e-4)
+        t_stop = time.monotonic()
+        for w in engines["pA"].workers.values():
+            os.kill(w.proc.pid, signal.SIGSTOP)
+        b_ids = {rid for rid, _, _ in reqs["pB"]}
+        b_left = len(b_ids - finished)
+        while b_ids - finished and time.monotonic() < t_stop + cap_s:
+            finished.update(dec.poll()[0])
+            time.sleep(2e-4)
+        took = time.monotonic() - t_stop
+        return {"b_in_flight": b_left, "b_finished": b_left - len(b_ids - finished), "seconds": took}
+    finally:
+        for w in engines["pA"].workers.values():
+            if w.proc.is_alive():
+                os.kill(w.proc.pid, signal.SIGCONT)
+        for P in engines.values():
+            for w in P.workers.values():
+                w.kill()
+        if dec is not None:
+            dec.close()
+
+
 def decode_killed(mode: str, n: int, lease_s: float, pin_s: float, seed: int) -> dict:
     """The decode rank (a process) freezes itself with reads in flight, then gets kill -9; this process's
     prefill rank frees every lease on its own deadline."""
@@ -193,12 +240,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1.0, help="transfer_timeout_s = stage_timeout_s (stop)")
     ap.add_argument("--lease", type=float, default=1.0, help="lease_s (decode killed)")
     ap.add_argument("--pin", type=float, default=2.0, help="pin_s (decode killed)")
-    ap.add_argument("--only", choices=("kill", "stop", "decode"), action="append")
+    ap.add_argument("--only", choices=("kill", "stop", "other", "decode"), action="append")
     a = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
     con = Console(width=200)
-    only = set(a.only or ("kill", "stop", "decode"))
+    only = set(a.only or ("kill", "stop", "other", "decode"))
     t = Table(title=f"failure times: {a.reps} runs each, {a.requests} requests of {TOKENS} tokens "
                     f"(tiny-dense, prefill TP 2 -> decode TP 1; decode-killed: prefill TP 1), seconds")
     for c in ("fault", "mode", "in flight", "failed / freed", "first", "median", "last (max of runs)",
@@ -219,6 +266,17 @@ def main() -> None:
                       f"{statistics.median(r['median'] for r in runs):.3f}",
                       f"{max(r['last'] for r in runs):.3f}", f"{max(r['max_poll_gap'] for r in runs):.3f}",
                       f"{ref} ({runs[0]['kinds']})")
+    if "other" in only:
+        cap = 10.0
+        for tokens in (TOKENS, TOKENS - 3):  # whole 64-token chunks; a partial last chunk (a "tail" read)
+            runs = [other_engine(a.requests // 2, cap, seed=i, tokens=tokens) for i in range(a.reps)]
+            for r in runs:
+                con.print(f"  other engine while pA is frozen ({tokens} tokens): {r}")
+            t.add_row(f"prefill engine pA SIGSTOP, {tokens}-token requests", "direct",
+                      "/".join(str(r["b_in_flight"]) for r in runs), "/".join(str(r["b_finished"]) for r in runs),
+                      "", "", f"{max(r['seconds'] for r in runs):.3f}", "",
+                      f"healthy pB's requests in flight / finished while pA is frozen; s until all finished "
+                      f"(looked for {cap:g} s)")
     if "decode" in only:
         for mode in ("direct", "staged"):
             runs = [decode_killed(mode, a.requests, a.lease, a.pin, seed=i) for i in range(a.reps)]
