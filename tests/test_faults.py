@@ -236,6 +236,65 @@ def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
             assert st["leases"] == 0 and st["staging_used"] == 0
 
 
+def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
+    """Two prefill engines serve one decode rank (direct reads through prepared lists; 61-token requests,
+    so each ends in a partial chunk, read by a second small transfer). pA's reads are posted first, then
+    pA is frozen (SIGSTOP): pB's requests, queued behind pA's on the decode's post thread, still finish
+    (a read of the frozen engine must not hold the post thread). pA thaws: its requests finish too;
+    every byte exact, nothing leaks."""
+    n, tokens = 40, 61
+    pl = layout("prefill", 1, blocks_for([tokens] * n, 16))
+    dl = layout("decode", 1, blocks_for([tokens] * 2 * n, 16))
+    jobs = Jobs(dl, seed=31)
+    with Cluster() as c:
+        pa, pb = c.start_many([("prefill", pl, "pA"), ("prefill", pl, "pB")])
+        P = {"pA": pa, "pB": pb}
+        js = {}
+        with inproc_decode(dl, "dO") as dec:
+            for e, p in P.items():
+                dec.handshake(e, p.endpoints())
+                jobs.engine(e, pl)
+                js[e] = jobs.make(e, n, lengths=[tokens] * n, prefix_p=0.0)
+                publish(p, js[e])
+            for e in ("pA", "pB"):
+                for j in js[e]:
+                    dec.start(j.read())
+            done, failed = set(), {}
+            while not any(r for f in dec.inflight.values() for rr in f.ranks.values() for r in rr.reads
+                          if not r.done):
+                d, f = dec.poll()
+                done.update(d)
+                failed |= f
+            a_ids, b_ids = {j.rid for j in js["pA"]}, {j.rid for j in js["pB"]}
+            t0 = time.monotonic()
+            for w in pa.workers.values():
+                os.kill(w.proc.pid, signal.SIGSTOP)
+            try:
+                a_left = len(a_ids - done)
+                assert a_left, "pA had finished before it was frozen"
+
+                def b_done():
+                    d, f = dec.poll()
+                    done.update(d)
+                    failed.update(f)
+                    return b_ids <= done or failed
+                until(b_done, 20, "pB's requests while pA is frozen", 0.001)
+                print(f"frozen pA ({a_left} of its requests in flight): pB's {len(b_ids)} requests finished "
+                      f"{time.monotonic() - t0:.2f} s after the freeze")
+                assert not failed, failed
+            finally:
+                for w in pa.workers.values():
+                    os.kill(w.proc.pid, signal.SIGCONT)
+            d, f = dec.wait(30)
+            done.update(d)
+            assert not f and done >= a_ids | b_ids, f
+            assert _verify(dec, [(j.num, j.read()) for j in js["pA"] + js["pB"]])["mismatched_bytes"] == 0
+            for p in P.values():
+                wait_freed(p, {j.rid for j in js[p.engine_id]})
+            s = dec.stats()
+            assert s["live_handles"] == 0 and s["inflight"] == 0 and s["parked_reads"] == 0
+
+
 # =================================================================================================
 # restart on the same port
 # =================================================================================================
