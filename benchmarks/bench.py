@@ -133,7 +133,7 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
         notify = plan.ranks_to_notify(DECODE_RANK)
         for r in sorted(set(needed) | set(notify) | {(0, 0)}):
             workers[r] = Worker("prefill", prefill, r, "prefill-0", host="127.0.0.1",
-                                staging_bytes=stage_bytes.get(r, 0) + (1 << 20))
+                                staging_bytes=stage_bytes.get(r, 0) + (1 << 20), staging_peer_share=1.0)
         dw = Worker("decode", decode, DECODE_RANK, "decode-0", transfer_mode="auto",
                     staging_bytes=sum(stage_bytes.values()) + (1 << 20))
         for w in list(workers.values()) + [dw]:

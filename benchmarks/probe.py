@@ -59,7 +59,8 @@ def main() -> int:
     if a.segment_mib:
         kw["stage_segment_bytes"] = int(a.segment_mib * 2**20)
     workers = {r: Worker("prefill", prefill, r, "prefill-0", host="127.0.0.1",
-                         staging_bytes=a.staging_requests * per.get(r, 0) + (1 << 20), stage_wait_s=a.stage_wait)
+                         staging_bytes=a.staging_requests * per.get(r, 0) + (1 << 20), stage_wait_s=a.stage_wait,
+                         staging_peer_share=1.0)  # one decode engine: the whole buffer is its
                for r in sorted(set(needed) | set(plan.ranks_to_notify(DECODE_RANK)) | {(0, 0)})}
     dw = Worker("decode", decode, DECODE_RANK, "decode-0", transfer_mode=a.mode,
                 staging_bytes=sum(per.values()) + (1 << 20), **kw)

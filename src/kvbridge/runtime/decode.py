@@ -192,7 +192,7 @@ class DecodeRank:
     def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, memory: KVMemory | None = None, transport=None,
                  handshake_timeout_s: float = 5.0,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
-                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0, release_timeout_s: float = 5.0,
+                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
                  stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
@@ -208,7 +208,7 @@ class DecodeRank:
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
         self.stage_segment_bytes = int(stage_segment_bytes)
-        self.transfer_timeout_s, self.release_timeout_s = transfer_timeout_s, release_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()

@@ -22,6 +22,7 @@ class Metrics:
     staging_fallbacks: int = 0
     stage_waits: int = 0
     stage_full: int = 0
+    stage_quota_full: int = 0
     failed_stage_requests: int = 0
     failed_handshakes: int = 0
     refused_reads: int = 0
@@ -70,6 +71,7 @@ _HELP = {
     "stage_waits": ("counter", "stage requests that waited for staging space on the prefill"),
     "failed_stage_requests": ("counter", "stage requests that failed on the prefill while packing (answered with an error)"),
     "stage_full": ("counter", "stage requests the prefill refused (no staging space in time): read directly"),
+    "stage_quota_full": ("counter", "stage requests refused because their decode engine held its share of staging"),
     "failed_handshakes": ("counter", "failed handshakes"),
     "refused_reads": ("counter", "acquire/stage requests the prefill refused (lease gone, other attempt, unknown reader)"),
     "stale_messages": ("counter", "Done/stage/acquire messages for another attempt of a live request (ignored)"),

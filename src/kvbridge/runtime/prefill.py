@@ -71,7 +71,7 @@ class PrefillRank:
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, memory: KVMemory | None = None,
                  host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0, transport=None,
                  staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0, pin_s: float = 120.0,
-                 lowered_cache: int = 64, lowered_per_peer: int = 16):
+                 lowered_cache: int = 64, lowered_per_peer: int = 16, staging_peer_share: float = 0.5):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
         # a pinned lease (a reader asked to read it) lives until every reader's Done, or at most pin_s
         # after the first pin; readers count the granted remainder down on their own clock
@@ -95,6 +95,11 @@ class PrefillRank:
         self.staging.fill(0)  # touch every page now, not on the first request's critical path
         self.staging_addr = self.transport.register(self.staging) if staging_bytes else 0
         self.slots = SlotAllocator(staging_bytes)
+        # per-peer quota: one decode engine's staging slots (all its ranks together) hold at most this
+        # share of the buffer, so a slow, stuck or dead decode engine cannot starve the others
+        if not 0 < staging_peer_share <= 1:
+            raise ValueError(f"staging_peer_share must be in (0, 1], not {staging_peer_share!r}")
+        self.staging_peer_bytes = int(staging_bytes * staging_peer_share)
         # (decode layout, decode rank) -> (LoweredPlan, decode engine that caused it): LRU, bounded in
         # total and per decode engine
         self._lowered: OrderedDict = OrderedDict()
@@ -352,7 +357,7 @@ class PrefillRank:
         replies = self._pack_into_slot(msg, d)
         if replies is None:
             total = d.total_bytes if d is not None else 0
-            if self.slots.rounded(total) > self.slots.capacity or self.stage_wait_s <= 0:
+            if self.slots.rounded(total) > min(self.slots.capacity, self.staging_peer_bytes) or self.stage_wait_s <= 0:
                 yield self._full_error(msg, d, lease)
                 return
             self.metrics.stage_waits += 1
@@ -363,9 +368,15 @@ class PrefillRank:
     def _full_error(self, msg: Stage, d, lease: Lease) -> StageError:
         total = d.total_bytes if d is not None else 0
         self.metrics.stage_full += 1
-        return StageError(msg.req_id, f"staging buffer full ({self.slots.bytes_used} of {self.slots.capacity} B "
-                                      f"used, {total} B asked, waited up to {self.stage_wait_s:g} s); read directly",
-                          code="full", ttl_s=self._ttl(lease))
+        held = self.slots.group_bytes(msg.decode_engine)
+        if held + self.slots.rounded(total) > self.staging_peer_bytes:
+            self.metrics.stage_quota_full += 1
+            why = (f"decode engine {msg.decode_engine!r} holds {held} B of its {self.staging_peer_bytes} B share "
+                   f"of the {self.slots.capacity} B staging buffer")
+        else:
+            why = f"staging buffer full: {self.slots.bytes_used} of {self.slots.capacity} B used"
+        return StageError(msg.req_id, f"cannot stage {total} B ({why}; waited up to {self.stage_wait_s:g} s); "
+                                      "read directly", code="full", ttl_s=self._ttl(lease))
 
     def _pack_into_slot(self, msg: Stage, d):
         """Allocate a staging slot and return a generator of Staged replies that packs segment by
@@ -374,7 +385,7 @@ class PrefillRank:
         from ..staging import segment_bounds
         total = d.total_bytes if d is not None else 0
         slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
-        off = self.slots.alloc(slot_key, total)
+        off = self.slots.alloc(slot_key, total, group=msg.decode_engine, limit=self.staging_peer_bytes)
         if off is None:
             return None
         lease = self.leases[msg.req_id]
@@ -437,7 +448,9 @@ class PrefillRank:
 
     def stats(self) -> dict:
         return {"metrics": self.metrics.to_json(), "leases": len(self.leases), "staging_used": self.slots.bytes_used,
-                "parked_stage_requests": len(self._parked),
+                "staging_by_peer": {e: self.slots.group_bytes(e) for e in {k[1] for k in self.slots.used}},
+                "pinned_leases": sum(lease.pinned_at is not None for lease in self.leases.values()),
+                "parked_stage_requests": len(self._parked), "lowered_cached": len(self._lowered),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -57,6 +58,28 @@ def _memcpy_gbps(nbytes: int, reps: int = 3) -> float:
         np.copyto(b, a)
         best = min(best, time.perf_counter() - t)
     return nbytes / best / 1e9
+
+
+def _start_freeze(obj, reqs: list, done: list, failed: dict, min_finished: int = 0, timeout: float = 30.0) -> dict:
+    """Decode side, fault injection: start ``reqs`` and poll until at least ``min_finished`` of them
+    finished and some in-flight request has a read handed to the transport that has not completed;
+    returns what is in flight at that moment (the caller then freezes or kills this process, so the
+    fault lands mid-transfer by construction, not by timing)."""
+    for req in reqs:
+        obj.start(req)
+    ids, deadline = {r.req_id for r in reqs}, time.monotonic() + timeout
+    while True:
+        d, f = obj.poll()
+        done += d
+        failed |= f
+        reading = [rid for rid, fl in obj.inflight.items()  # a read or its scatter not completed
+                   if any(not r.done or (r.runs is not None and (r.scatter is None or not r.scatter.done()))
+                          for rr in fl.ranks.values() for r in rr.reads)]
+        finished = len(ids.intersection(done))
+        if (finished >= min_finished and reading) or not obj.inflight or time.monotonic() > deadline:
+            return {"finished": finished, "failed": len(ids.intersection(failed)), "inflight": len(obj.inflight),
+                    "reading": len(reading), "inflight_ids": sorted(obj.inflight)}
+        time.sleep(1e-4)
 
 
 def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -> None:
@@ -123,6 +146,11 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                     obj.start(args[0])
                     res = args[0].req_id in obj.inflight
                     obj.abort(args[0].req_id)
+                elif cmd == "start_freeze":  # fault injection: freeze (SIGSTOP) this rank with reads in flight
+                    res = _start_freeze(obj, args[0], done, failed, **kwargs)
+                    conn.send(("ok", res))
+                    os.kill(os.getpid(), signal.SIGSTOP)  # the caller kills it (or SIGCONT)
+                    continue
                 elif cmd == "start_many":
                     res = {}
                     for req in args[0]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from .base import TransportStats
 
 if TYPE_CHECKING:
     from .. import prepped
+
+log = logging.getLogger(__name__)
 
 _API = None
 # NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
@@ -76,6 +79,8 @@ class NixlXfer:
     num_descs: int = 0
     nbytes: int = 0
     released: bool = False
+    tail: object = None    # prepped reads: the partial last chunk's transfer, running beside ``handle``
+    notif: bytes = b""     # sent once ``handle`` and ``tail`` have both completed (see read_prepped)
 
 
 NixlStats = TransportStats  # the counters every transport keeps
@@ -257,9 +262,12 @@ class NixlTransport:
         """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
         the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and
         ``make_prepped_xfer`` (NIXL merges adjacent ids) run on the post thread. A partial last chunk,
-        which has no entry in the lists, is read first with a small ``initialize_xfer`` that carries no
-        notification; the notification goes with the last transfer. ``cancel``: an object whose
-        ``cancelled`` is checked on the post thread first (a cancelled read is never handed to NIXL)."""
+        which has no entry in the lists, is read by a second, small ``initialize_xfer`` posted beside it;
+        neither is waited for on the post thread (a frozen peer must not hold every later read of this
+        agent, other peers' included) and neither carries the notification: :meth:`check` (or
+        :meth:`settle`) sends it once both have completed, so the prefill never hears "done" while a
+        part is still being read. ``cancel``: an object whose ``cancelled`` is checked on the post
+        thread first (a cancelled read is never handed to NIXL)."""
         count, nbytes = size if size is not None else prep.geometry.size(ranges)
         peer = prep.peer
 
@@ -276,11 +284,10 @@ class NixlTransport:
                 if not main:
                     x.handle = h
                     return self._start(h, peer)
-                try:
-                    self._wait(h, peer)
-                finally:
-                    self.agent.release_xfer_handle(h)
-            h = self.agent.make_prepped_xfer("READ", prep.local, req.local_ids, prep.remote, req.remote_ids, notif)
+                x.tail, x.notif = h, notif  # the notification waits for both parts (check / settle)
+                self._start(h, peer)
+            h = self.agent.make_prepped_xfer("READ", prep.local, req.local_ids, prep.remote, req.remote_ids,
+                                             b"" if x.tail is not None else notif)
             x.handle = h
             return self._start(h, peer)
 
@@ -292,13 +299,14 @@ class NixlTransport:
             raise TransferError(f"NIXL transfer from {peer!r} returned ERR", peer=peer)
         return state
 
-    def _wait(self, h, peer: str) -> None:
-        state = self._start(h, peer)
-        while state == "PROC":
-            time.sleep(0)
-            state = self.agent.check_xfer_state(h)
-        if state != "DONE":
-            raise TransferError(f"NIXL transfer from {peer!r} failed (state {state})", peer=peer)
+    def _both_done(self, x: NixlXfer) -> None:
+        """Both parts of a read with a tail completed: send its notification now (once)."""
+        notif, x.notif = x.notif, b""
+        if notif:
+            try:
+                self.agent.send_notif(x.peer, notif)
+            except Exception as e:  # noqa: BLE001 - the data is complete; the prefill's lease will expire
+                log.warning("could not send the notification of a completed read to %s: %r", x.peer, e)
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn`` on a copy thread (local copies such as a staged scatter, off the caller's thread)."""
@@ -308,31 +316,46 @@ class NixlTransport:
         if not x.future.done():
             return "PROC"
         x.future.result()  # raises TransferError
-        try:
-            state = self.agent.check_xfer_state(x.handle)
-        except Exception as e:  # noqa: BLE001
-            raise _wrap(e, x.peer) from e
-        if state == "ERR":
-            raise TransferError(f"NIXL transfer from {x.peer!r} failed (state ERR)", peer=x.peer)
-        return state
+        states = []
+        for h in (x.handle, x.tail) if x.tail is not None else (x.handle,):
+            try:
+                state = self.agent.check_xfer_state(h)
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, x.peer) from e
+            if state == "ERR":
+                raise TransferError(f"NIXL transfer from {x.peer!r} failed (state ERR)", peer=x.peer)
+            states.append(state)
+        if "PROC" in states:
+            return "PROC"
+        if x.tail is not None:
+            self._both_done(x)
+        return states[0]
 
     def settle(self, x: NixlXfer, timeout_s: float = 5.0) -> bool | None:
         """Wait up to ``timeout_s`` for the transfer to end: True if it completed (its notification went
         out), False if it failed, None if it is still in progress (do not free its memory yet)."""
         deadline = time.monotonic() + timeout_s
+        posted = True
         try:
             x.future.result(timeout=max(0.0, timeout_s))
         except FutureTimeout:
             return None
-        except Exception:  # noqa: BLE001 - the post failed
-            return False
+        except Exception:  # noqa: BLE001 - the post failed (a tail posted before it may still run)
+            posted = False
         while True:
-            try:
-                state = self.agent.check_xfer_state(x.handle)
-            except Exception:  # noqa: BLE001 - failed (e.g. remote disconnect)
-                return False
-            if state != "PROC":
-                return state == "DONE"
+            states = []
+            for h in (x.handle, x.tail):
+                if h is None:
+                    continue
+                try:
+                    states.append(self.agent.check_xfer_state(h))
+                except Exception:  # noqa: BLE001 - failed (e.g. remote disconnect)
+                    states.append("ERR")
+            if "PROC" not in states:
+                ok = posted and bool(states) and all(st == "DONE" for st in states)
+                if ok and x.tail is not None:
+                    self._both_done(x)
+                return ok
             if time.monotonic() > deadline:
                 return None
             time.sleep(1e-4)
@@ -342,9 +365,11 @@ class NixlTransport:
             return
         if not x.future.done():
             x.future.exception()  # wait for the post to finish before releasing its handle
-        if x.handle is not None:
+        for h in (x.handle, x.tail):
+            if h is None:
+                continue
             try:
-                self.agent.release_xfer_handle(x.handle)
+                self.agent.release_xfer_handle(h)
             except Exception:  # noqa: BLE001 - a dead peer's handle may refuse; NIXL frees it at teardown
                 pass
         x.released = True
