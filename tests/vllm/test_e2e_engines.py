@@ -83,6 +83,7 @@ CLEAN = _prompts(1)
 CLEAN_EXT = {"s1-300+40": CLEAN["s1-300"] + [random.Random(7).randrange(3, 512) for _ in range(40)]}
 HETERO = _prompts(2)
 CORRUPT = _prompts(3)
+WARMUP_PROMPT = list(range(3, 13))
 ALL_PROMPTS = {**CLEAN, **CLEAN_EXT, **HETERO, **CORRUPT}
 
 
@@ -105,6 +106,7 @@ class Cluster:
         }
         self.plan = ["ref", "prefill"] + decodes  # only the decodes the selected tests use
         self.done: set[str] = set()
+        self.warmup_s: dict[str, float] = {}
         self._fill()
 
     def _fill(self) -> None:
@@ -123,6 +125,13 @@ class Cluster:
             self.es.start(self.specs[name])
         e = self.es.engines[name]
         e.wait_ready(STARTUP_S)
+        if name not in self.warmup_s:
+            # the first forward of an engine is slow (a TP>1 engine compiles its vocab-parallel embedding even with
+            # --enforce-eager: many seconds with the worker blocked); do it outside the P/D path, with a prompt
+            # shorter than a block (nothing enters the prefix cache), no kv_transfer_params (no connector work)
+            t = time.monotonic()
+            e.generate(WARMUP_PROMPT, 2, timeout=STARTUP_S)
+            self.warmup_s[name] = time.monotonic() - t
         return e
 
     def release(self, name: str) -> None:
@@ -131,8 +140,8 @@ class Cluster:
         self._fill()
 
     def summary(self) -> str:
-        return ", ".join(f"{e.spec.name} {e.startup_s:.1f} s" if e.startup_s is not None else f"{e.spec.name} -"
-                         for e in self.es.engines.values())
+        return ", ".join(f"{e.spec.name} {e.startup_s:.1f} s (first request {self.warmup_s.get(e.spec.name, 0):.1f} s)"
+                         if e.startup_s is not None else f"{e.spec.name} -" for e in self.es.engines.values())
 
 
 @pytest.fixture(scope="module")
