@@ -125,6 +125,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.staging_bytes = int(extra.get("staging_bytes", 64 << 20))
         # a decode read that reaches the prefill before its worker registered the request retries this long
         self.lease_grace_s = float(extra.get("lease_grace_s", 5.0))
+        # decode endpoint options (kvbridge.DecodeEndpoint): timeouts on this engine's clock, transfer mode
+        self.decode_options = {k: type_(extra[k]) for k, type_ in (
+            ("handshake_timeout_s", float), ("stage_timeout_s", float), ("transfer_timeout_s", float),
+            ("transfer_mode", str)) if k in extra}
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
@@ -253,7 +257,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                                      staging_bytes=self.staging_bytes)
             self._server = _PrefillServer(self._prefill)
         if ktc.is_kv_consumer:
-            self._decode = kvbridge.DecodeEndpoint(engine, rank, self.engine_id, memory=memory)
+            self._decode = kvbridge.DecodeEndpoint(engine, rank, self.engine_id, memory=memory, **self.decode_options)
 
     def _blocks(self, ids_per_group, first_per_group=None) -> dict:
         """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
@@ -285,6 +289,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         for r in meta.recv.values():
             self._start_read(r, time.monotonic())
         self._retry_reads()
+        # send the acquire/stage requests now: the forward pass that follows can block this thread for
+        # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
+        self._decode.flush()
 
     def _start_read(self, r: RecvReq, started: float) -> None:
         import kvbridge
