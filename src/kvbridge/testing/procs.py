@@ -34,7 +34,7 @@ def _verify(obj, requests: list) -> dict:
     for req_num, req in requests:
         remote = obj.remotes.get(req.engine_id)
         lp = remote.lowered if remote is not None else _LOWERED[req.engine_id]
-        ranges = lp._validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        ranges = lp.validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
         needed += write_expected(expected, layout, req_num, ranges, req.decode_blocks)
     return {"mismatched_bytes": count_mismatches(buf, expected), "checked_bytes": int(buf.size),
             "needed_bytes": needed}
