@@ -147,7 +147,7 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
         hs, cnt = [], 0
         for d in descs:
             loc, rem = d.nixl_arrays(0, 0)
-            hs.append(api.initialize_xfer("READ", dec._xfer_descs(loc), dec._xfer_descs(rem), agents[d.prefill], b"x"))
+            hs.append(api.initialize_xfer("READ", dec.xfer_descs(loc), dec.xfer_descs(rem), agents[d.prefill], b"x"))
             cnt += d.count
         dt = time.perf_counter() - t
         for h in hs:

@@ -135,7 +135,7 @@ def publish(P: EngineProcs, jobs: list[Job], lease_s: float = 120.0) -> dict[str
                 w.conn.send(("add_request", (j.rid, j.req.prefill_blocks, lease_s, j.attempt), {}))
         for w in P.workers.values():
             for j in chunk:
-                attempts[j.rid] = w._recv(30)
+                attempts[j.rid] = w.recv(30)
                 assert attempts[j.rid] == j.attempt
     return attempts
 

@@ -172,10 +172,10 @@ class Worker:
 
     def ready(self, timeout: float = 120.0) -> dict:
         if self.info is None:
-            self.info = self._recv(timeout)
+            self.info = self.recv(timeout)
         return self.info
 
-    def _recv(self, timeout: float):
+    def recv(self, timeout: float):
         if self.broken:
             raise WorkerError(f"{self.role} rank {self.rank} missed an earlier answer; its replies are out of step")
         if not self.conn.poll(timeout):
@@ -194,7 +194,7 @@ class Worker:
             self.conn.send((cmd, args, kwargs))
         except (BrokenPipeError, OSError):
             raise WorkerError(f"{self.role} rank {self.rank} process is gone") from None
-        return self._recv(timeout)
+        return self.recv(timeout)
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.is_alive():
@@ -244,7 +244,7 @@ class EngineProcs:
     def call_all(self, cmd: str, *args, **kwargs) -> dict:
         for w in self.workers.values():
             w.conn.send((cmd, args, kwargs))
-        return {r: w._recv(300.0) for r, w in self.workers.items()}
+        return {r: w.recv(300.0) for r, w in self.workers.items()}
 
     def stop(self) -> None:
         for w in self.workers.values():

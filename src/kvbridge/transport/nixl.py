@@ -181,7 +181,7 @@ class NixlTransport:
         return frozenset(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    def _xfer_descs(self, arr: np.ndarray):
+    def xfer_descs(self, arr: np.ndarray):
         d = self.agent.get_xfer_descs(arr, self.mem_type)
         if d is None:
             raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
@@ -201,7 +201,7 @@ class NixlTransport:
     def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes) -> NixlXfer:
         def post(x: NixlXfer):
             local, remote = arrays()
-            x.handle = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer, notif)
+            x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local), self.xfer_descs(remote), peer, notif)
             return self._start(x.handle, peer)
         return self._submit_post(peer, count, nbytes, post)
 
@@ -271,7 +271,7 @@ class NixlTransport:
             if req.tail is not None:
                 local, remote = Descriptors(prep.geometry.prank, *req.tail).nixl_arrays(
                     self.device_id, prep.geometry.remote_dev)
-                h = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer,
+                h = self.agent.initialize_xfer("READ", self.xfer_descs(local), self.xfer_descs(remote), peer,
                                                b"" if main else notif)
                 if not main:
                     x.handle = h
