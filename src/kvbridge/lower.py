@@ -112,12 +112,12 @@ def _merge_chunks(outer: _Outer, mergeable: bool):
     c, r = sc.size, sr.size
     if outer.run_major and outer.uniform:
         L = int(outer.nbytes[0])
-        join = (np.diff(sc) == L) & (np.diff(dc) == L)  # chunk k-1 -> k merges, in every run
         cross = (sr[:-1] + sc[-1] + L == sr[1:] + sc[0]) & (dr[:-1] + dc[-1] + L == dr[1:] + dc[0])
         if not cross.any():
-            if not join.any():
+            # every run of the template merges the same way across chunks: merge the chunk bases once
+            starts = run_starts(sc, dc, L)
+            if starts.size == c:
                 return outer
-            starts = np.flatnonzero(np.concatenate(([True], ~join)))
             seg = np.diff(np.append(starts, c)) * L
             return ((sr[:, None] + sc[starts][None, :]).ravel(), (dr[:, None] + dc[starts][None, :]).ravel(),
                     np.tile(seg, r))
@@ -215,20 +215,30 @@ class Descriptors:
         return f"Descriptors(prefill={self.prefill}, count={self.count}, total_bytes={self.total_bytes})"
 
 
+def run_starts(src: np.ndarray, dst: np.ndarray, nbytes, key: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the descriptors that start a merged run: descriptor ``i`` continues ``i-1`` when it is
+    contiguous with it on both sides (and, with ``key``, has the same key). ``nbytes``: an array, or
+    one length for every descriptor. The one merge rule: :func:`merge_adjacent` and the chunk-level
+    merge of the lowering both use it."""
+    n = src.size
+    if n <= 1:
+        return np.zeros(min(n, 1), dtype=np.int64)
+    prev = nbytes if np.ndim(nbytes) == 0 else nbytes[:-1]
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(src[1:], src[:-1] + prev, out=brk[1:])
+    brk[1:] |= dst[1:] != dst[:-1] + prev
+    if key is not None:
+        brk[1:] |= key[1:] != key[:-1]
+    return np.flatnonzero(brk)
+
+
 def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, key: np.ndarray | None = None):
     """Merge consecutive descriptors contiguous on both sides (vectorised). With ``key``, only
     descriptors with equal keys merge (the same registered regions and strides on both sides)."""
     if src.size <= 1:
         return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
-    end_s = src[:-1] + nbytes[:-1]
-    end_d = dst[:-1] + nbytes[:-1]
-    brk = np.empty(src.size, dtype=bool)
-    brk[0] = True
-    np.not_equal(src[1:], end_s, out=brk[1:])
-    brk[1:] |= dst[1:] != end_d
-    if key is not None:
-        brk[1:] |= key[1:] != key[:-1]
-    starts = np.flatnonzero(brk)
+    starts = run_starts(src, dst, nbytes, key)
     if starts.size == src.size:
         return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
     out = (src[starts], dst[starts], np.add.reduceat(nbytes, starts))
@@ -489,8 +499,10 @@ class LoweredPlan:
                 continue
             tpl = self.template(low, ntok)
             cs = start + np.arange(count, dtype=np.int64) * g
-            s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride + base_s
-            d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride + base_d
+            pblk, poff = pb.locate(cs, bsp)
+            dblk, doff = db.locate(cs, bsd)
+            s_chunk = pblk * pr.block_stride + poff * pr.token_stride + base_s
+            d_chunk = dblk * dr.block_stride + doff * dr.token_stride + base_d
             parts.append(_merge_chunks(_Outer(s_chunk, d_chunk, tpl), tpl.mergeable))
         return parts
 

@@ -171,8 +171,10 @@ class PreparedGeometry:
             n_full, tail = divmod(t1 - t0, g)
             if n_full:
                 cs = t0 + np.arange(n_full, dtype=np.int64) * g
-                pos_r = ((cs % bsp) // g) * pre.p_nb + pb.block_ids[cs // bsp - pb.first_block]
-                pos_l = ((cs % bsd) // g) * pre.d_nb + db.block_ids[cs // bsd - db.first_block]
+                pblk, poff = pb.locate(cs, bsp)
+                dblk, doff = db.locate(cs, bsd)
+                pos_r = (poff // g) * pre.p_nb + pblk
+                pos_l = (doff // g) * pre.d_nb + dblk
                 for parts, run, pos in ((r_parts, run_r, pos_r), (l_parts, run_l, pos_l)):
                     out = np.empty((pre.runs, n_full) if pre.run_major else (n_full, pre.runs), dtype=dt)
                     if pre.run_major:
@@ -185,8 +187,9 @@ class PreparedGeometry:
                 pr = lo.p_mem(low.read.prefill).region(gname)
                 dr = lo.d_mem.region(gname)
                 c = t0 + n_full * g
-                s = int(pb.block_ids[c // bsp - pb.first_block]) * pr.block_stride + (c % bsp) * pr.token_stride
-                d = int(db.block_ids[c // bsd - db.first_block]) * dr.block_stride + (c % bsd) * dr.token_stride
+                (pblk, poff), (dblk, doff) = pb.locate(c, bsp), db.locate(c, bsd)
+                s = int(pblk) * pr.block_stride + poff * pr.token_stride
+                d = int(dblk) * dr.block_stride + doff * dr.token_stride
                 tails.append((t.src_rel + (s + base_s), t.dst_rel + (d + base_d), t.nbytes))
         cat = lambda xs: np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.empty(0, dt))  # noqa: E731
         tail = None

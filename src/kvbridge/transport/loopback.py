@@ -60,13 +60,13 @@ class LoopbackTransport:
         if self._regions.pop(int(addr), None) is not None:
             self.stats.regions_deregistered += 1
 
-    def register(self, buf: np.ndarray) -> int:
-        if not buf.flags.c_contiguous:
-            raise ValueError("register a contiguous buffer")
-        return self.register_region(buf.ctypes.data, buf.nbytes)
+    def register(self, buf) -> int:
+        from ..tensors import buffer_region
+        return self.register_region(*buffer_region(buf))
 
-    def deregister(self, buf: np.ndarray) -> None:
-        self.deregister_region(buf.ctypes.data)
+    def deregister(self, buf) -> None:
+        from ..tensors import buffer_region
+        self.deregister_region(buffer_region(buf)[0])
 
     # ---- peers ---------------------------------------------------------------------------------
     def metadata(self) -> bytes:

@@ -118,13 +118,10 @@ class NixlTransport:
         self.stats = NixlStats()
 
     # ---- memory & peers ----------------------------------------------------------------------
-    def register(self, buf: np.ndarray) -> int:
-        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
-        size = int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
-        descs = np.array([[addr, size, self.device_id]], dtype=np.uint64)
-        self._regs[addr] = self.agent.register_memory(descs, self.mem_type)
-        self.stats.regions_registered += 1
-        return addr
+    def register(self, buf) -> int:
+        """Register a contiguous buffer (numpy array, or torch tensor on its own device) as one region."""
+        from ..tensors import buffer_region
+        return self.register_region(*buffer_region(buf))
 
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
         """Register ``nbytes`` at ``addr`` (host DRAM for "cpu", VRAM for "cuda:N") as one region."""
@@ -142,11 +139,8 @@ class NixlTransport:
             self.stats.regions_deregistered += 1
 
     def deregister(self, buf) -> None:
-        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
-        reg = self._regs.pop(addr, None)
-        if reg is not None:
-            self.agent.deregister_memory(reg)
-            self.stats.regions_deregistered += 1
+        from ..tensors import buffer_region
+        self.deregister_region(buffer_region(buf)[0])
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
