@@ -53,6 +53,7 @@ class Prepared:
     local: object = None
     remote: object = None
     released: bool = False
+    remote_type: str | None = None  # the transport's memory kind of the remote list (NIXL: DRAM or VRAM)
 
 
 @dataclass

@@ -83,12 +83,13 @@ def direct_reads(preps: dict | None, remote, req, direct) -> dict:
     return out
 
 
-def post(transport, agent: str, d, notif: bytes):
+def post(transport, agent: str, d, notif: bytes, remote_device=None):
     """Post one direct read. ``d``: a :class:`PreppedWork` or :class:`~kvbridge.lower.Descriptors`, or
     decode.py's cancellable wrapper of either (``.d`` the wrapped read, ``.cancelled`` checked on the post
-    thread before anything is handed to the transport's library)."""
+    thread before anything is handed to the transport's library). ``remote_device``: where the prefill
+    rank's memory lives (prepared lists know it from the handshake)."""
     w = getattr(d, "d", d)
     if isinstance(w, PreppedWork):
         return transport.read_prepped(w.prep, w.ranges, w.prefill_blocks, w.decode_blocks, notif,
                                       (w.count, w.total_bytes), cancel=None if w is d else d)
-    return transport.read_descs(agent, d, notif)
+    return transport.read_descs(agent, d, notif, remote_device=remote_device)

@@ -135,10 +135,10 @@ class LoopbackTransport:
         self.stats.handles_created += 1
         return h
 
-    def read(self, peer, remote, local, nbytes, notif=b""):
+    def read(self, peer, remote, local, nbytes, notif=b"", remote_device=None):
         return self._copy(peer, remote, local, nbytes, notif)
 
-    def read_descs(self, peer, descs, notif=b""):
+    def read_descs(self, peer, descs, notif=b"", remote_device=None):
         if getattr(descs, "cancelled", False):
             raise TransferError("read cancelled before it was posted", peer=peer)
         d = getattr(descs, "d", descs)  # decode.py hands reads over in a cancellable wrapper (``.d``)
