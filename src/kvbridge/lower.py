@@ -442,8 +442,8 @@ class LoweredPlan:
         """Validate one request and return the token range ``(t0, t1)`` per group read (``(0, 1)`` for a
         state group); raises :class:`RequestError` before anything moves.
 
-        The per-request check on the caller's thread: one reduction per block-id array (the ids viewed
-        as unsigned, so a negative id is out of range too) and integer arithmetic; the precise error
+        The per-request check on the caller's thread: ``argmax`` and ``argmin`` per block-id array
+        (:func:`ids_in_range`) and integer arithmetic; the precise error
         message is worked out only when a check fails."""
         ranges = {}
         pnb, dnb = self.prefill.num_blocks, self.decode.num_blocks

@@ -62,7 +62,7 @@ def release(transport, preps: dict | None) -> None:
 def direct_reads(preps: dict | None, remote, req, direct) -> dict:
     """{prefill rank: PreppedWork | Descriptors} for the direct ranks of ``req``; raises RequestError.
 
-    The caller's thread: the request is validated once (one reduction per block-id array, integer
+    The caller's thread: the request is validated once (argmax/argmin per block-id array, integer
     arithmetic; :meth:`~kvbridge.lower.LoweredPlan.validate`, also when every rank is staged) and each
     prepared rank gets its sizes by arithmetic; index arrays are built on the post thread. Ranks without
     prepared lists take the old path (descriptors lowered here)."""
