@@ -69,7 +69,7 @@ LAYOUTS = ("flash_attn_hnd", "cross_layer", "universal")
 ALLOCS = ("contiguous", "shuffled")
 
 
-def _engines(sc: Scenario, layout: str, num_blocks: int):
+def engines(sc: Scenario, layout: str, num_blocks: int):
     model = load_model(sc.model)
     mk = lambda side, tp, pp: EngineLayout(model, tp=tp, pp=pp, block_size=sc.block_size,  # noqa: E731
                                            memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role=side)
@@ -101,7 +101,7 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
 
     n_req = ceil_div(sc.tokens, sc.block_size)
     num_blocks = n_req + n_req // 4 + 4
-    prefill, decode = _engines(sc, layout, num_blocks)
+    prefill, decode = engines(sc, layout, num_blocks)
     plan = plan_transfer(prefill, decode)
     lp0 = LoweredPlan(plan, DECODE_RANK)  # buffer-relative offsets (bases 0)
     needed = plan.prefill_ranks_for(DECODE_RANK)
@@ -248,8 +248,8 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
                 for d in descs:  # what the post thread does: NIXL's Nx3 arrays, then its descriptor lists
                     local, remote = d.nixl_arrays(0, 0)
                     if transport is not None:
-                        transport._xfer_descs(local)
-                        transport._xfer_descs(remote)
+                        transport.xfer_descs(local)
+                        transport.xfer_descs(remote)
                 t2 = time.perf_counter()
                 t_low.append((t1 - t0) * 1e6)
                 t_all.append((t2 - t0) * 1e6)

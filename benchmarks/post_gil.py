@@ -59,7 +59,7 @@ def main() -> None:
     def merged(phases):
         for d in lp.descriptors(TOKENS, pb, db):
             loc, rem = d.nixl_arrays(0, 0)
-            h = api.initialize_xfer("READ", dec._xfer_descs(loc), dec._xfer_descs(rem), agents[d.prefill], b"")
+            h = api.initialize_xfer("READ", dec.xfer_descs(loc), dec.xfer_descs(rem), agents[d.prefill], b"")
             api.release_xfer_handle(h)
 
     for name, fn in (("prepped", prepped), ("merged", merged)):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main() -> int:
     import numpy as np
 
-    from bench import DECODE_RANK, SCENARIOS, _engines
+    from bench import DECODE_RANK, SCENARIOS, engines
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan
     from kvbridge.plan import plan_transfer
@@ -46,7 +46,7 @@ def main() -> int:
     a = ap.parse_args()
     sc = next(s for s in SCENARIOS if s.name == a.scenario)
     n_req = ceil_div(sc.tokens, sc.block_size)
-    prefill, decode = _engines(sc, a.layout, n_req + n_req // 4 + 4)
+    prefill, decode = engines(sc, a.layout, n_req + n_req // 4 + 4)
     plan = plan_transfer(prefill, decode)
     needed = plan.prefill_ranks_for(DECODE_RANK)
     rng = np.random.default_rng(0)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main() -> int:
     import numpy as np
 
-    from bench import ALLOCS, DECODE_RANK, SCENARIOS, _engines
+    from bench import ALLOCS, DECODE_RANK, SCENARIOS, engines
     from kvbridge.cost import CostModel, choose_modes, pair_shapes, request_chunks, request_modes
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan
@@ -33,7 +33,7 @@ def main() -> int:
     for row in rows:
         sc = next(s for s in SCENARIOS if s.name == row["scenario"])
         n = ceil_div(sc.tokens, sc.block_size)
-        p, d = _engines(sc, row["layout"], n + n // 4 + 4)
+        p, d = engines(sc, row["layout"], n + n // 4 + 4)
         plan = plan_transfer(p, d)
         lp = LoweredPlan(plan, DECODE_RANK)
         modes = sorted({m.mode for m in choose_modes(plan, cm) if m.decode == DECODE_RANK})

@@ -6,7 +6,7 @@ over real registered memory (address space reserved with MAP_NORESERVE; in-proce
 ``transfer()`` is not called: the bytes (GBs at 32k tokens) would not fit this machine, and the copy is
 the same for both systems. The two systems alternate request by request; medians and minima.
 
-* kvbridge prepped: ``PreparedGeometry.validate`` + ``size`` (the caller's thread), then ``request`` (index
+* kvbridge prepped: ``runtime.prepped_hook.direct_reads`` (the caller's thread: validate + sizes), then ``request`` (index
   arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided).
 * kvbridge merged: ``LoweredPlan.descriptors`` (merges in Python) + Nx3 + ``get_xfer_descs`` x2 +
   ``initialize_xfer`` (the old path), to decide which is faster.
@@ -121,16 +121,20 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
             api.release_xfer_handle(h)
         return dt, cnt
 
+    from kvbridge.runtime.prepped_hook import direct_reads
+    remote_stub = SimpleNamespace(lowered=lp)
+    req_stub = SimpleNamespace(num_tokens=tokens, prefill_blocks=pb, decode_blocks=db)
+
     def run_prepped():
         t = time.perf_counter()
-        # caller's thread (what runtime/prepped_hook.direct_reads does): validate once, sizes by arithmetic
-        ranges = preps[pranks[0]].geometry.validate(tokens, pb, db)
-        works = [(p, ranges, preps[p].geometry.size(ranges)) for p in pranks]
+        # caller's thread: the runtime's own hand-over (runtime/prepped_hook.direct_reads): validate once,
+        # sizes by arithmetic, one PreppedWork per prefill rank
+        works = direct_reads(preps, remote_stub, req_stub, pranks)
         t_caller = time.perf_counter() - t
         hs, cnt = [], 0
-        for p, ranges, _ in works:  # the post thread's part (run inline here)
-            req = preps[p].geometry.request(ranges, pb, db)
-            hs.append(api.make_prepped_xfer("READ", preps[p].local, req.local_ids, preps[p].remote, req.remote_ids, b"x"))
+        for p, w in works.items():  # the post thread's part (run inline here)
+            req = w.prep.geometry.request(w.ranges, w.prefill_blocks, w.decode_blocks)
+            hs.append(api.make_prepped_xfer("READ", w.prep.local, req.local_ids, w.prep.remote, req.remote_ids, b"x"))
             cnt += req.local_ids.size
         dt = time.perf_counter() - t
         for h in hs:
@@ -143,7 +147,7 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
         hs, cnt = [], 0
         for d in descs:
             loc, rem = d.nixl_arrays(0, 0)
-            hs.append(api.initialize_xfer("READ", dec._xfer_descs(loc), dec._xfer_descs(rem), agents[d.prefill], b"x"))
+            hs.append(api.initialize_xfer("READ", dec.xfer_descs(loc), dec.xfer_descs(rem), agents[d.prefill], b"x"))
             cnt += d.count
         dt = time.perf_counter() - t
         for h in hs:

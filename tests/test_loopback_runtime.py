@@ -19,6 +19,39 @@ _n = itertools.count()
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("prepped", [True, False])
 def test_loopback_ranks_read_release_and_notify(mode, prepped, monkeypatch):
+    _loopback_read(mode, prepped, monkeypatch)
+
+
+@pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl")])
+def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
+    """KV memory given as (CPU) torch tensors: both ranks' staging buffers are torch tensors on the
+    memory's device (registered from the tensor) and pack/scatter run as torch index/copy operations
+    there: the code path of CUDA tensors (where the buffers are VRAM), byte-exact here; over the
+    loopback transport and over NIXL agents (in-process)."""
+    torch = pytest.importorskip("torch")
+    if over == "nixl":
+        from kvbridge.transport.nixl import NixlTransport, nixl_available
+        if not nixl_available():
+            pytest.skip("NIXL not installed")
+        monkeypatch.setattr("test_loopback_runtime.LoopbackTransport",
+                            lambda name, reg: NixlTransport(name, multi_threaded=not name.startswith("pl")))
+    from kvbridge import staging
+    calls = []
+    real = staging._copy_runs_torch
+    monkeypatch.setattr(staging, "_copy_runs_torch", lambda *a: (calls.append(a[1].device.type), real(*a))[1])
+    pres, dec = _loopback_read(mode, True, monkeypatch, torch=torch)
+    assert dec.transport.name == over
+    for r in (*pres, dec):
+        assert isinstance(r.staging, torch.Tensor) and r.staging.device == torch.device("cpu")
+        assert r.staging_bytes == r.staging.numel() > 0 or (r is dec and mode == "direct")  # direct: none
+    if mode == "staged":
+        assert dec.metrics.staged_transfers > 0
+        assert calls and set(calls) == {"cpu"}  # every pack and scatter went through torch
+    else:
+        assert not calls
+
+
+def _loopback_read(mode, prepped, monkeypatch, torch=None):
     from kvbridge.runtime import prepped_hook
     monkeypatch.setattr(prepped_hook, "ENABLED", prepped)
     reg = LoopbackRegistry()
@@ -26,12 +59,13 @@ def test_loopback_ranks_read_release_and_notify(mode, prepped, monkeypatch):
     pl, dl = layout("prefill", 2, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=7)
     jobs.engine("pl", pl)
-    pres = [PrefillRank(pl, (0, r), memory=default_memory(pl, (0, r)), engine_id="pl",
+    pres = [PrefillRank(pl, (0, r), memory=default_memory(pl, (0, r), torch=torch), engine_id="pl",
                         transport=LoopbackTransport(f"pl{k}-{r}", reg)) for r in range(2)]
     dec = None
     try:
         with served(pres[0]) as lock0, served(pres[1]) as lock1:
-            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dl", transfer_mode=mode,
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0), torch=torch), engine_id="dl",
+                             transfer_mode=mode,
                              transport=LoopbackTransport(f"dl{k}", reg))
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pl", {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)})
@@ -62,3 +96,4 @@ def test_loopback_ranks_read_release_and_notify(mode, prepped, monkeypatch):
     assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed
     assert s.dlists_prepared == s.dlists_released
     assert s.regions_registered == s.regions_deregistered
+    return pres, dec

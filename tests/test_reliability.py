@@ -137,7 +137,7 @@ def publish(P: EngineProcs, jobs: list[Job], lease_s: float = 120.0) -> dict[str
                 w.conn.send(("add_request", (j.rid, j.req.prefill_blocks, lease_s, j.attempt), {}))
         for w in P.workers.values():
             for j in chunk:
-                attempts[j.rid] = w._recv(30)
+                attempts[j.rid] = w.recv(30)
                 assert attempts[j.rid] == j.attempt
     return attempts
 
@@ -1446,20 +1446,20 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
 def test_stage_request_failing_while_packing_does_not_stop_the_prefill(monkeypatch):
     """Packing raises (a bug, corrupt state): the prefill answers that one stage request with an error
     and keeps serving; the decode reads that request directly; the next request is staged normally."""
-    import kvbridge.staging as staging
+    from kvbridge.runtime.memhost import KVBytes
     pl, dl = layout("prefill", 1, 64), layout("decode", 2, 64)
     jobs = Jobs(dl, seed=16)
     jobs.engine("pf", pl)
     js = jobs.make("pf", 2, lengths=[40, 40], prefix_p=0.0)
-    real_pack, calls = staging.pack, []
+    real_pack, calls = KVBytes.pack, []
 
-    def flaky_pack(*a, **k):
+    def flaky_pack(*a, **k):  # the prefill packs through its KV memory's KVBytes
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected packing failure")
         return real_pack(*a, **k)
 
-    monkeypatch.setattr(staging, "pack", flaky_pack)
+    monkeypatch.setattr(KVBytes, "pack", flaky_pack)
     pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pf")
     try:
         with served(pre) as lock, inproc_decode(dl, "df", transfer_mode="staged") as dec:

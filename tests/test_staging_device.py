@@ -68,3 +68,37 @@ def test_staging_does_not_import_torch():
             "o = np.zeros(8, np.uint8); staging.pack(a, np.array([0, 8]), np.array([4, 4]), o); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=None)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_rank_kv_bytes_pack_and_scatter_across_many_allocations(kind):
+    """The runtime's byte access to an engine's KV memory (``memhost.KVBytes``): one allocation per layer,
+    runs of every allocation in shuffled order; pack then scatter reproduces the bytes, through numpy for
+    numpy arrays and through torch (the CUDA code path) for torch tensors."""
+    import kvbridge
+    from kvbridge.runtime.memhost import KVBytes, to_host
+    from kvbridge.tensors import host_view
+    from kvbridge.testing.engines import allocate
+    eng = kvbridge.EngineLayout(kvbridge.load_model("tiny-dense"), tp=1, block_size=16, num_blocks=8)
+    layers = allocate(eng, (0, 0), "separate").layers
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        layers = {lay: kvbridge.LayerKV(torch.from_numpy(s.tensor), s.axes) for lay, s in layers.items()}
+    mem = kvbridge.describe_memory(eng, (0, 0), layers)
+    assert len(mem.allocations) > 1
+    rng = np.random.default_rng(3)
+    for a in mem.allocations:
+        host_view(a.addr, a.nbytes)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    src = np.concatenate([a.addr + rng.choice(a.nbytes // 256, 6, replace=False) * 256 for a in mem.allocations])
+    src = rng.permutation(src).astype(np.int64)
+    nbytes = rng.integers(1, 5, src.size).astype(np.int64) * 64
+    want = np.concatenate([host_view(int(s), int(n)).copy() for s, n in zip(src, nbytes)])
+    kv = KVBytes(mem)
+    assert (kv.torch is not None) == (kind == "torch")
+    stg = kv.new_staging(int(nbytes.sum()) + 128)
+    assert kv.pack(src, nbytes, stg, 128) == int(nbytes.sum())
+    assert np.array_equal(to_host(stg)[128:], want)
+    for a in mem.allocations:
+        host_view(a.addr, a.nbytes)[:] = 0
+    kv.scatter(stg, src, nbytes, 128)
+    assert np.array_equal(np.concatenate([host_view(int(s), int(n)) for s, n in zip(src, nbytes)]), want)

@@ -46,6 +46,16 @@ class GroupBlocks:
     def of(ids, first_block: int = 0) -> "GroupBlocks":
         return GroupBlocks(np.asarray(ids, dtype=np.int64), first_block)
 
+    # ---- token arithmetic (the one place that maps tokens to blocks) ---------------------------------
+    def tokens(self, block_size: int, num_tokens: int) -> tuple[int, int]:
+        """The token range ``[t0, t1)`` these blocks hold for a request of ``num_tokens`` tokens."""
+        return (self.first_block * block_size,
+                min((self.first_block + self.block_ids.size) * block_size, num_tokens))
+
+    def locate(self, tokens, block_size: int):
+        """(block id, offset in the block) of token position(s) ``tokens`` (an int or an int64 array)."""
+        return self.block_ids[tokens // block_size - self.first_block], tokens % block_size
+
 
 class _Outer:
     """Runs ``template run r`` x ``chunk c`` in factored form: src = src_rel[r] + s_chunk[c] (same for dst),
@@ -102,12 +112,12 @@ def _merge_chunks(outer: _Outer, mergeable: bool):
     c, r = sc.size, sr.size
     if outer.run_major and outer.uniform:
         L = int(outer.nbytes[0])
-        join = (np.diff(sc) == L) & (np.diff(dc) == L)  # chunk k-1 -> k merges, in every run
         cross = (sr[:-1] + sc[-1] + L == sr[1:] + sc[0]) & (dr[:-1] + dc[-1] + L == dr[1:] + dc[0])
         if not cross.any():
-            if not join.any():
+            # every run of the template merges the same way across chunks: merge the chunk bases once
+            starts = run_starts(sc, dc, L)
+            if starts.size == c:
                 return outer
-            starts = np.flatnonzero(np.concatenate(([True], ~join)))
             seg = np.diff(np.append(starts, c)) * L
             return ((sr[:, None] + sc[starts][None, :]).ravel(), (dr[:, None] + dc[starts][None, :]).ravel(),
                     np.tile(seg, r))
@@ -205,20 +215,30 @@ class Descriptors:
         return f"Descriptors(prefill={self.prefill}, count={self.count}, total_bytes={self.total_bytes})"
 
 
+def run_starts(src: np.ndarray, dst: np.ndarray, nbytes, key: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the descriptors that start a merged run: descriptor ``i`` continues ``i-1`` when it is
+    contiguous with it on both sides (and, with ``key``, has the same key). ``nbytes``: an array, or
+    one length for every descriptor. The one merge rule: :func:`merge_adjacent` and the chunk-level
+    merge of the lowering both use it."""
+    n = src.size
+    if n <= 1:
+        return np.zeros(min(n, 1), dtype=np.int64)
+    prev = nbytes if np.ndim(nbytes) == 0 else nbytes[:-1]
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(src[1:], src[:-1] + prev, out=brk[1:])
+    brk[1:] |= dst[1:] != dst[:-1] + prev
+    if key is not None:
+        brk[1:] |= key[1:] != key[:-1]
+    return np.flatnonzero(brk)
+
+
 def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, key: np.ndarray | None = None):
     """Merge consecutive descriptors contiguous on both sides (vectorised). With ``key``, only
     descriptors with equal keys merge (the same registered regions and strides on both sides)."""
     if src.size <= 1:
         return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
-    end_s = src[:-1] + nbytes[:-1]
-    end_d = dst[:-1] + nbytes[:-1]
-    brk = np.empty(src.size, dtype=bool)
-    brk[0] = True
-    np.not_equal(src[1:], end_s, out=brk[1:])
-    brk[1:] |= dst[1:] != end_d
-    if key is not None:
-        brk[1:] |= key[1:] != key[:-1]
-    starts = np.flatnonzero(brk)
+    starts = run_starts(src, dst, nbytes, key)
     if starts.size == src.size:
         return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
     out = (src[starts], dst[starts], np.add.reduceat(nbytes, starts))
@@ -346,10 +366,16 @@ class LoweredPlan:
             low = _ReadLowering(read, groups.index(read.group), g.per_token, plan.group_layers(read), {},
                                 self.group_chunks.get(g.name, 1), self.prefill.block_size_of(g),
                                 self.decode.block_size_of(g))
-            self._template(low, low.chunk)
+            self.template(low, low.chunk)
             self.by_prefill[read.prefill].append(low)
+        read = {l.read.group for lows in self.by_prefill.values() for l in lows}
+        # (group name, per-token, prefill and decode block size, sliding window) of every group this decode
+        # rank reads, in model order: what :meth:`validate` needs per request, looked up once
+        self._read_groups = tuple((g.name, g.per_token, self.prefill.block_size_of(g), self.decode.block_size_of(g),
+                                   _window(g)) for g in self.prefill.model.groups if g.name in read)
 
-    def _template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
+    def template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
+        """The chunk template of ``ntok`` tokens of one read (built and cached on first use)."""
         t = low.templates.get(ntok)
         if t is None:
             t = low.templates[ntok] = build_template(self.p_mem(low.read.prefill), self.d_mem, low.read, low.layers, ntok)
@@ -368,35 +394,38 @@ class LoweredPlan:
         """Validated token range [t0, t1) the decode side needs for a per-token group."""
         gname = self.prefill.model.groups[group_index].name
         bsp, bsd = self.prefill.block_size_of(gname), self.decode.block_size_of(gname)
-        nd, npf = decode.block_ids.size, prefill.block_ids.size
-        t0 = decode.first_block * bsd
-        t1 = min((decode.first_block + nd) * bsd, num_tokens)
-        if nd and t1 <= t0:
+        window = _window(self.prefill.model.groups[group_index])
+        r = _token_range(num_tokens, bsp, bsd, prefill, decode, window)
+        if r is None:
+            self._raise_token_range(gname, num_tokens, bsp, bsd, prefill, decode, window)
+        return r
+
+    def _raise_token_range(self, gname: str, num_tokens: int, bsp: int, bsd: int, prefill: GroupBlocks,
+                           decode: GroupBlocks, window):
+        nd = decode.block_ids.size
+        t0, t1 = decode.tokens(bsd, num_tokens)
+        if t1 <= t0:
             raise RequestError(f"group {gname!r}: decode blocks start at token {t0} but the request has only "
                                f"{num_tokens} tokens; send at most {ceil_div(num_tokens, bsd)} blocks in total")
-        if nd and decode.first_block + nd > ceil_div(num_tokens, bsd):
+        if decode.first_block + nd > ceil_div(num_tokens, bsd):
             raise RequestError(f"group {gname!r}: decode has {decode.first_block}+{nd} blocks of {bsd} tokens "
                                f"but the request has {num_tokens} tokens; allocate {ceil_div(num_tokens, bsd)} blocks")
-        p0, p1 = prefill.first_block * bsp, min((prefill.first_block + npf) * bsp, num_tokens)
-        g = self.prefill.model.groups[group_index]
-        if nd and t0 < p0 and g.kind == "sliding_window" and p0 <= max(0, num_tokens - g.sliding_window + 1):
-            # the prefill's window already dropped tokens [.., p0) that the decode's blocks still cover:
-            # no later token attends to them, so they are not read (their slots keep what they hold)
-            t0 = min(p0, t1)
-        if nd and (t0 < p0 or t1 > p1):
-            raise RequestError(f"group {gname!r}: decode needs tokens [{t0}, {t1}) but the prefill sent blocks "
-                               f"for tokens [{p0}, {p1}); the decode request has more blocks than the prefill sent")
-        return t0, (t1 if nd else t0)
+        p0, p1 = prefill.tokens(bsp, num_tokens)
+        t0 = _window_start(t0, t1, p0, num_tokens, window)
+        raise RequestError(f"group {gname!r}: decode needs tokens [{t0}, {t1}) but the prefill sent blocks "
+                           f"for tokens [{p0}, {p1}); the decode request has more blocks than the prefill sent")
 
     def descriptors(self, num_tokens: int, prefill_blocks: dict[str, GroupBlocks],
-                    decode_blocks: dict[str, GroupBlocks], only=None) -> list[Descriptors]:
+                    decode_blocks: dict[str, GroupBlocks], only=None, ranges=None) -> list[Descriptors]:
         """Descriptors of one request, one :class:`Descriptors` per prefill rank of this decode rank
         (only those in ``only`` if given).
 
         Raises :class:`RequestError` (before anything moves) on missing groups, out-of-range block
-        ids, or a decode side asking for tokens the prefill did not send.
+        ids, or a decode side asking for tokens the prefill did not send. ``ranges``: what
+        :meth:`validate` returned for this request (skips validating it again).
         """
-        ranges = self._validate(num_tokens, prefill_blocks, decode_blocks)
+        if ranges is None:
+            ranges = self.validate(num_tokens, prefill_blocks, decode_blocks)
         out = []
         for prank, lows in self.by_prefill.items():
             if only is not None and prank not in only:
@@ -409,30 +438,44 @@ class LoweredPlan:
             out.append(Descriptors(prank, parts=parts))
         return out
 
-    def _validate(self, num_tokens, prefill_blocks, decode_blocks):
+    def validate(self, num_tokens: int, prefill_blocks: dict, decode_blocks: dict) -> dict:
+        """Validate one request and return the token range ``(t0, t1)`` per group read (``(0, 1)`` for a
+        state group); raises :class:`RequestError` before anything moves.
+
+        The per-request check on the caller's thread: ``argmax`` and ``argmin`` per block-id array
+        (:func:`ids_in_range`) and integer arithmetic; the precise error
+        message is worked out only when a check fails."""
         ranges = {}
-        for gi, g in enumerate(self.prefill.model.groups):
-            if g.name not in {l.read.group for lows in self.by_prefill.values() for l in lows}:
-                continue
-            for side, blocks, eng in (("prefill", prefill_blocks, self.prefill), ("decode", decode_blocks, self.decode)):
-                b = blocks.get(g.name)
-                if b is None:
-                    raise RequestError(f"request has no {side} block ids for group {g.name!r}; "
-                                       f"give one list per group: {[x.name for x in eng.model.groups]}")
-                ids = b.block_ids
-                if ids.size and (ids.min() < 0 or ids.max() >= eng.num_blocks):
-                    bad = ids[(ids < 0) | (ids >= eng.num_blocks)][:3].tolist()
-                    raise RequestError(f"{side} block ids {bad} of group {g.name!r} are out of range "
-                                       f"[0, {eng.num_blocks}); use ids of blocks the {side} engine allocated")
-            if g.per_token:
-                ranges[g.name] = self.token_range(gi, num_tokens, prefill_blocks[g.name], decode_blocks[g.name])
+        pnb, dnb = self.prefill.num_blocks, self.decode.num_blocks
+        for gname, per_token, bsp, bsd, window in self._read_groups:
+            pb, db = prefill_blocks.get(gname), decode_blocks.get(gname)
+            if pb is None or db is None or not ids_in_range(pb.block_ids, pnb) or not ids_in_range(db.block_ids, dnb):
+                self._raise_invalid(gname, prefill_blocks, decode_blocks)
+            if per_token:
+                r = _token_range(num_tokens, bsp, bsd, pb, db, window)
+                if r is None:
+                    self._raise_token_range(gname, num_tokens, bsp, bsd, pb, db, window)
+                ranges[gname] = r
             else:
-                for side, b in (("prefill", prefill_blocks[g.name]), ("decode", decode_blocks[g.name])):
-                    if b.block_ids.size != 1:
-                        raise RequestError(f"Mamba group {g.name!r} needs exactly one {side} state slot id per "
-                                           f"request, got {b.block_ids.size}")
-                ranges[g.name] = (0, 1)
+                if pb.block_ids.size != 1 or db.block_ids.size != 1:
+                    side, b = ("prefill", pb) if pb.block_ids.size != 1 else ("decode", db)
+                    raise RequestError(f"Mamba group {gname!r} needs exactly one {side} state slot id per "
+                                       f"request, got {b.block_ids.size}")
+                ranges[gname] = (0, 1)
         return ranges
+
+    def _raise_invalid(self, gname: str, prefill_blocks: dict, decode_blocks: dict):
+        for side, blocks, eng in (("prefill", prefill_blocks, self.prefill), ("decode", decode_blocks, self.decode)):
+            b = blocks.get(gname)
+            if b is None:
+                raise RequestError(f"request has no {side} block ids for group {gname!r}; "
+                                   f"give one list per group: {[x.name for x in eng.model.groups]}")
+            ids = b.block_ids
+            if not ids_in_range(ids, eng.num_blocks):
+                bad = ids[(ids < 0) | (ids >= eng.num_blocks)][:3].tolist()
+                raise RequestError(f"{side} block ids {bad} of group {gname!r} are out of range "
+                                   f"[0, {eng.num_blocks}); use ids of blocks the {side} engine allocated")
+        raise AssertionError("unreachable: the request passed every check")
 
     def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks, base_s: int = 0,
                     base_d: int = 0) -> list:
@@ -454,16 +497,18 @@ class LoweredPlan:
         for start, count, ntok in ((t0, n_full, g), (t0 + n_full * g, 1 if tail else 0, tail)):
             if not count:
                 continue
-            tpl = self._template(low, ntok)
+            tpl = self.template(low, ntok)
             cs = start + np.arange(count, dtype=np.int64) * g
-            s_chunk = pb.block_ids[cs // bsp - pb.first_block] * pr.block_stride + (cs % bsp) * pr.token_stride + base_s
-            d_chunk = db.block_ids[cs // bsd - db.first_block] * dr.block_stride + (cs % bsd) * dr.token_stride + base_d
+            pblk, poff = pb.locate(cs, bsp)
+            dblk, doff = db.locate(cs, bsd)
+            s_chunk = pblk * pr.block_stride + poff * pr.token_stride + base_s
+            d_chunk = dblk * dr.block_stride + doff * dr.token_stride + base_d
             parts.append(_merge_chunks(_Outer(s_chunk, d_chunk, tpl), tpl.mergeable))
         return parts
 
     def needed_bytes(self, num_tokens, prefill_blocks, decode_blocks) -> int:
         """Bytes of the decode rank's box for this request (what an ideal transfer moves)."""
-        ranges = self._validate(num_tokens, prefill_blocks, decode_blocks)
+        ranges = self.validate(num_tokens, prefill_blocks, decode_blocks)
         total = 0
         for g in self.decode.model.groups:
             if g.name not in ranges:
@@ -474,13 +519,40 @@ class LoweredPlan:
         return total
 
 
-# ---- helpers for prepared descriptor lists (kvbridge.prepped); issue 14 --------------------------------
-def chunk_template(lowered: LoweredPlan, low: _ReadLowering, ntok: int) -> ChunkTemplate:
-    """The chunk template of ``ntok`` tokens of one read of ``lowered`` (built and cached on first use)."""
-    return lowered._template(low, ntok)
+def ids_in_range(ids: np.ndarray, n: int) -> bool:
+    """Every id in ``[0, n)``. ``argmax``/``argmin`` rather than ``min``/``max``: numpy's arg functions
+    are a plain loop, its reductions go through the ufunc machinery, which costs tens of microseconds
+    when the caller's caches are cold (as they are between an engine's steps)."""
+    if not ids.size:
+        return True
+    return ids.item(ids.argmax()) < n and ids.item(ids.argmin()) >= 0
 
 
-def request_ranges(lowered: LoweredPlan, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
-    """Validate one request against ``lowered`` (as :meth:`LoweredPlan.descriptors` does) and return the
-    token range ``(t0, t1)`` per group; raises :class:`RequestError`."""
-    return lowered._validate(num_tokens, prefill_blocks, decode_blocks)
+def _window(g) -> int | None:
+    """The sliding window of a sliding-window group (None for any other)."""
+    return g.sliding_window if g.kind == "sliding_window" else None
+
+
+def _window_start(t0: int, t1: int, p0: int, num_tokens: int, window) -> int:
+    """Where the decode's read starts in a sliding-window group: tokens ``[t0, p0)`` that the prefill's
+    window already dropped are not read (no later token attends to them; their slots keep what they
+    hold)."""
+    if window is not None and t0 < p0 and p0 <= max(0, num_tokens - window + 1):
+        return min(p0, t1)
+    return t0
+
+
+def _token_range(num_tokens: int, bsp: int, bsd: int, prefill: GroupBlocks, decode: GroupBlocks, window=None):
+    """The token range [t0, t1) the decode side needs for a per-token group, or None if the request is
+    inconsistent (:meth:`LoweredPlan.token_range` says why)."""
+    nd = decode.block_ids.size
+    t0, t1 = decode.tokens(bsd, num_tokens)
+    if not nd:
+        return t0, t0
+    if t1 <= t0 or decode.first_block + nd > -(-num_tokens // bsd):
+        return None
+    p0, p1 = prefill.tokens(bsp, num_tokens)
+    t0 = _window_start(t0, t1, p0, num_tokens, window)
+    if t0 < p0 or t1 > p1:
+        return None
+    return t0, t1

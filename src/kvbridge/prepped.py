@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .lower import LoweredPlan, chunk_template, request_ranges
+from .lower import LoweredPlan
 
 INT32_MAX = (1 << 31) - 1
 # chunk sizes up to this many tokens get every partial-chunk template built at handshake (g - 1 of them)
@@ -53,6 +53,7 @@ class Prepared:
     local: object = None
     remote: object = None
     released: bool = False
+    remote_type: str | None = None  # the transport's memory kind of the remote list (NIXL: DRAM or VRAM)
 
 
 @dataclass
@@ -87,12 +88,12 @@ class PreparedGeometry:
             pr, dr = p_mem.region(low.read.group), lowered.d_mem.region(low.read.group)
             g = low.chunk
             if low.per_token:
-                tpl = chunk_template(lowered, low, g)
+                tpl = lowered.template(low, g)
                 p_k, d_k = pr.tokens_per_block // g, dr.tokens_per_block // g
                 p_step, d_step = g * pr.token_stride, g * dr.token_stride
                 p_bs, d_bs = pr.block_stride, dr.block_stride
             else:  # a state slot: each run has its component's slot stride
-                tpl = chunk_template(lowered, low, 1)
+                tpl = lowered.template(low, 1)
                 p_k = d_k = 1
                 p_step = d_step = 0
                 p_bs = tpl.src_bs if tpl.src_bs is not None else pr.block_stride
@@ -119,7 +120,7 @@ class PreparedGeometry:
         for low, pre, _ in self.reads:  # partial last chunks: build their templates now, not per request
             if pre.per_token and low.chunk <= PRECOMPUTE_TAILS_UP_TO:
                 for ntok in range(1, low.chunk):
-                        chunk_template(lowered, low, ntok)
+                    lowered.template(low, ntok)
         self.remote_rows = np.concatenate(rrows) if rrows else np.empty((0, 5), np.uint64)
         self.local_rows = np.concatenate(lrows) if lrows else np.empty((0, 5), np.uint64)
         self.remote_entries, self.local_entries = p_off, d_off
@@ -128,7 +129,7 @@ class PreparedGeometry:
     # ---- per request -------------------------------------------------------------------------
     def validate(self, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
         """Validated token ranges per group (raises :class:`~kvbridge.errors.RequestError`); cheap."""
-        return request_ranges(self.lowered, num_tokens, prefill_blocks, decode_blocks)
+        return self.lowered.validate(num_tokens, prefill_blocks, decode_blocks)
 
     def size(self, ranges) -> tuple[int, int]:
         """(descriptors before merging, bytes) of a validated request: arithmetic only."""
@@ -144,7 +145,7 @@ class PreparedGeometry:
             count += n_full * pre.runs
             nbytes += n_full * pre.run_bytes
             if tail:
-                t = chunk_template(self.lowered, low, tail)
+                t = self.lowered.template(low, tail)
                 count += int(t.nbytes.size)
                 nbytes += int(t.nbytes.sum())
         return count, nbytes
@@ -171,8 +172,10 @@ class PreparedGeometry:
             n_full, tail = divmod(t1 - t0, g)
             if n_full:
                 cs = t0 + np.arange(n_full, dtype=np.int64) * g
-                pos_r = ((cs % bsp) // g) * pre.p_nb + pb.block_ids[cs // bsp - pb.first_block]
-                pos_l = ((cs % bsd) // g) * pre.d_nb + db.block_ids[cs // bsd - db.first_block]
+                pblk, poff = pb.locate(cs, bsp)
+                dblk, doff = db.locate(cs, bsd)
+                pos_r = (poff // g) * pre.p_nb + pblk
+                pos_l = (doff // g) * pre.d_nb + dblk
                 for parts, run, pos in ((r_parts, run_r, pos_r), (l_parts, run_l, pos_l)):
                     out = np.empty((pre.runs, n_full) if pre.run_major else (n_full, pre.runs), dtype=dt)
                     if pre.run_major:
@@ -181,12 +184,13 @@ class PreparedGeometry:
                         np.add(pos.astype(dt)[:, None], run.astype(dt)[None, :], out=out)
                     parts.append(out.ravel())
             if tail:
-                t = chunk_template(lo, low, tail)
+                t = lo.template(low, tail)
                 pr = lo.p_mem(low.read.prefill).region(gname)
                 dr = lo.d_mem.region(gname)
                 c = t0 + n_full * g
-                s = int(pb.block_ids[c // bsp - pb.first_block]) * pr.block_stride + (c % bsp) * pr.token_stride
-                d = int(db.block_ids[c // bsd - db.first_block]) * dr.block_stride + (c % bsd) * dr.token_stride
+                (pblk, poff), (dblk, doff) = pb.locate(c, bsp), db.locate(c, bsd)
+                s = int(pblk) * pr.block_stride + poff * pr.token_stride
+                d = int(dblk) * dr.block_stride + doff * dr.token_stride
                 tails.append((t.src_rel + (s + base_s), t.dst_rel + (d + base_d), t.nbytes))
         cat = lambda xs: np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.empty(0, dt))  # noqa: E731
         tail = None

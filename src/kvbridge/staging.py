@@ -197,15 +197,16 @@ def _copy_runs_torch(torch, dst_buf, dst, src_buf, src, nbytes) -> None:
     if dst_buf.device != src_buf.device:
         raise ValueError(f"staging copies stay on one device: {src_buf.device} -> {dst_buf.device}")
     dev = dst_buf.device
-    bits = np.bitwise_or.reduce(np.concatenate([src, dst, nbytes, [dst_buf.numel(), src_buf.numel()]]).astype(np.int64))
-    u = int(bits & -bits) if bits else 4096
-    u = min(u, 4096)
+    bits = int(np.bitwise_or.reduce(np.concatenate([src, dst, nbytes]).astype(np.int64)))
+    u = min(int(bits & -bits) if bits else 4096, 4096)
     pieces = nbytes // u
     first = np.cumsum(pieces) - pieces
     k = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(first, pieces)
     si = np.repeat(src // u, pieces) + k
     di = np.repeat(dst // u, pieces) + k
-    s2, d2 = src_buf.view(-1, u), dst_buf.view(-1, u)
+    # rows of u bytes (a trailing part shorter than a row holds no run: runs start and end on rows)
+    s2 = src_buf[:src_buf.numel() // u * u].view(-1, u)
+    d2 = dst_buf[:dst_buf.numel() // u * u].view(-1, u)
     s_packed = si.size and si[-1] - si[0] == si.size - 1 and np.all(np.diff(si) == 1)
     d_packed = di.size and di[-1] - di[0] == di.size - 1 and np.all(np.diff(di) == 1)
     if s_packed and d_packed:

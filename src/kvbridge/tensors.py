@@ -87,6 +87,21 @@ def _device_name(device: str) -> str:
     raise LayoutError(f"device {device!r}: use 'cpu' or 'cuda:N'")
 
 
+def buffer_region(buf) -> tuple[int, int, str]:
+    """``(addr, nbytes, device)`` of a contiguous buffer (numpy array or torch tensor) to register."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("register a contiguous buffer")
+        return int(buf.ctypes.data), int(buf.nbytes), "cpu"
+    if is_torch_tensor(buf):
+        if not buf.is_contiguous():
+            raise ValueError("register a contiguous buffer")
+        dev = buf.device
+        device = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size()), device
+    raise TypeError(f"cannot register {type(buf).__name__}: give a numpy array or a torch tensor")
+
+
 def host_view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy view of host memory ``[addr, addr+nbytes)`` (no copy, nothing touched)."""
     import ctypes

@@ -23,7 +23,7 @@ from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
 from ..tensors import host_view
-from .memhost import check_memory, host_span, register_memory, transport_device
+from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, to_host, transport_device
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.nixl import NixlTransport
 from . import prepped_hook as _prepped_hook
@@ -202,9 +202,13 @@ class DecodeRank:
         self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}", post_threads=post_threads,
                                                     **transport_device(self.mem))
         register_memory(self.transport, self.mem)
-        self._host, self._host_base = host_span(self.mem)
-        if self._host is None and transfer_mode != "direct":
-            transfer_mode = "direct"  # staged scatter needs host-addressable memory (GPU: direct reads)
+        # staged reads scatter on the KV memory's own device (torch ops for torch tensors, CPU or CUDA)
+        self._kv = KVBytes(self.mem)
+        if not self._kv.usable and transfer_mode != "direct":
+            log.warning("decode rank %s: KV memory on %s given by address and torch is not loaded: no staged "
+                        "reads (direct only); describe the memory with torch tensors to stage on the device",
+                        self.rank, self.mem.device)
+            transfer_mode = "direct"
         from ..cost import CostModel
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
         self.stage_segment_bytes = int(stage_segment_bytes)
@@ -212,10 +216,11 @@ class DecodeRank:
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()
-        self.staging = np.empty(staging_bytes if transfer_mode != "direct" else 0, dtype=np.uint8)
-        self.staging.fill(0)  # touch every page now, not on the first request's critical path
-        self.staging_addr = self.transport.register(self.staging) if self.staging.size else 0
-        self.slots = SlotAllocator(self.staging.size)
+        # the staging buffer lives on the KV memory's device (registered as VRAM there when on a GPU)
+        self.staging = self._kv.new_staging(staging_bytes if transfer_mode != "direct" else 0)
+        self.staging_bytes = staging_nbytes(self.staging)
+        self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
+        self.slots = SlotAllocator(self.staging_bytes)
         self.ctx = zmq.Context.instance()
         self.remotes: dict[str, RemoteEngine] = {}
         self._prepped: dict[str, dict] = {}  # [i14] engine id -> {prefill rank: prepared lists}
@@ -306,7 +311,7 @@ class DecodeRank:
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
-                     if metas[p].staging_bytes and self.staging.size and self.transfer_mode != "direct"}
+                     if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != "direct"}
         socks = {}
         for prank in plan.prefill_ranks_for(self.rank):  # acquire (direct) or stage requests
             sock = self.ctx.socket(zmq.DEALER)
@@ -337,7 +342,7 @@ class DecodeRank:
     def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
         """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
         reads = plan.prefill_ranks_for(self.rank)
-        if self.transfer_mode == "direct" or not self.staging.size:
+        if self.transfer_mode == "direct" or not self.staging_bytes:
             return {p: "direct" for p in reads}
         if self.transfer_mode == "staged":
             chosen = {p: "staged" for p in reads}
@@ -458,7 +463,8 @@ class DecodeRank:
         """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
         until the post thread reaches it); its Done rides on the read."""
         c = _Cancellable(d)
-        x = _prepped_hook.post(self.transport, f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill))  # [i14]
+        x = _prepped_hook.post(self.transport, f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill),
+                               remote_device=_device_of(f.remote, rr.prefill))
         self._track(f, rr, _Read(rr.prefill, x, d.total_bytes, cancel=c), d.count)
 
     def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int) -> None:
@@ -569,7 +575,7 @@ class DecodeRank:
         # no notification on segment reads: Done is sent once every segment is read (the prefill frees
         # its staging slot on Done, and segments may complete out of order)
         x = self.transport.read(f.remote.agents[prank], one * msg.addr, one * (self.staging_addr + st.slot + msg.offset),
-                                one * msg.nbytes, b"")
+                                one * msg.nbytes, b"", remote_device=_device_of(f.remote, prank))
         self._track(f, rr, _Read(prank, x, int(msg.nbytes), st.slot + msg.offset, (st.dst[a:b], st.nbytes[a:b])), 1)
 
     def _direct_fallback(self, f: _InFlight, rr: _RankRead) -> None:
@@ -584,10 +590,9 @@ class DecodeRank:
 
     def _scatter(self, r: _Read) -> None:
         """Staging -> KV buffer for one staged segment (runs on a post thread)."""
-        from ..staging import scatter
         t0 = time.perf_counter()
         dst, nbytes = r.runs
-        scatter(self.staging, self._host, dst - self._host_base, nbytes, r.slot)
+        self._kv.scatter(self.staging, dst, nbytes, r.slot)
         self.metrics.scatter_seconds_sum += time.perf_counter() - t0
 
     def _notify(self, agent: str, msg: bytes) -> None:
@@ -909,7 +914,7 @@ class DecodeRank:
         """Force direct/staged/auto for later handshakes (forgets cached engines so they re-handshake)."""
         if mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {mode!r}")
-        if mode != "direct" and not self.staging.size:
+        if mode != "direct" and not self.staging_bytes:
             raise ValueError("this decode rank was created without a staging buffer (transfer_mode='direct')")
         self.transfer_mode = mode
         for eid in list(self.remotes):
@@ -918,19 +923,27 @@ class DecodeRank:
     def runs_digest(self, req: ReadRequest) -> str:
         """sha256 of the request's destination runs in this rank's buffer (to compare direct and staged)."""
         import hashlib
-        from ..staging import pack
         descs = self.remotes[req.engine_id].lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
         h = hashlib.sha256()
         for d in descs:
-            out = np.empty(d.total_bytes, dtype=np.uint8)
-            pack(self._host, d.dst - self._host_base, d.nbytes, out)
-            h.update(out.tobytes())
+            out = self._kv.new_staging(d.total_bytes)
+            self._kv.pack(d.dst, d.nbytes, out, 0)
+            h.update(to_host(out).tobytes())
         return h.hexdigest()
 
     def clear(self, value: int = 0xA5) -> None:
         """Benchmarks/tests: set every byte of the KV memory to ``value``."""
+        if self._kv.torch is not None:  # torch memory (CPU or CUDA): one byte tensor per allocation
+            for b in self._kv.bufs:
+                b.fill_(value)
+            return
         for a in self.mem.allocations:
             host_view(a.addr, a.nbytes).fill(value)
+
+
+def _device_of(remote: RemoteEngine, prank: Rank) -> str:
+    """The device of a prefill rank's KV memory and staging buffer ("cpu" or "cuda:N"), from its handshake."""
+    return getattr(remote.lowered.p_mem(prank), "device", "cpu")
 
 
 def _is_disconnect(e: TransferError) -> bool:

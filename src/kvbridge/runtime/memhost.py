@@ -1,13 +1,15 @@
 """What a rank does with the engine's KV memory: check it, register it, address it for copies."""
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import numpy as np
 
 from ..errors import LayoutError
 from ..layout import engine_to_dict
 from ..memory import KVMemory
-from ..tensors import host_view
+from ..tensors import host_view, is_torch_tensor
 
 _enc = msgspec.msgpack.Encoder()
 
@@ -55,6 +57,123 @@ def host_span(mem: KVMemory) -> tuple[np.ndarray | None, int]:
     lo = mem.allocations[0].addr
     hi = max(a.end for a in mem.allocations)
     return host_view(lo, hi - lo), lo
+
+
+def torch_of(mem: KVMemory):
+    """The torch module when the engine described ``mem`` with torch tensors (never imported here)."""
+    return next((sys.modules["torch"] for t in mem.keepalive if is_torch_tensor(t)), None)
+
+
+class _CudaBytes:
+    """``__cuda_array_interface__`` of ``nbytes`` device bytes at ``addr``: ``torch.as_tensor`` wraps it
+    without a copy (an allocation of the engine's, known by address)."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "strides": None, "version": 3}
+
+
+class KVBytes:
+    """The rank's KV memory as byte buffers for staged copies, on the memory's own device.
+
+    Memory the engine described with torch tensors (CPU or CUDA) is seen as one uint8 torch tensor per
+    registered allocation on that device, and the staging buffer is a torch tensor there too: pack and
+    scatter are torch index/copy operations on the device (:func:`kvbridge.staging.copy_runs`), the
+    same code for CPU and CUDA tensors. Other host memory (numpy arrays, raw host regions) is one numpy
+    view over its span and a numpy staging buffer. Runs are given by absolute address; a run never
+    crosses an allocation (lowering never merges across two)."""
+
+    def __init__(self, mem: KVMemory):
+        self.device = mem.device
+        self.torch = torch_of(mem)
+        self.cuda = self.device != "cpu"
+        if self.torch is None:
+            if self.cuda:  # device memory known only by address (RawRegion): torch if the engine loaded it
+                self.torch = sys.modules.get("torch")
+                if self.torch is None:
+                    self.bases = self.bufs = None
+                    return
+            else:
+                buf, lo = host_span(mem)
+                self.bases, self.bufs = np.array([lo], np.int64), [buf]
+                return
+        torch = self.torch
+        self.bases = np.array([a.addr for a in mem.allocations], np.int64)
+        if self.cuda:
+            self.bufs = [torch.as_tensor(_CudaBytes(a.addr, a.nbytes), device=self.device) for a in mem.allocations]
+        else:
+            self.bufs = [torch.from_numpy(host_view(a.addr, a.nbytes)) for a in mem.allocations]
+
+    @property
+    def usable(self) -> bool:
+        """Staged copies can run on this memory (False: device memory and no torch)."""
+        return self.bufs is not None
+
+    def new_staging(self, nbytes: int):
+        """A staging buffer of ``nbytes`` on the memory's device, every page touched now (not on the first
+        request's critical path): a torch tensor there for torch memory, else a numpy array."""
+        if self.torch is not None:
+            return self.torch.zeros(int(nbytes), dtype=self.torch.uint8, device=self.device)
+        out = np.empty(int(nbytes), dtype=np.uint8)
+        out.fill(0)
+        return out
+
+    def _groups(self, addrs: np.ndarray):
+        """(buffer, addresses relative to it, run indices or None) per allocation the runs at ``addrs`` lie
+        in: one stable sort, so many allocations (a tensor per layer) cost O(runs log runs), not a pass
+        over the runs per allocation."""
+        if len(self.bufs) == 1:
+            return [(self.bufs[0], addrs - self.bases[0], None)]
+        which = np.searchsorted(self.bases, addrs, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        w = which[order]
+        edges = [0, *(np.flatnonzero(np.diff(w)) + 1).tolist(), w.size]
+        out = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            idx = order[a:b]
+            i = int(w[a])
+            out.append((self.bufs[i], addrs[idx] - self.bases[i], idx))
+        return out
+
+    def pack(self, src: np.ndarray, nbytes: np.ndarray, staging, offset: int) -> int:
+        """Runs ``(src absolute, nbytes)`` one after the other into ``staging`` from ``offset``; returns the
+        bytes packed, the copy finished (a CUDA stream is synchronised: a peer reads the buffer next)."""
+        from ..staging import copy_runs, offsets
+        nbytes = np.asarray(nbytes, np.int64)
+        total = int(nbytes.sum())
+        if offset + total > staging_nbytes(staging):
+            raise ValueError(f"staging buffer too small: {offset + total} bytes needed, "
+                             f"{staging_nbytes(staging)} available")
+        pos = offsets(nbytes) + offset
+        for buf, rel, m in self._groups(np.asarray(src, np.int64)):
+            copy_runs(staging, pos if m is None else pos[m], buf, rel, nbytes if m is None else nbytes[m])
+        self._sync()
+        return total
+
+    def scatter(self, staging, dst: np.ndarray, nbytes: np.ndarray, offset: int) -> int:
+        """Inverse of :meth:`pack`: the packed runs of ``staging`` from ``offset`` to ``dst`` (absolute);
+        returns when the bytes are in the KV memory."""
+        from ..staging import copy_runs, offsets
+        nbytes = np.asarray(nbytes, np.int64)
+        pos = offsets(nbytes) + offset
+        for buf, rel, m in self._groups(np.asarray(dst, np.int64)):
+            copy_runs(buf, rel, staging, pos if m is None else pos[m], nbytes if m is None else nbytes[m])
+        self._sync()
+        return int(nbytes.sum())
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.current_stream(self.torch.device(self.device)).synchronize()
+
+
+def staging_nbytes(buf) -> int:
+    """Bytes of a staging buffer (numpy array or torch tensor)."""
+    return int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
+
+
+def to_host(buf) -> np.ndarray:
+    """A host numpy copy or view of a staging buffer (for checks and digests)."""
+    return buf if isinstance(buf, np.ndarray) else buf.detach().cpu().numpy()
 
 
 def wire_key(d: dict) -> bytes:

@@ -53,7 +53,7 @@ class Metrics:
                 setattr(self, k, getattr(self, k) + v)
 
 
-_HELP = {
+HELP = {
     "transfers": ("counter", "KV transfers posted (one per request and prefill rank)"),
     "transfer_bytes": ("counter", "bytes moved by KV transfers"),
     "descriptors": ("counter", "NIXL descriptors posted"),
@@ -93,7 +93,7 @@ def to_prometheus(d: dict, labels: dict[str, str] | None = None, prefix: str = "
     lab = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in (labels or {}).items())
     lab = "{" + lab + "}" if lab else ""
     lines = []
-    for k, (typ, help_) in _HELP.items():
+    for k, (typ, help_) in HELP.items():
         if k in d:
             name = prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else "")
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name}{lab} {d[k]}"]

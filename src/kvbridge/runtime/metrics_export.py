@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .metrics import _HELP, Metrics, escape_label_value
+from .metrics import HELP, Metrics, escape_label_value
 
 # stats() keys outside "metrics": (family suffix, type, help)
 _GAUGES = {
@@ -74,7 +74,7 @@ def _families(stats_by_rank: dict, prefix: str):
     for key, st in stats_by_rank.items():
         labels = rank_labels(key)
         m = st.get("metrics", {})
-        for k, (typ, help_) in _HELP.items():
+        for k, (typ, help_) in HELP.items():
             if k in m:
                 add(prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else ""), typ, help_,
                     labels, m[k])

@@ -13,10 +13,10 @@ import zmq
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..plan import plan_transfer
-from ..errors import LayoutError, TransferError
+from ..errors import LayoutError
 from ..memory import KVMemory
 from ..tensors import host_view
-from .memhost import check_memory, host_span, register_memory, transport_device, wire_key
+from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, transport_device, wire_key
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
 from ..errors import KVBridgeError
@@ -89,17 +89,24 @@ class PrefillRank:
         self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False,
                                                     **transport_device(self.mem))
         register_memory(self.transport, self.mem)
-        self._host, self._host_base = host_span(self.mem)
-        # staged transfers: runs packed here for one decode rank, read with one descriptor
-        self.staging = np.empty(staging_bytes, dtype=np.uint8)
-        self.staging.fill(0)  # touch every page now, not on the first request's critical path
-        self.staging_addr = self.transport.register(self.staging) if staging_bytes else 0
-        self.slots = SlotAllocator(staging_bytes)
+        # staged transfers: runs packed here for one decode rank, read with one descriptor. The staging
+        # buffer lives on the KV memory's device (VRAM there on a GPU) and packing runs there (torch ops
+        # for torch tensors, CPU or CUDA; numpy for other host memory)
+        self._kv = KVBytes(self.mem)
+        if not self._kv.usable and staging_bytes:
+            log.warning("prefill rank %s: KV memory on %s given by address and torch is not loaded: no staging "
+                        "(decode ranks read directly); describe the memory with torch tensors to stage on the "
+                        "device", self.rank, self.mem.device)
+            staging_bytes = 0
+        self.staging = self._kv.new_staging(staging_bytes) if staging_bytes else np.empty(0, np.uint8)
+        self.staging_bytes = staging_nbytes(self.staging)
+        self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
+        self.slots = SlotAllocator(self.staging_bytes)
         # per-peer quota: one decode engine's staging slots (all its ranks together) hold at most this
         # share of the buffer, so a slow, stuck or dead decode engine cannot starve the others
         if not 0 < staging_peer_share <= 1:
             raise ValueError(f"staging_peer_share must be in (0, 1], not {staging_peer_share!r}")
-        self.staging_peer_bytes = int(staging_bytes * staging_peer_share)
+        self.staging_peer_bytes = int(self.staging_bytes * staging_peer_share)
         # (decode layout, decode rank) -> (LoweredPlan, decode engine that caused it): LRU, bounded in
         # total and per decode engine
         self._lowered: OrderedDict = OrderedDict()
@@ -321,7 +328,7 @@ class PrefillRank:
         self._remember(self._digests, metadata_digest(md), True, 8)
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
-                             self.staging.size))
+                             self.staging_bytes))
 
     def _stage(self, msg: Stage, envelope: list[bytes]):
         """Answer a stage request: pack this rank's runs of a request for one decode rank into the staging
@@ -381,7 +388,6 @@ class PrefillRank:
     def _pack_into_slot(self, msg: Stage, d):
         """Allocate a staging slot and return a generator of Staged replies that packs segment by
         segment; None when there is no free slot of the size needed."""
-        from ..staging import pack as pack_runs
         from ..staging import segment_bounds
         total = d.total_bytes if d is not None else 0
         slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
@@ -398,7 +404,7 @@ class PrefillRank:
             bounds = segment_bounds(d.nbytes, msg.segment_bytes)
             pos = 0
             for i, (a, b) in enumerate(bounds):
-                n = pack_runs(self._kv_view(), d.src[a:b] - self._host_base, d.nbytes[a:b], self.staging, off + pos)
+                n = self._kv.pack(d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
                 yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1,
                              self._ttl(lease))
                 pos += n
@@ -458,12 +464,6 @@ class PrefillRank:
         self.transport.close()
 
     # ---- benchmarks ------------------------------------------------------------------------------
-    def _kv_view(self) -> np.ndarray:
-        if self._host is None:
-            raise TransferError(f"prefill rank {self.rank}: staged transfers need host-addressable KV memory "
-                                f"(memory is on {self.mem.device}); use transfer_mode='direct'")
-        return self._host
-
     def fill_random(self, seed: int = 0) -> None:
         """Benchmarks: fill the KV memory with a random pattern (period 16 MiB + 4099 B)."""
         pat = np.random.default_rng(seed).integers(0, 256, (16 << 20) + 4099, dtype=np.uint8)

@@ -14,13 +14,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..lower import request_ranges
-
 log = logging.getLogger(__name__)
 ENABLED = os.environ.get("KVBRIDGE_PREPPED", "1") != "0"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PreppedWork:
     """A validated request for one prefill rank, to post through prepared lists (duck-types the
     ``prefill``/``count``/``total_bytes`` of :class:`~kvbridge.lower.Descriptors`)."""
@@ -62,29 +60,36 @@ def release(transport, preps: dict | None) -> None:
 
 
 def direct_reads(preps: dict | None, remote, req, direct) -> dict:
-    """{prefill rank: PreppedWork | Descriptors} for the direct ranks of ``req``; raises RequestError."""
+    """{prefill rank: PreppedWork | Descriptors} for the direct ranks of ``req``; raises RequestError.
+
+    The caller's thread: the request is validated once (argmax/argmin per block-id array, integer
+    arithmetic; :meth:`~kvbridge.lower.LoweredPlan.validate`, also when every rank is staged) and each
+    prepared rank gets its sizes by arithmetic; index arrays are built on the post thread. Ranks without
+    prepared lists take the old path (descriptors lowered here)."""
     lowered = remote.lowered
-    rest = [p for p in direct if p not in (preps or {})]
-    out = {}
-    if rest or not direct:
-        out = {d.prefill: d for d in lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks,
-                                                          only=rest)}
-    todo = [p for p in direct if p not in out and p in (preps or {})]
-    if todo:
-        ranges = request_ranges(lowered, req.num_tokens, req.prefill_blocks, req.decode_blocks)
-        for p in todo:
-            prep = preps[p]
-            count, nbytes = prep.geometry.size(ranges)
-            out[p] = PreppedWork(p, prep, ranges, req.prefill_blocks, req.decode_blocks, count, nbytes)
+    ranges = lowered.validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+    out, rest = {}, None
+    for p in direct:
+        prep = preps.get(p) if preps else None
+        if prep is None:
+            rest = [p] if rest is None else rest + [p]
+            continue
+        count, nbytes = prep.geometry.size(ranges)
+        out[p] = PreppedWork(p, prep, ranges, req.prefill_blocks, req.decode_blocks, count, nbytes)
+    if rest:
+        for d in lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=rest,
+                                         ranges=ranges):
+            out[d.prefill] = d
     return out
 
 
-def post(transport, agent: str, d, notif: bytes):
+def post(transport, agent: str, d, notif: bytes, remote_device=None):
     """Post one direct read. ``d``: a :class:`PreppedWork` or :class:`~kvbridge.lower.Descriptors`, or
     decode.py's cancellable wrapper of either (``.d`` the wrapped read, ``.cancelled`` checked on the post
-    thread before anything is handed to the transport's library)."""
+    thread before anything is handed to the transport's library). ``remote_device``: where the prefill
+    rank's memory lives (prepared lists know it from the handshake)."""
     w = getattr(d, "d", d)
     if isinstance(w, PreppedWork):
         return transport.read_prepped(w.prep, w.ranges, w.prefill_blocks, w.decode_blocks, notif,
                                       (w.count, w.total_bytes), cancel=None if w is d else d)
-    return transport.read_descs(agent, d, notif)
+    return transport.read_descs(agent, d, notif, remote_device=remote_device)

@@ -35,7 +35,7 @@ def _verify(obj, requests: list) -> dict:
     for req_num, req in requests:
         remote = obj.remotes.get(req.engine_id)
         lp = remote.lowered if remote is not None else _LOWERED[req.engine_id]
-        ranges = lp._validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
+        ranges = lp.validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
         needed += write_expected(expected, layout, req_num, ranges, req.decode_blocks)
     return {"mismatched_bytes": count_mismatches(buf, expected), "checked_bytes": int(buf.size),
             "needed_bytes": needed}
@@ -200,10 +200,10 @@ class Worker:
 
     def ready(self, timeout: float = 120.0) -> dict:
         if self.info is None:
-            self.info = self._recv(timeout)
+            self.info = self.recv(timeout)
         return self.info
 
-    def _recv(self, timeout: float):
+    def recv(self, timeout: float):
         if self.broken:
             raise WorkerError(f"{self.role} rank {self.rank} missed an earlier answer; its replies are out of step")
         if not self.conn.poll(timeout):
@@ -222,7 +222,7 @@ class Worker:
             self.conn.send((cmd, args, kwargs))
         except (BrokenPipeError, OSError):
             raise WorkerError(f"{self.role} rank {self.rank} process is gone") from None
-        return self._recv(timeout)
+        return self.recv(timeout)
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.is_alive():
@@ -272,7 +272,7 @@ class EngineProcs:
     def call_all(self, cmd: str, *args, **kwargs) -> dict:
         for w in self.workers.values():
             w.conn.send((cmd, args, kwargs))
-        return {r: w._recv(300.0) for r, w in self.workers.items()}
+        return {r: w.recv(300.0) for r, w in self.workers.items()}
 
     def stop(self) -> None:
         for w in self.workers.values():

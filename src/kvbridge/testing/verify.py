@@ -122,7 +122,7 @@ def verify(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 4, s
                 transport.release(h)
                 res.descriptors += d.count
                 res.bytes_moved += d.total_bytes
-            ranges = lp._validate(n, req.prefill_blocks, req.decode_blocks)
+            ranges = lp.validate(n, req.prefill_blocks, req.decode_blocks)
             res.bytes_needed += write_expected(expected[r], rank_memory(decode, *r), i, ranges, req.decode_blocks)
         res.requests += 1
     for r in decode.ranks():

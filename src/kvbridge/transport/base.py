@@ -42,8 +42,9 @@ class Transport(Protocol):
 
     def deregister_region(self, addr: int) -> None: ...
 
-    def register(self, buf: np.ndarray) -> int:
-        """Convenience: register a contiguous array's bytes; returns its base address."""
+    def register(self, buf) -> int:
+        """Convenience: register a contiguous buffer (numpy array, or torch tensor on its device, e.g. a
+        staging buffer) as one region; returns its base address."""
 
     def deregister(self, buf: np.ndarray) -> None: ...
 
@@ -61,10 +62,11 @@ class Transport(Protocol):
 
     # ---- reads ---------------------------------------------------------------------------------
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
-             notif: bytes = b"") -> XferHandle:
-        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory) to ``local[i]``."""
+             notif: bytes = b"", remote_device: str | None = None) -> XferHandle:
+        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory on ``remote_device``, "cpu"
+        or "cuda:N") to ``local[i]``."""
 
-    def read_descs(self, peer: str, descs, notif: bytes = b"") -> XferHandle:
+    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: str | None = None) -> XferHandle:
         """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local)."""
 
     def prepare(self, peer: str, lowered, prank):

@@ -60,13 +60,13 @@ class LoopbackTransport:
         if self._regions.pop(int(addr), None) is not None:
             self.stats.regions_deregistered += 1
 
-    def register(self, buf: np.ndarray) -> int:
-        if not buf.flags.c_contiguous:
-            raise ValueError("register a contiguous buffer")
-        return self.register_region(buf.ctypes.data, buf.nbytes)
+    def register(self, buf) -> int:
+        from ..tensors import buffer_region
+        return self.register_region(*buffer_region(buf))
 
-    def deregister(self, buf: np.ndarray) -> None:
-        self.deregister_region(buf.ctypes.data)
+    def deregister(self, buf) -> None:
+        from ..tensors import buffer_region
+        self.deregister_region(buffer_region(buf)[0])
 
     # ---- peers ---------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -135,10 +135,10 @@ class LoopbackTransport:
         self.stats.handles_created += 1
         return h
 
-    def read(self, peer, remote, local, nbytes, notif=b""):
+    def read(self, peer, remote, local, nbytes, notif=b"", remote_device=None):
         return self._copy(peer, remote, local, nbytes, notif)
 
-    def read_descs(self, peer, descs, notif=b""):
+    def read_descs(self, peer, descs, notif=b"", remote_device=None):
         if getattr(descs, "cancelled", False):
             raise TransferError("read cancelled before it was posted", peer=peer)
         d = getattr(descs, "d", descs)  # decode.py hands reads over in a cancellable wrapper (``.d``)

@@ -123,13 +123,10 @@ class NixlTransport:
         self.stats = NixlStats()
 
     # ---- memory & peers ----------------------------------------------------------------------
-    def register(self, buf: np.ndarray) -> int:
-        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
-        size = int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
-        descs = np.array([[addr, size, self.device_id]], dtype=np.uint64)
-        self._regs[addr] = self.agent.register_memory(descs, self.mem_type)
-        self.stats.regions_registered += 1
-        return addr
+    def register(self, buf) -> int:
+        """Register a contiguous buffer (numpy array, or torch tensor on its own device) as one region."""
+        from ..tensors import buffer_region
+        return self.register_region(*buffer_region(buf))
 
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
         """Register ``nbytes`` at ``addr`` (host DRAM for "cpu", VRAM for "cuda:N") as one region."""
@@ -147,11 +144,8 @@ class NixlTransport:
             self.stats.regions_deregistered += 1
 
     def deregister(self, buf) -> None:
-        addr = int(buf.ctypes.data) if isinstance(buf, np.ndarray) else int(buf.data_ptr())
-        reg = self._regs.pop(addr, None)
-        if reg is not None:
-            self.agent.deregister_memory(reg)
-            self.stats.regions_deregistered += 1
+        from ..tensors import buffer_region
+        self.deregister_region(buffer_region(buf)[0])
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -186,27 +180,39 @@ class NixlTransport:
         return frozenset(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
-    def _xfer_descs(self, arr: np.ndarray):
-        d = self.agent.get_xfer_descs(arr, self.mem_type)
+    def xfer_descs(self, arr: np.ndarray, mem_type: str | None = None):
+        """NIXL's descriptor list of an Nx3 ``[addr, len, device]`` array (``mem_type``: ours by default)."""
+        d = self.agent.get_xfer_descs(arr, mem_type or self.mem_type)
         if d is None:
             raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
         return d
 
+    def remote_mem(self, device=None) -> tuple[str, int]:
+        """NIXL memory type and device id of a peer's memory on ``device`` ("cpu", "cuda:N", or an int id
+        of our own kind); None: our kind, device 0."""
+        if device is None or isinstance(device, int):
+            return self.mem_type, int(device or 0)
+        kind, _, n = str(device).partition(":")
+        return ("DRAM", 0) if kind == "cpu" else ("VRAM", int(n or 0))
+
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
-             notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
-        """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`."""
+             notif: bytes = b"", remote_device=None) -> NixlXfer:
+        """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`.
+        ``remote_device``: where the peer's memory lives ("cpu" or "cuda:N", see :meth:`remote_mem`)."""
         return self.read_descs(peer, Descriptors(None, remote, local, nbytes), notif, remote_device)
 
-    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: int = 0) -> NixlXfer:
+    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device=None) -> NixlXfer:
         """Post a READ of a :class:`~kvbridge.lower.Descriptors`: its NIXL descriptor arrays are written
         from the factored form on the post thread, in one pass (the caller only hands it over)."""
-        return self._post(peer, lambda: descs.nixl_arrays(self.device_id, remote_device), descs.count,
-                          descs.total_bytes, notif)
+        rtype, rdev = self.remote_mem(remote_device)
+        return self._post(peer, lambda: descs.nixl_arrays(self.device_id, rdev), descs.count,
+                          descs.total_bytes, notif, rtype)
 
-    def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes) -> NixlXfer:
+    def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes, remote_type: str) -> NixlXfer:
         def post(x: NixlXfer):
             local, remote = arrays()
-            x.handle = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer, notif)
+            x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local), self.xfer_descs(remote, remote_type),
+                                                  peer, notif)
             return self._start(x.handle, peer)
         return self._submit_post(peer, count, nbytes, post)
 
@@ -229,21 +235,24 @@ class NixlTransport:
         return x
 
     # ---- prepared descriptor lists (issue 14) ------------------------------------------------
-    def prepare(self, peer: str, lowered, prank, remote_device: int = 0) -> "prepped.Prepared | None":
+    def prepare(self, peer: str, lowered, prank, remote_device=None) -> "prepped.Prepared | None":
         """At handshake: the lowered chunk templates of (this decode rank, ``prank``) as two regular strided
         prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`read_prepped`.
         None when there is nothing to prepare (no reads from that rank)."""
         from ..prepped import Prepared, PreparedGeometry
-        geo = PreparedGeometry(lowered, prank, self.device_id, remote_device)
+        if remote_device is None:  # the prefill rank's memory, as its handshake described it
+            remote_device = getattr(lowered.p_mem(tuple(prank)), "device", None)
+        rtype, rdev = self.remote_mem(remote_device)
+        geo = PreparedGeometry(lowered, prank, self.device_id, rdev)
         if not len(geo.local_rows):
             return None
         try:
             local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", geo.local_rows, self.mem_type)
-            remote = self.agent.prep_xfer_dlist(peer, geo.remote_rows, self.mem_type)
+            remote = self.agent.prep_xfer_dlist(peer, geo.remote_rows, rtype)
         except Exception as e:  # noqa: BLE001
             raise _wrap(e, peer) from e
         self.stats.dlists_prepared += 2
-        return Prepared(peer, geo, local, remote)
+        return Prepared(peer, geo, local, remote, remote_type=rtype)
 
     def unprepare(self, prep: "prepped.Prepared | None") -> None:
         """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
@@ -279,7 +288,8 @@ class NixlTransport:
             if req.tail is not None:
                 local, remote = Descriptors(prep.geometry.prank, *req.tail).nixl_arrays(
                     self.device_id, prep.geometry.remote_dev)
-                h = self.agent.initialize_xfer("READ", self._xfer_descs(local), self._xfer_descs(remote), peer,
+                h = self.agent.initialize_xfer("READ", self.xfer_descs(local),
+                                               self.xfer_descs(remote, prep.remote_type or self.mem_type), peer,
                                                b"" if main else notif)
                 if not main:
                     x.handle = h
