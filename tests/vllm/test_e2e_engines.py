@@ -71,6 +71,9 @@ TP2_BLOCK = int(os.environ.get("KVB_E2E_TP2_BLOCK", "128"))
 LEASE_S = 600                # prefill lease: far longer than the test, so only a Done frees blocks
 FREE_WITHIN_S = 15.0         # the prefill's blocks must be free this soon after the decode answered
 MAX_ALIVE = 3
+# decode side: an acquire/stage request unanswered this long fails the read (connector default 10 s); other jobs
+# share this 2-core machine, so the test allows more than the default
+DECODE_TIMEOUTS = {"stage_timeout_s": 30.0}
 
 
 def _prompts(seed: int, lens=PROMPT_LENS) -> dict[str, list[int]]:
@@ -100,9 +103,9 @@ class Cluster:
             "prefill": EngineSpec("prefill", model, block_size=128, kv_transfer_config=kv_config(
                 "prefill-0", "kv_producer", port=pport, lease_s=LEASE_S)),
             "decode-tp1": EngineSpec("decode-tp1", model, block_size=128, kv_transfer_config=kv_config(
-                "decode-tp1", "kv_consumer", port=free_ports(1), corrupt="corrupt-me", **corrupting)),
+                "decode-tp1", "kv_consumer", port=free_ports(1), corrupt="corrupt-me", **corrupting, **DECODE_TIMEOUTS)),
             "decode-tp2": EngineSpec("decode-tp2", model, tp=2, block_size=TP2_BLOCK, kv_transfer_config=kv_config(
-                "decode-tp2", "kv_consumer", port=free_ports(2))),
+                "decode-tp2", "kv_consumer", port=free_ports(2), **DECODE_TIMEOUTS)),
         }
         self.plan = ["ref", "prefill"] + decodes  # only the decodes the selected tests use
         self.done: set[str] = set()
