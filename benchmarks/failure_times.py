@@ -68,7 +68,7 @@ def publish_procs(P: EngineProcs, reqs: list, lease_s: float) -> None:
         for rid, r, attempt in reqs:
             w.conn.send(("add_request", (rid, r.prefill_blocks, lease_s, attempt), {}))
         for _ in reqs:
-            w._recv(30)
+            w.recv(30)
 
 
 def read_of(engine_id: str, rid: str, r, attempt: int) -> ReadRequest:
