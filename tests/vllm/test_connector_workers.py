@@ -4,6 +4,7 @@ vLLM's NixlConnector refuses or mishandles."""
 import pytest
 
 pytest.importorskip("vllm.v1.worker.utils")
+pytest.importorskip("vllm.v1.core.kv_cache_planning")  # vLLM 0.33's planner (the 0.32 CPU build has none)
 pytest.importorskip("nixl._api")
 
 import tempfile  # noqa: E402
