@@ -11,7 +11,15 @@ import tempfile  # noqa: E402
 
 from kvbridge.integrations.vllm import VLLMConfigError, engine_from_vllm  # noqa: E402
 from sched_utils import make_vllm_config  # noqa: E402
-from worker_harness import Side, deepseek_like, gemma_like, llama, plan_and_allocate, run_pair  # noqa: E402
+from worker_harness import (  # noqa: E402
+    Side,
+    deepseek_like,
+    gemma_like,
+    llama,
+    nemotron_h_like,
+    plan_and_allocate,
+    run_pair,
+)
 
 PAIRS = {
     # prefill block size larger than the decode's, and smaller
@@ -33,6 +41,11 @@ PAIRS = {
     "mla": (deepseek_like(), Side(2, 1, 16), Side(1, 1, 64)),
     # pipeline parallelism on one side
     "pp2-to-tp2": (llama(2, num_layers=4), Side(1, 2, 16), Side(2, 1, 16)),
+    # attention + Mamba-2 hybrid (Nemotron-H pattern M*M*, 8 Mamba heads, 2 groups): the Mamba heads and groups
+    # split over TP, the attention block size raised to hold a Mamba page (different on the two sides),
+    # the Mamba page padded to the attention page
+    "mamba2-hybrid-tp1-to-tp2": (nemotron_h_like(), Side(1, 1, 16, "LBNHC"), Side(2, 1, 32, "LBHNC")),
+    "mamba2-hybrid-tp2-to-tp1": (nemotron_h_like("M*MM*M"), Side(2, 1, 16, "BLNHC"), Side(1, 1, 16, "LBNHC")),
 }
 
 
@@ -86,3 +99,46 @@ def test_config_and_tensors_that_disagree_get_a_typed_error(hf_model, spec_model
     kvc, kv = plan_and_allocate(cfg, hf_model, side, (0, 0))
     engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, 0))
     assert names == [f"g{i}" for i in range(len(kvc.kv_cache_groups))] and sorted(layers) == list(range(hf_model.num_layers))
+
+
+def _hybrid_engine(hf_model, spec_model, side):
+    cfg = make_vllm_config(tempfile.mkdtemp(), hf_model.hf, block_size=side.block_size, max_model_len=512)
+    kvc, kv = plan_and_allocate(cfg, spec_model, side, (0, 0))
+    return cfg, kvc, kv
+
+
+def test_mamba_hybrid_groups_shapes_and_state_views():
+    """A Mamba-2 group becomes a kvbridge Mamba group whose shapes come from the HF config, dtypes from vLLM's
+    spec (ssm fp32, conv bf16), one LayerState per Mamba layer cut from vLLM's raw page view."""
+    import kvbridge
+    model = nemotron_h_like()
+    cfg, kvc, kv = _hybrid_engine(model, model, Side(2, 1, 16))
+    engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, 1))
+    kinds = {g.name: g.kind for g in engine.model.groups}
+    assert sorted(kinds.values()) == ["full_attention", "mamba"]
+    (mg,) = [g for g in engine.model.groups if g.kind == "mamba"]
+    assert mg.layers == (0, 2) and mg.dtype == "bfloat16" and mg.mamba.ssm_dtype == "float32"
+    assert (mg.mamba.num_heads, mg.mamba.head_dim, mg.mamba.d_state, mg.mamba.n_groups) == (8, 32, 16, 2)
+    st = layers[0]
+    assert isinstance(st, kvbridge.LayerState)
+    assert tuple(st.conv.shape[1:]) == (4 * 32 + 2 * 16, 3) and tuple(st.ssm.shape[1:]) == (4, 32, 16)
+    assert st.ssm.dtype.itemsize == 4 and st.conv.dtype.itemsize == 2
+    # the conv state starts the page, the ssm state follows it (vLLM's bind_kv_cache order)
+    page = kv["model.layers.0.mixer"]
+    assert st.conv.data_ptr() == page.data_ptr()
+    assert st.ssm.data_ptr() == page.data_ptr() + st.conv[0].numel() * 2
+    kvbridge.describe_memory(engine, (0, 1), layers)  # the core accepts the strides and shapes
+
+
+@pytest.mark.parametrize("spec_model, side, match", [
+    # vLLM's default conv layout (window, channels): a head's channels are not contiguous per rank
+    (nemotron_h_like(), Side(1, 1, 16, conv_layout="SD"), "VLLM_SSM_CONV_STATE_LAYOUT=DS"),
+    # the layers published 16 Mamba heads, the HF config says 8
+    (nemotron_h_like(mamba_heads=16), Side(2, 1, 16), "conv state per rank"),
+    # d_state disagrees: the conv state matches only if the groups differ too; the ssm state does not
+    (nemotron_h_like(d_state=32, n_groups=1), Side(1, 1, 16), "ssm state per rank"),
+])
+def test_mamba_spec_that_disagrees_with_the_config_gets_a_typed_error(spec_model, side, match):
+    cfg, kvc, kv = _hybrid_engine(nemotron_h_like(), spec_model, side)
+    with pytest.raises(VLLMConfigError, match=match):
+        engine_from_vllm(cfg, kvc, kv, (0, 0))

@@ -27,7 +27,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.utils import get_pp_indices
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -49,6 +49,7 @@ class Side:
     block_size: int = 16
     layout: str = "LBNHC"
     content: str = "packed"  # or "kv_blocks": vLLM's CPU attention backend ([B, H, 2N, D]: K rows, then V rows)
+    conv_layout: str = "DS"  # Mamba conv state per block: "DS" (channels, window) or vLLM's default "SD"
 
 
 @dataclass
@@ -56,9 +57,11 @@ class Model:
     """An HF config and the per-layer attention shapes vLLM's model code would publish from it."""
 
     hf: dict
-    # layer -> ("full" | "sliding" | "mla", total KV heads, head size)
+    # layer -> ("full" | "sliding" | "mla" | "mamba", total KV (Mamba) heads, head size)
     layers: dict = field(default_factory=dict)
     window: int | None = None
+    # Mamba-2 layers: heads, head_dim, d_state, n_groups, conv_kernel (as the HF config says)
+    mamba: dict | None = None
 
     @property
     def num_layers(self) -> int:
@@ -96,6 +99,24 @@ def deepseek_like(num_layers: int = 2) -> Model:
     return Model(hf, {i: ("mla", 1, 96) for i in range(num_layers)})
 
 
+def nemotron_h_like(pattern: str = "M*M*", mamba_heads: int = 8, mamba_head_dim: int = 32, d_state: int = 16,
+                    n_groups: int = 2, conv_kernel: int = 4, num_kv_heads: int = 2, head_dim: int = 64) -> Model:
+    """A Nemotron-H hybrid (``M`` Mamba-2 layers, ``*`` attention layers; ``hybrid_override_pattern``)."""
+    hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 256,
+          "intermediate_size": 512, "num_hidden_layers": len(pattern), "hybrid_override_pattern": pattern,
+          "num_attention_heads": 4 * num_kv_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+          "attention_head_dim": head_dim, "mamba_num_heads": mamba_heads, "mamba_head_dim": mamba_head_dim,
+          "ssm_state_size": d_state, "n_groups": n_groups, "conv_kernel": conv_kernel, "mamba_hidden_act": "silu",
+          "mamba_proj_bias": False, "use_conv_bias": True, "use_bias": False, "chunk_size": 128,
+          "vocab_size": 512, "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+          "residual_in_fp32": False, "attention_bias": False, "mlp_hidden_act": "relu2", "mlp_bias": False}
+    layers = {i: ("mamba", mamba_heads, mamba_head_dim) if c == "M" else ("full", num_kv_heads, head_dim)
+              for i, c in enumerate(pattern) if c in "M*"}
+    return Model(hf, layers, mamba=dict(heads=mamba_heads, head_dim=mamba_head_dim, d_state=d_state,
+                                        n_groups=n_groups, conv_kernel=conv_kernel))
+
+
 def free_port_base(n: int) -> int:
     """A base port with ``n`` consecutive free ports after it."""
     for _ in range(50):
@@ -117,23 +138,84 @@ def free_port_base(n: int) -> int:
 
 
 # ---------------------------------------------------------------------- inside a rank process
-def layer_name(i: int) -> str:
+def layer_name(i: int, model: Model | None = None) -> str:
+    if model is not None and model.layers[i][0] == "mamba":
+        return f"model.layers.{i}.mixer"  # Nemotron-H's MambaMixer2 prefix
     return f"model.layers.{i}.self_attn.attn"
 
 
-def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16) -> dict:
+def _mamba_state(cfg, model: Model, side: Side) -> tuple[tuple, tuple]:
+    """(shapes, dtypes) of one rank's Mamba-2 state, by vLLM's own calculators (what ``MambaMixer2``
+    publishes), the conv state oriented as ``side.conv_layout`` asks (vLLM reads its env variable once)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+        is_conv_state_dim_first,
+    )
+    m = model.mamba
+    conv, ssm = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=side.tp, intermediate_size=m["heads"] * m["head_dim"], n_groups=m["n_groups"],
+        num_heads=m["heads"], head_dim=m["head_dim"], state_size=m["d_state"], conv_kernel=m["conv_kernel"])
+    if is_conv_state_dim_first() != (side.conv_layout == "DS"):
+        conv = conv[::-1]
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(cfg.model_config.dtype, cfg.cache_config.mamba_cache_dtype,
+                                                          cfg.cache_config.mamba_ssm_cache_dtype)
+    return (tuple(conv), tuple(ssm)), tuple(dtypes)
+
+
+def hybrid_block_size(cfg, model: Model, side: Side) -> tuple[int, int]:
+    """(attention block size, Mamba page bytes padded) as vLLM's ``update_block_size_for_backend`` sets them on
+    a GPU platform: the smallest multiple of the requested block size whose attention page holds a Mamba
+    page, the Mamba page padded to it. (The CPU test platform here does not run it.)"""
+    import math
+    shapes, dtypes = _mamba_state(cfg, model, side)
+    mamba_page = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    kind, heads, hs = next(v for v in model.layers.values() if v[0] != "mamba")
+    per_token = 2 * max(1, heads // side.tp) * hs * 2  # K and V, bf16
+    block = side.block_size * -(-mamba_page // (side.block_size * per_token))
+    return block, block * per_token
+
+
+def _configure_hybrid(cfg, model: Model, side: Side) -> None:
+    """What vLLM's config step does for a hybrid on a GPU: attention block size, Mamba block size/padding."""
+    if model.mamba is None:
+        return
+    cfg.parallel_config.tensor_parallel_size = side.tp
+    block, page = hybrid_block_size(cfg, model, side)
+    cc = cfg.cache_config
+    cc.block_size = block
+    cc.mamba_page_size_padded = page
+    cc.mamba_block_size = block if cc.mamba_cache_mode == "align" else cfg.model_config.max_model_len
+
+
+def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16, cfg=None) -> dict:
     s, e = get_pp_indices(model.num_layers, stage, side.pp)
     out = {}
     for i in range(s, e):
+        if i not in model.layers:
+            continue  # an MLP layer: no cache
         kind, heads, hs = model.layers[i]
         per_rank = max(1, heads // side.tp)
-        if kind == "mla":
+        block_size = cfg.cache_config.block_size if cfg is not None and model.mamba else side.block_size
+        if kind == "mamba":
+            import dataclasses
+
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+            shapes, dtypes = _mamba_state(cfg, model, side)
+            cc = cfg.cache_config
+            spec = MambaSpec(block_size=cc.mamba_block_size, shapes=shapes, dtypes=dtypes,
+                             page_size_padded=cc.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.MAMBA2,
+                             mamba_cache_mode=cc.mamba_cache_mode)
+            # as MambaMixer2.get_kv_cache_spec
+            out[layer_name(i, model)] = dataclasses.replace(spec, num_prefill_checkpoint_blocks=1,
+                                                            prefill_checkpoint_alignment=1)
+        elif kind == "mla":
             out[layer_name(i)] = MLAAttentionSpec(block_size=side.block_size, num_kv_heads=1, head_size=hs, dtype=dtype)
         elif kind == "sliding":
             out[layer_name(i)] = SlidingWindowSpec(block_size=side.block_size, num_kv_heads=per_rank, head_size=hs,
                                                    dtype=dtype, sliding_window=model.window)
         else:
-            out[layer_name(i)] = FullAttentionSpec(block_size=side.block_size, num_kv_heads=per_rank, head_size=hs,
+            out[layer_name(i)] = FullAttentionSpec(block_size=block_size, num_kv_heads=per_rank, head_size=hs,
                                                    dtype=dtype)
     return out
 
@@ -144,7 +226,8 @@ def plan_and_allocate(cfg, model: Model, side: Side, rank: tuple[int, int]):
     cfg.parallel_config.pipeline_parallel_size = side.pp
     cfg.parallel_config.rank = rank[0] * side.tp + rank[1]
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator, as on a GPU
-    specs_all = [_specs(model, side, st) for st in range(side.pp)]
+    _configure_hybrid(cfg, model, side)
+    specs_all = [_specs(model, side, st, cfg=cfg) for st in range(side.pp)]
     groups = get_global_kv_cache_groups(cfg, specs_all)
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[rank[0]]
     return kvc, allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
@@ -175,7 +258,7 @@ def _values(req: int, layer: int, tok, head, c):
 def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids, first: int, t0: int, t1: int, req: int):
     """(view, block idx, token-in-block idx, expected values) for tokens [t0, t1) of one layer."""
     kind, heads, hs = model.layers[layer]
-    bs = next(g.kv_cache_spec.block_size for g in kvc.kv_cache_groups if layer_name(layer) in g.layer_names)
+    bs = kvc.kv_cache_groups[_group_of(kvc, layer)].kv_cache_spec.block_size
     tok = torch.arange(t0, t1)
     blk = torch.as_tensor(ids)[tok // bs - first]
     off = tok % bs
@@ -212,8 +295,52 @@ class _KVBlocks:
         self.v[blk, :, off, :] = value[..., D:]
 
 
+def _state_tensors(t, spec):
+    """(conv, ssm) of one Mamba layer as vLLM's own ``MambaBase.bind_kv_cache`` cuts them from the raw page
+    view (conv state at byte 0, then the ssm state, per the spec's shapes and dtypes)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    class _Layer:
+        def get_state_shape(self):
+            return spec.shapes
+
+        def get_state_dtype(self):
+            return spec.dtypes
+
+    layer = _Layer()
+    MambaBase.bind_kv_cache(layer, t)
+    return layer.kv_cache
+
+
+def _state_values(model: Model, side: Side, rank, req: int, layer: int):
+    """Expected (conv as int16 [channels, window] in "DS" order, ssm as int32 [heads, head_dim, d_state]) of
+    one rank, from global coordinates: conv channel = x channel of a global head, or a B / C channel of a
+    global group (vLLM shards heads and groups over TP; with fewer groups than ranks each rank keeps its
+    heads' group); ssm head = global head."""
+    m, tp, r = model.mamba, side.tp, rank[1]
+    hr, hd, ds, k1 = m["heads"] // tp, m["head_dim"], m["d_state"], m["conv_kernel"] - 1
+    gr, g0 = max(1, m["n_groups"] // tp), r * m["n_groups"] // tp
+    gid = torch.cat([r * hr * hd + torch.arange(hr * hd), 20000 + g0 * ds + torch.arange(gr * ds),
+                     40000 + g0 * ds + torch.arange(gr * ds)])
+    w = torch.arange(k1)
+    conv = ((req * 7919 + layer * 104729 + gid[:, None] * 613 + w[None, :] * 7211) % 65521 - 32760).to(torch.int16)
+    h = r * hr + torch.arange(hr)
+    ssm = (req * 7919 + layer * 104729 + h[:, None, None] * 7211 + torch.arange(hd)[None, :, None] * 613
+           + torch.arange(ds)[None, None, :] * 31) % 2147483629 - 1073741800
+    return conv, ssm.to(torch.int32)
+
+
+def _state_io(model: Model, side: Side, kvc, t, g: int):
+    """int16 conv and int32 ssm views ``[block, ...]`` of one Mamba layer (conv in "DS" order)."""
+    conv, ssm = _state_tensors(t, kvc.kv_cache_groups[g].kv_cache_spec)
+    conv = conv.view(torch.int16)
+    if side.conv_layout != "DS":
+        conv = conv.transpose(1, 2)
+    return conv, ssm.view(torch.int32)
+
+
 def _group_of(kvc, layer: int) -> int:
-    return next(i for i, g in enumerate(kvc.kv_cache_groups) if layer_name(layer) in g.layer_names)
+    return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(int(n.split(".")[2]) == layer for n in g.layer_names))
 
 
 def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
@@ -225,6 +352,12 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
             for lname, t in kv.items():
                 layer = int(lname.split(".")[2])
                 g = _group_of(kvc, layer)
+                if model.layers[layer][0] == "mamba":  # the request's state slot
+                    conv, ssm = _state_io(model, side, kvc, t, g)
+                    want_c, want_s = _state_values(model, side, rank, no, layer)
+                    conv[ids[g][0]] = want_c
+                    ssm[ids[g][0]] = want_s
+                    continue
                 bs = kvc.kv_cache_groups[g].kv_cache_spec.block_size
                 nulls = next((i for i, b in enumerate(ids[g]) if b != 0), len(ids[g]))
                 t0, t1 = nulls * bs, min(len(ids[g]) * bs, n)
@@ -274,6 +407,13 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
             for lname, t in kv.items():
                 layer = int(lname.split(".")[2])
                 g = _group_of(kvc, layer)
+                if model.layers[layer][0] == "mamba":  # the state slot: every conv and ssm element
+                    conv, ssm = _state_io(model, side, kvc, t, g)
+                    want_c, want_s = _state_values(model, side, rank, no, layer)
+                    (slot,) = r.local_block_ids[g]
+                    bad += int((conv[slot] != want_c).sum()) + int((ssm[slot] != want_s).sum())
+                    checked += want_c.numel() + want_s.numel()
+                    continue
                 spec = kvc.kv_cache_groups[g].kv_cache_spec
                 bs = spec.block_size
                 first = r.local_first_block[g]
@@ -293,7 +433,7 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
         used = {b for _, r in reads.values() for ids in r.local_block_ids for b in ids}
         for lname, t in kv.items():
             free = [b for b in range(kvc.num_blocks) if b not in used]
-            untouched_bad += int((t.view(torch.int16)[free] != 0).sum())
+            untouched_bad += int((t.view(torch.uint8)[free] != 0).sum())
         stats = conn.get_kv_connector_stats()
         conn_pipe.send(("checked", sorted(done), sorted(failed), bad, checked, untouched_bad, elapsed,
                         stats.data if stats else {}))
@@ -368,6 +508,12 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
             attempt = rng.getrandbits(52) | 1
             p_ids, d_ids, d_first, p_bs = [], [], [], []
             for g, ((kind, bp), (_, bd)) in enumerate(zip(bs_p, bs_d)):
+                if kind == "mamba":  # one state slot per request on each side (the scheduler's clip)
+                    p_ids.append([free_p.pop()])
+                    d_ids.append([free_d.pop()])
+                    d_first.append(0)
+                    p_bs.append(bp)
+                    continue
                 np_, nd = -(-n // bp), -(-n // bd)
                 # a sliding window drops whole blocks below the window on the prefill (null block 0)
                 p_null = max(0, n - model.window + 1) // bp if kind == "sliding" else 0
@@ -424,7 +570,8 @@ def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
     cfg.parallel_config.tensor_parallel_size = side.tp
     cfg.parallel_config.pipeline_parallel_size = side.pp
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs_all = [_specs(model, side, st) for st in range(side.pp)]
+    _configure_hybrid(cfg, model, side)
+    specs_all = [_specs(model, side, st, cfg=cfg) for st in range(side.pp)]
     groups = get_global_kv_cache_groups(cfg, specs_all)
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
     return [(model.layers[int(g.layer_names[0].split(".")[2])][0], g.kv_cache_spec.block_size)

@@ -132,6 +132,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
+        # per vLLM KV-cache group: None (attention), or the number of speculative scratch slots a Mamba
+        # group allocates after the request's state slot
+        self._state_groups: list[int | None] = [
+            int(getattr(_layer_spec(g), "num_speculative_blocks", 0) or 0) if _is_mamba(g) else None
+            for g in (getattr(kv_cache_config, "kv_cache_groups", None) or [])]
+        # trailing prompt tokens the prefill leaves to the decode: vLLM's decode always recomputes the last
+        # prompt token after a load; a Mamba state must then be the state *before* it (see _prefill_backoff)
+        self._backoff = 1 if any(x is not None for x in self._state_groups) else 0
         # scheduler state
         self._pending_recv: dict[str, RecvReq] = {}
         self._pending_send: dict[str, list[list[int]]] = {}
@@ -154,13 +162,61 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_error_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
+    def _remote_token_count(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens a decode loads: all of them, or (Mamba models) all but the last ``_backoff``,
+        which the prefill did not compute (:meth:`on_new_request`) and the decode computes itself."""
+        b = self._backoff
+        return num_prompt_tokens - b if b and num_prompt_tokens > b else num_prompt_tokens
+
+    def on_new_request(self, request):
+        """Prefill of a Mamba hybrid: drop the last prompt token before scheduling, as vLLM's NixlConnector
+        does. vLLM's decode recomputes the last prompt token after any load (``_update_waiting_for_remote_kv``
+        sets ``num_computed_tokens = num_tokens - 1``); attention K/V of that token is rewritten with the
+        same values, but a Mamba state would take the token twice. So the prefill stops one token short and
+        its final state is the one the decode's recompute starts from."""
+        p = request.kv_transfer_params
+        b = self._backoff
+        if (not b or not p or not p.get("do_remote_decode") or p.get("_kvbridge_truncated")
+                or request.num_prompt_tokens <= b or request.prompt_token_ids is None):
+            return
+        if hasattr(request, "get_skip_reading_prefix_cache") and request.get_skip_reading_prefix_cache():
+            return  # prompt logprobs: the decode recomputes the whole prompt (nothing loaded)
+        del request.prompt_token_ids[-b:]
+        del request._all_token_ids[-b:]
+        request.num_prompt_tokens -= b
+        request.max_tokens = 1
+        p["_kvbridge_truncated"] = True
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.kv_transfer_params
         if p and p.get("do_remote_prefill") and p.get("remote_block_ids") is not None:
-            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            want = self._remote_token_count(len(request.prompt_token_ids or []))
+            remote = p.get("remote_num_tokens")
+            if self._backoff and remote is not None and int(remote) != want:
+                # a Mamba state after more (or fewer) tokens than the decode resumes from would be wrong
+                log.warning("kvbridge: %s: the prefill computed %s prompt tokens, a Mamba hybrid decode resumes "
+                            "after %d; computing the prompt locally", request.request_id, remote, want)
+                return 0, False
+            count = want - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
+
+    def _state_slot(self, g: int, ids: list[int]) -> list[int]:
+        """The one block of Mamba group ``g`` holding the request's running state: the last one before the
+        speculative scratch slots (vLLM's ``clip_ssm_state_blocks``). In mode "none" a request has that
+        block only (plus scratch); in mode "align" its list is positional (null blocks, checkpoint
+        blocks, then the state at block ``cdiv(num_computed_tokens, block_size) - 1``)."""
+        ids = list(ids)
+        n_spec = self._state_groups[g] or 0
+        if not ids:
+            return ids
+        if n := min(n_spec, len(ids) - 1):
+            ids = ids[:-n]
+        return ids[-1:]
+
+    def _is_state_group(self, g: int) -> bool:
+        return g < len(self._state_groups) and self._state_groups[g] is not None
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         p = request.kv_transfer_params
@@ -168,7 +224,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if num_external_tokens > 0:
             local, first = [], []
-            for group in blocks.blocks:
+            for g, group in enumerate(blocks.blocks):
+                if self._is_state_group(g):  # the state slot the decode resumes from; no token offset
+                    first.append(0)
+                    local.append(self._state_slot(g, [b.block_id for b in group]))
+                    continue
                 hit = sum(1 for b in group if b.block_hash is not None and not b.is_null)
                 first.append(hit)
                 local.append([b.block_id for b in group[hit:]])
@@ -196,6 +256,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         ids = [list(map(int, g)) for g in block_ids]
         if not any(ids):
             return False, None
+        # a Mamba group's list -> its state slot (vLLM still holds every block of the request until
+        # finished_sending; only that one is read)
+        ids = [self._state_slot(g, x) if self._is_state_group(g) else x for g, x in enumerate(ids)]
         # one lease attempt id for every prefill rank, carried to the decode (53 bits: exact in any JSON)
         attempt = secrets.randbits(53) | 1
         self._held[request.request_id] = ids
@@ -243,8 +306,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         engine, self._group_names, layers = engine_from_vllm(self._vllm_config, self._kv_cache_config, kv_caches, rank)
         self._engine = engine
         self._granule = 1
-        if kv_content_form(self._vllm_config) == "kv_blocks" and any(g.kind != "mla" for g in engine.model.groups):
-            self._granule = int(_layer_spec(self._kv_cache_config.kv_cache_groups[0]).block_size)
+        if kv_content_form(self._vllm_config) == "kv_blocks" and any(g.kind not in ("mla", "mamba")
+                                                                      for g in engine.model.groups):
+            self._granule = next(int(_layer_spec(vg).block_size) for vg in self._kv_cache_config.kv_cache_groups
+                                 if not _is_mamba(vg))
         memory = kvbridge.describe_memory(engine, rank, layers)
         ktc = self._kv_transfer_config
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self._group_names),
@@ -534,6 +599,98 @@ def kv_content_form(vllm_config) -> str:
     return form
 
 
+def _is_mamba(vgroup) -> bool:
+    return type(_layer_spec(vgroup)).__name__ == "MambaSpec"
+
+
+def _torch_dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _mamba_group(name: str, layers: tuple, spec, hg, tp: int, cache_config, where: str):
+    """kvbridge's Mamba group for one vLLM ``MambaSpec`` group, and a function cutting one layer's raw
+    ``int8 [B, 1, 1, page]`` view into a :class:`~kvbridge.LayerState`.
+
+    The state shapes come from the model's config (kvbridge's importer: heads, head_dim, d_state,
+    n_groups, conv kernel), the dtypes from vLLM's spec (conv: ``mamba_cache_dtype``, ssm:
+    ``mamba_ssm_cache_dtype``, what vLLM allocated); vLLM's per-rank ``spec.shapes`` and the tensors are
+    checked against them. In a page vLLM stores the conv state at byte 0, then the ssm state
+    (``MambaBase.bind_kv_cache``), the page padded to ``page_size_padded`` (the tensor's block stride).
+    kvbridge needs the conv state channel-major (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT=DS``): in the default
+    "SD" layout one rank's channels of a head are not contiguous."""
+    import math
+
+    import kvbridge
+    from kvbridge.layout import CacheGroup, MambaSpec, dtype_size
+
+    m = hg.mamba
+    mtype = str(getattr(getattr(spec, "mamba_type", None), "name", getattr(spec, "mamba_type", ""))).lower()
+    if m is None or mtype not in ("mamba1", "mamba2"):
+        raise VLLMConfigError(f"{where}: vLLM caches {mtype or 'unknown'} state; kvbridge moves Mamba-1/Mamba-2 "
+                              "conv + ssm state only")
+    if (m.n_groups > 0) != (mtype == "mamba2"):
+        raise VLLMConfigError(f"{where}: vLLM says {mtype}, the model's config describes "
+                              f"{'Mamba-2 (n_groups > 0)' if m.n_groups else 'Mamba-1 (no B/C groups)'}")
+    shapes, dtypes = [tuple(int(x) for x in s) for s in spec.shapes], list(spec.dtypes)
+    if len(shapes) != 2 or len(dtypes) != 2:
+        raise VLLMConfigError(f"{where}: vLLM caches {len(shapes)} state tensors per Mamba layer; kvbridge moves "
+                              "conv + ssm (2); ReplaySSM ring buffers are not supported")
+    if getattr(spec, "tp_replicated", False):
+        raise VLLMConfigError(f"{where}: a TP-replicated Mamba state is not supported (kvbridge splits the heads)")
+    conv_dt, ssm_dt = _torch_dtype_name(dtypes[0]), _torch_dtype_name(dtypes[1])
+    for what, dt, cfg in (("conv", conv_dt, "mamba_cache_dtype"), ("ssm", ssm_dt, "mamba_ssm_cache_dtype")):
+        want = str(getattr(cache_config, cfg, "auto") or "auto")
+        if want != "auto" and _torch_dtype_name(want) != dt:
+            raise VLLMConfigError(f"{where}: the {what} state is {dt} in vLLM's spec, cache_config.{cfg}={want!r}")
+        try:
+            dtype_size(dt)
+        except Exception:  # noqa: BLE001
+            raise VLLMConfigError(f"{where}: unsupported {what} state dtype {dt}") from None
+    g = CacheGroup(name, "mamba", layers, conv_dt,
+                   mamba=MambaSpec(m.num_heads, m.head_dim, m.d_state, m.conv_kernel, m.n_groups, ssm_dt))
+    comps = {c.name: c for c in g.components}
+    heads = comps["conv_x"].units_per_rank(tp)
+    ngroups = comps["conv_b"].units_per_rank(tp) if "conv_b" in comps else 0
+    channels, k1 = heads * m.head_dim + 2 * ngroups * m.d_state, m.conv_kernel - 1
+    conv_shape, ssm_shape = shapes
+    if conv_shape != (channels, k1):
+        if len(conv_shape) == 2 and conv_shape[1] == channels and conv_shape[0] >= k1:
+            raise VLLMConfigError(f"{where}: the conv state is stored {conv_shape} = (window, channels) (vLLM's "
+                                  "default 'SD' layout), where one rank's channels of a head are not contiguous; "
+                                  "start both engines with VLLM_SSM_CONV_STATE_LAYOUT=DS (vLLM's NixlConnector "
+                                  "needs it too)")
+        if len(conv_shape) == 2 and conv_shape[0] == channels and conv_shape[1] > k1:
+            raise VLLMConfigError(f"{where}: the conv state keeps {conv_shape[1]} steps (conv_kernel-1 plus "
+                                  "speculative tokens); kvbridge moves conv_kernel-1 steps only")
+        raise VLLMConfigError(f"{where}: vLLM's conv state per rank is {conv_shape}; the model's config at tp={tp} "
+                              f"gives ({channels}, {k1}) = ({heads} heads x {m.head_dim} + 2 x {ngroups} groups x "
+                              f"{m.d_state}, conv_kernel-1)")
+    ssm_heads = comps["ssm"].units_per_rank(tp)
+    ok = (ssm_heads, m.head_dim, m.d_state)
+    if ssm_shape != ok and not (m.head_dim == 1 and ssm_shape == (ssm_heads, m.d_state)):
+        raise VLLMConfigError(f"{where}: vLLM's ssm state per rank is {ssm_shape}; the model's config at tp={tp} "
+                              f"gives {ok} (heads, head_dim, d_state)")
+    import torch
+
+    conv_b = math.prod(conv_shape) * dtype_size(conv_dt)
+    ssm_b = math.prod(ssm_shape) * dtype_size(ssm_dt)
+    cdt, sdt = dtypes[0], dtypes[1]
+
+    def view(lname: str, t):
+        if t.dim() != 4 or tuple(t.shape[1:3]) != (1, 1) or t.dtype != torch.int8:
+            raise VLLMConfigError(f"Mamba layer {lname!r}: expected vLLM's raw int8 [blocks, 1, 1, page] view, got "
+                                  f"{t.dtype} {tuple(t.shape)}")
+        if int(t.shape[3]) != conv_b + ssm_b:
+            raise VLLMConfigError(f"Mamba layer {lname!r}: a page holds {int(t.shape[3])} B of state, conv {conv_shape} "
+                                  f"{conv_dt} + ssm {ssm_shape} {ssm_dt} make {conv_b} + {ssm_b} B")
+        pages = t[:, 0, 0, :]
+        conv = pages[:, :conv_b].view(cdt).unflatten(1, (channels, k1))
+        ssm = pages[:, conv_b:conv_b + ssm_b].view(sdt).unflatten(1, ok)
+        return kvbridge.LayerState(conv, ssm)  # axes BCW (channel-major), BHPS
+
+    return g, view
+
+
 def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[int, int]):
     """kvbridge's :class:`~kvbridge.EngineLayout`, group names and per-layer memory description of one vLLM
     worker, from what vLLM gives a connector: the model's Hugging Face config (kvbridge's importer), TP/PP,
@@ -550,12 +707,18 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else dict(mc.hf_config)
+    # transformers 5 serialises some configs without keys it computes as properties (Nemotron-H:
+    # num_hidden_layers and hybrid_override_pattern, replaced by layers_block_type): take them from the object
+    for key in ("num_hidden_layers", "hybrid_override_pattern"):
+        if hf.get(key) is None and isinstance(getattr(mc.hf_config, key, None), (int, str)):
+            hf[key] = getattr(mc.hf_config, key)
     hf_model = from_hf_config(hf)
     kind_of = {layer: g for g in hf_model.groups for layer in g.layers}
     if kv_cache_config is None:
         raise VLLMConfigError("the connector got no KVCacheConfig (vLLM >= 0.32 passes one to the constructor)")
     vgroups = list(kv_cache_config.kv_cache_groups)
     groups, names, block_sizes = [], [], {}
+    state_views = {}  # Mamba group name -> how to cut a layer's raw page into conv and ssm state
     content = kv_content_form(vllm_config)
     for i, vg in enumerate(vgroups):
         spec = _layer_spec(vg)
@@ -584,13 +747,13 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
                                       f"layer, but {len(same)} groups hold {hg.kind} layers; use pipeline "
                                       "parallelism 1 for this model")
             layers = tuple(model_layers)
-        if kind == "mamba":
-            raise VLLMConfigError(f"{where}: Mamba state through the vLLM connector is not supported yet")
         if kind != hg.kind and not (kind == "full_attention" and hg.kind in ("sliding_window", "full_attention")):
             raise VLLMConfigError(f"{where}: vLLM says {kind}, the model's config says {hg.kind} for layers {local}")
         dtype = str(getattr(spec, "dtype", hg.dtype)).replace("torch.", "")
         name = f"g{i}"
-        if kind == "mla":
+        if kind == "mamba":
+            g, state_views[name] = _mamba_group(name, layers, spec, hg, tp, cc, where)
+        elif kind == "mla":
             g = CacheGroup(name, "mla", layers, dtype, None, int(spec.head_size))
         else:
             hs, hsv = int(spec.head_size), int(getattr(spec, "head_size_v", spec.head_size) or spec.head_size)
@@ -611,7 +774,7 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
                                       f"heads at tp={tp} give {want} per rank in kvbridge")
         groups.append(g)
         names.append(name)
-        block_sizes[name] = 1 if content == "kv_blocks" and kind != "mla" else int(spec.block_size)
+        block_sizes[name] = 1 if content == "kv_blocks" and kind not in ("mla", "mamba") else int(spec.block_size)
     model = ModelSpec(hf_model.name, hf_model.num_layers, tuple(groups))
     try:
         from vllm.distributed.utils import get_pp_indices
@@ -624,7 +787,7 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
         memory = MemoryLayout.parse(layout)
     except Exception:  # noqa: BLE001 - informative only: the tensors say where the bytes are
         memory = MemoryLayout()
-    if content == "kv_blocks" and len({int(_layer_spec(vg).block_size) for vg in vgroups}) > 1:
+    if content == "kv_blocks" and len({int(_layer_spec(vg).block_size) for vg in vgroups if not _is_mamba(vg)}) > 1:
         raise VLLMConfigError("the CPU backend form moves whole blocks: all KV-cache groups need one block size")
     engine = EngineLayout(model, tp=tp, pp=pp, block_size=int(cc.block_size), memory=memory, pp_layers=pp_layers,
                           num_blocks=int(kv_cache_config.num_blocks), group_block_sizes=block_sizes)
@@ -639,7 +802,9 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
         if tuple(t.shape)[0] < engine.num_blocks:
             raise VLLMConfigError(f"layer {lname!r}: tensor has {tuple(t.shape)[0]} blocks, KVCacheConfig.num_blocks="
                                   f"{engine.num_blocks}")
-        if content == "kv_blocks" and groups[names.index(by_name[lname])].kind != "mla":
+        if by_name[lname] in state_views:
+            layers[li] = state_views[by_name[lname]](lname, t)
+        elif content == "kv_blocks" and groups[names.index(by_name[lname])].kind != "mla":
             B, H, N, C = tuple(t.shape)  # a block of a head: K^T (N*D elements), then V (N*D): one "token"
             layers[li] = kvbridge.LayerKV(t.view(B, 1, H, 2, N * C // 2), "BTHKD")
         else:
