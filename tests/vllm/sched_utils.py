@@ -176,16 +176,21 @@ def make_scheduler(
     vllm_config: VllmConfig,
     num_blocks: int = 128,
     kv_cache_config: KVCacheConfig | None = None,
+    block_sizes: tuple[int, int] | None = None,
 ) -> Scheduler:
-    """vLLM's real v1 Scheduler; its scheduler-role connector is built from ``vllm_config.kv_transfer_config``."""
+    """vLLM's real v1 Scheduler; its scheduler-role connector is built from ``vllm_config.kv_transfer_config``.
+    ``block_sizes``: (scheduler block size, hash block size) as the engine core resolves them for several
+    groups (``resolve_kv_cache_block_sizes``); default ``cache_config.block_size`` for both."""
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    bs, hbs = block_sizes or (vllm_config.cache_config.block_size, None)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=vllm_config.cache_config.block_size,
+        block_size=bs,
+        hash_block_size=hbs,
         log_stats=True,
     )
 

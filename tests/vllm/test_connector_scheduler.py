@@ -29,6 +29,7 @@ from sched_utils import (  # noqa: E402
     assert_scheduler_empty,
     block_ref_counts,
     engine_outputs,
+    make_kv_cache_config,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -257,3 +258,117 @@ def test_request_finished_all_groups_two_groups(tmp_path):
     assert json.loads(json.dumps(params)) == params
     _Req.status = RequestStatus.FINISHED_ABORTED
     assert P.connector.request_finished_all_groups(_Req(), ([1], [2])) == (False, None)
+
+
+# ---------------------------------------------------------------------- attention + Mamba-2 hybrid
+NEMOTRON_H = {  # Nemotron-H pattern M*M*: Mamba-2 layers 0 and 2 (8 heads x 32, 2 groups, state 16), attention 1, 3
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "hybrid_override_pattern": "M*M*",
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "attention_head_dim": 64,
+    "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+    "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False, "chunk_size": 128, "vocab_size": 512,
+    "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "mlp_hidden_act": "relu2"}
+
+
+def _hybrid_engine(tmp_path, name, prefix_caching):
+    """A scheduler for the Nemotron-H-like hybrid under the hybrid allocator: one attention group, one
+    MambaSpec group (its state shapes by vLLM's own calculator), block sizes as vLLM sets them on a GPU (the
+    attention block raised until its page holds a Mamba page, the Mamba page padded to it; Mamba block =
+    max_model_len in mode "none", the attention block in mode "align" (prefix caching on))."""
+    import math
+
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    cfg = make_vllm_config(
+        tmp_path / name, NEMOTRON_H, block_size=BLOCK, max_model_len=512, enable_prefix_caching=prefix_caching,
+        kv_transfer_config=dict(kv_connector="KVBridgeConnector", kv_connector_module_path=MODULE,
+                                kv_role="kv_both", engine_id=f"engine-{name}"))
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU with a SupportsHMA connector
+    cc = cfg.cache_config
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp_world_size=1, intermediate_size=256, n_groups=2,
+                                                         num_heads=8, head_dim=32, state_size=16, conv_kernel=4)
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(cfg.model_config.dtype, cc.mamba_cache_dtype,
+                                                          cc.mamba_ssm_cache_dtype)
+    mamba_page = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    per_token = 2 * 2 * 64 * torch.bfloat16.itemsize
+    cc.block_size = BLOCK * -(-mamba_page // (BLOCK * per_token))
+    cc.mamba_block_size = cc.block_size if cc.mamba_cache_mode == "align" else 512
+    attn = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=cc.mamba_block_size, shapes=shapes, dtypes=dtypes,
+                      page_size_padded=cc.block_size * per_token, mamba_type=MambaAttentionBackendEnum.MAMBA2,
+                      mamba_cache_mode=cc.mamba_cache_mode,
+                      num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)  # as MambaMixer2's
+    kvc = make_kv_cache_config(cfg, 64, [(["model.layers.1.mixer.attn", "model.layers.3.mixer.attn"], attn),
+                                         (["model.layers.0.mixer", "model.layers.2.mixer"], mamba)])
+    sched = make_scheduler(cfg, kv_cache_config=kvc, block_sizes=resolve_kv_cache_block_sizes(kvc, cfg))
+    return sched, cc.block_size
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["mamba-mode-none", "mamba-mode-align"])
+def test_mamba_hybrid_prefill_stops_one_token_short_and_state_slots_travel(tmp_path, prefix_caching):
+    """vLLM's decode recomputes the last prompt token after a load. For attention that rewrites equal K/V,
+    but a Mamba state would take the token twice, so the prefill computes all but the last prompt token
+    (as vLLM's NixlConnector) and the decode loads that state and computes the last token itself. Each
+    Mamba group's block list (mode "none": the state slot; "align": positional, null blocks first) is cut
+    to the one slot holding the request's state, on both sides."""
+    P, bs = _hybrid_engine(tmp_path, "p", prefix_caching)
+    D, _ = _hybrid_engine(tmp_path, "d", prefix_caching)
+    assert P.connector._backoff == 1
+    prompt = list(range(3, 3 + 2 * bs + 5))  # 2 blocks and a bit
+    n = len(prompt)
+    req = make_request("req-P", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, block_size=bs)
+    P.add_request(req)
+    scheduled, ecos = 0, []
+    while not ecos:  # mode "align" may split the prefill at a block boundary
+        so, outs = step(P)
+        scheduled += so.num_scheduled_tokens.get("req-P", 0)
+        ecos = [e for e in engine_outputs(outs) if e.finish_reason is not None]
+        p_ids = P.kv_cache_manager.get_block_ids("req-P")
+    assert scheduled == n - 1  # the last prompt token is left to the decode
+    (eco,) = ecos
+    params = json.loads(json.dumps(eco.kv_transfer_params))
+    assert params["remote_num_tokens"] == n - 1
+    attn_ids, mamba_ids = params["remote_block_ids"]
+    assert attn_ids == list(p_ids[0]) and len(attn_ids) == -(-(n - 1) // bs)
+    # the state slot: the request's last Mamba block (mode "align": after null blocks)
+    assert len(mamba_ids) == 1 and mamba_ids[0] != 0 and mamba_ids == [p_ids[1][-1]]
+    if prefix_caching:
+        assert p_ids[1][0] == 0 and len(p_ids[1]) == len(attn_ids)
+    so, _ = step(P)
+    assert so.kv_connector_metadata.send == {"req-P": ([attn_ids, mamba_ids], params["remote_attempt"])}
+    # decode: loads n - 1 tokens (attention) and the state, then computes the last prompt token
+    dreq, so = _decode_add(D, params, prompt=prompt)
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    r = so.kv_connector_metadata.recv["req-D"]
+    d_ids = D.kv_cache_manager.get_block_ids("req-D")
+    assert r.local_block_ids == [list(d_ids[0]), [d_ids[1][-1]]] and r.local_first_block == [0, 0]
+    assert d_ids[1][-1] != 0
+    step(D, finished_recving={"req-D"})
+    so, _ = step(D)
+    assert so.num_scheduled_tokens == {"req-D": 1}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == n - 1
+    _run_to_end(D, "req-D")
+    step(D)
+    assert_scheduler_empty(D)
+    step(P, finished_sending={"req-P"})
+    assert_scheduler_empty(P)
+
+
+def test_mamba_hybrid_decode_refuses_a_state_after_the_whole_prompt(tmp_path):
+    """A prefill that computed every prompt token (not stopping one short) holds a state the decode's
+    recompute of the last token would corrupt: the decode computes the prompt itself instead."""
+    D, bs = _hybrid_engine(tmp_path, "d", False)
+    prompt = list(range(3, 3 + bs + 7))
+    params = {"do_remote_prefill": True, "remote_engine_id": "engine-p", "remote_host": "127.0.0.1",
+              "remote_port": 5600, "remote_block_ids": [[1, 2], [3]], "remote_request_id": "req-P",
+              "remote_num_tokens": len(prompt), "remote_tp_size": 1, "remote_pp_size": 1}
+    req, so = _decode_add(D, params, prompt=prompt, max_tokens=1)
+    assert so.num_scheduled_tokens == {"req-D": len(prompt)} and so.kv_connector_metadata.recv == {}
+    _run_to_end(D, "req-D")
+    step(D)
+    assert_scheduler_empty(D)
