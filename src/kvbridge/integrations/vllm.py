@@ -39,6 +39,14 @@ lease attempt id its scheduler drew (``remote_attempt``); the decode reads under
 ``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
 WAITING_FOR_REMOTE_KVS); a read that reaches the prefill before its worker registered the lease is retried
 for ``lease_grace_s``.
+
+**Mamba hybrids** (attention + Mamba-1/2, vLLM's ``MambaSpec`` groups): each Mamba group becomes a kvbridge
+Mamba group (shapes from the HF config, dtypes from the spec, conv state in vLLM's "DS" layout:
+``VLLM_SSM_CONV_STATE_LAYOUT=DS`` on both engines), each layer a :class:`~kvbridge.LayerState` cut from
+vLLM's raw page view. The decode recomputes the last prompt token after a load, so a prefill of a Mamba
+model computes all but the last prompt token (:meth:`KVBridgeConnector.on_new_request`, as vLLM's
+NixlConnector) and the decode loads that state and ``N - 1`` tokens; each Mamba group travels as the one
+block holding the request's running state (:meth:`KVBridgeConnector._state_slot`).
 """
 from __future__ import annotations
 
