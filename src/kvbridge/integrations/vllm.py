@@ -357,6 +357,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._server is not None:
             for rid, (ids, attempt) in meta.send.items():
                 self._server.add(rid, self._blocks(ids), attempt)
+            self._server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self._decode is None:
             return
         for r in meta.recv.values():
@@ -413,7 +414,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids):
         from kvbridge.errors import LeaseExpired
 
-        sending = self._server.take_finished() if self._server is not None else set()
+        sending = set()
+        if self._server is not None:
+            self._server.pump()
+            sending = self._server.take_finished()
         if self._decode is not None:
             self._retry_reads()
             done, failed = self._decode.poll()
@@ -504,18 +508,27 @@ class KVBridgeStats(KVConnectorStats):
 
 
 class _PrefillServer:
-    """Runs a prefill endpoint's side channel on its own thread, so that decode engines can read while
-    this engine is idle or busy in a forward pass. The endpoint is used by this thread only: the worker
-    hands requests over through a queue and collects finished ones under a lock."""
+    """Serves a prefill endpoint's side channel from two places, one at a time (a lock): the worker's own
+    thread, on every connector call of an engine step (:meth:`pump`), and a background thread, which covers
+    the time the worker is busy in a forward pass or its engine is idle. The endpoint is only ever used
+    under the lock.
 
-    def __init__(self, endpoint, poll_ms: int = 2):
+    Why both: inside a vLLM worker the background thread alone was seen to stall for 4-45 s (issue 12, TP2
+    decode): py-spy showed it inside ``zmq_poll`` with a 2 ms timeout the whole time, while acquires from
+    the decode sat unanswered and their reads stayed unserved. So the thread never waits in ZMQ (it sleeps
+    on a Python event), and the engine's own steps serve the channel as well: while a prefill holds blocks
+    for a decode, vLLM keeps stepping it to collect ``finished_sending``."""
+
+    def __init__(self, endpoint, poll_s: float = 0.002):
         import queue
 
-        self.ep, self.poll_ms = endpoint, poll_ms
+        self.ep, self.poll_s = endpoint, poll_s
         self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._serve = threading.Lock()
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._stats: dict = {}
+        self._next_stats = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
@@ -532,38 +545,55 @@ class _PrefillServer:
         with self._lock:
             return dict(self._stats)
 
-    def _run(self) -> None:
+    def pump(self) -> bool:
+        """Serve the side channel now from the caller's thread, unless the background thread is at it.
+        True if it ran."""
+        if not self._serve.acquire(blocking=False):
+            return False
+        try:
+            self._tick()
+        except Exception:  # noqa: BLE001 - a bad message must not take the engine's step down
+            log.exception("kvbridge: prefill side channel")
+        finally:
+            self._serve.release()
+        return True
+
+    def _tick(self) -> None:
         import queue
 
-        next_stats = 0.0
+        try:
+            while True:
+                rid, blocks, attempt = self._new.get_nowait()
+                self.ep.add_request(rid, blocks, attempt=attempt)
+        except queue.Empty:
+            pass
+        self.ep.serve_once()
+        freed = self.ep.take_freed()
+        now = time.monotonic()
+        stats = None
+        if now >= self._next_stats:
+            stats, self._next_stats = self.ep.stats(), now + 0.5
+        with self._lock:
+            self._finished.update(freed["freed"])
+            self._finished.update(freed["expired"])
+            if stats is not None:
+                self._stats = stats
+
+    def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                try:
-                    while True:
-                        rid, blocks, attempt = self._new.get_nowait()
-                        self.ep.add_request(rid, blocks, attempt=attempt)
-                except queue.Empty:
-                    pass
-                self.ep.serve_once()
-                freed = self.ep.take_freed()
-                now = time.monotonic()
-                stats = None
-                if now >= next_stats:
-                    stats, next_stats = self.ep.stats(), now + 0.5
-                with self._lock:
-                    self._finished.update(freed["freed"])
-                    self._finished.update(freed["expired"])
-                    if stats is not None:
-                        self._stats = stats
-                self.ep.sock.poll(self.poll_ms)
+                with self._serve:
+                    self._tick()
             except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
                 log.exception("kvbridge: prefill side channel")
-                time.sleep(0.01)
+                self._stop.wait(0.01)
+            self._stop.wait(self.poll_s)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self.ep.close()
+        with self._serve:
+            self.ep.close()
 
 
 # ---------------------------------------------------------------------- vLLM config -> kvbridge
