@@ -265,8 +265,8 @@ def test_pd_corrupted_kv_changes_tokens(cluster, reference):
         cluster.release("decode-tp1")
 
 
-@pytest.mark.xfail(strict=False, reason="known intermittent stall on this 2-core machine: both TP2 decode ranks wait "
-                   "in ACQUIRING for the prefill's reply (docs/vllm_notes.md, issue 12 note); passes in most runs")
+@pytest.mark.xfail(strict=False, reason="open intermittent stall on this 2-core VM: the prefill worker's side channel "
+                   "stops answering for 30-60 s (docs/vllm_notes.md (f)); fails in most runs here, XPASS when it does not")
 def test_pd_decode_tp2(cluster, reference):
     """Heterogeneous pair: prefill TP1 → decode TP2 (each decode rank reads its KV head from the one prefill
     rank), block TP2_BLOCK (128; 64 with KVB_E2E_TP2_BLOCK=64: also a prefill block larger than the decode's)."""
