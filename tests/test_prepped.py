@@ -410,3 +410,10 @@ def test_loopback_span_read_is_byte_exact(pattern, span_levels):
         dec.unprepare(prep)
     assert np.array_equal(dbuf, expect) and expect.any()
     assert dec.stats.dlists_prepared == dec.stats.dlists_released == 4
+
+
+def test_span_levels_setting():
+    assert prepped._parse_levels("64") == (64,)
+    assert prepped._parse_levels("16, 256") == (256, 16)
+    assert prepped._parse_levels("0") == () and prepped._parse_levels("") == ()
+    assert prepped._parse_levels("x") == (64,)

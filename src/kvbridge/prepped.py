@@ -21,19 +21,24 @@ that cover ``G`` consecutive blocks ``b .. b+G-1``, for every start ``b`` (``num
 them), kept only where every block of the run lies in one registered allocation on each side. NIXL's
 strided form refuses ``len > stride``, so the span entries of one run are ``G`` rows, one per phase
 ``b % G``: row ``(i, G, phase)`` starts at block ``phase``, ``length = stride = G * block stride``
-(dense), ``count = (num_blocks - phase) // G``. These rows come after every per-block row, so per-block
-indices are unchanged. Per request, each maximal stretch of chunks whose block ids are consecutive on
-both sides at once is cut (numpy, no loop over blocks) into spans of the largest level first, then
-smaller levels, then single blocks; a 2,048-block contiguous MLA request posts 61 x 32 ids at ``G = 64``
-instead of 61 x 2,048. Where no stretch is as long as the smallest level (shuffled ids) the per-block
-path runs unchanged. ``KVBRIDGE_PREPPED_SPANS``: the levels, comma separated (default ``64``); ``0``
-turns span lists off. A level needs ``2G - 1 <= num_blocks`` on both sides.
+(dense), ``count = (num_blocks - phase) // G``. They form a second list pair (``*_span_rows``: the
+per-block rows, then the span rows, so per-block ids are the same in both pairs): NIXL's cost per posted
+id grows with the rows of the list and, more, with every change of row between consecutive ids, so
+requests without spans keep the small per-block lists. Per request, each maximal stretch of chunks
+whose block ids are consecutive on both sides at once is cut (numpy, no loop over blocks; a few
+stretches in plain Python) into spans of the largest level first, then smaller levels, then single
+blocks; a 2,048-block contiguous MLA request posts 61 x 32 ids at ``G = 64`` instead of 61 x 2,048.
+Spans are used only where they save at least :data:`SPAN_MIN_SAVED_PER_STRETCH` ids per stretch that
+gets one; otherwise (shuffled ids, short stretches) the per-block path runs unchanged.
+``KVBRIDGE_PREPPED_SPANS``: the levels, comma separated (default ``64``); ``0`` turns span lists off.
+A level needs ``2G - 1 <= num_blocks`` on both sides (every phase row non-empty).
 
 Transport independent: NIXL prepares the rows with ``prep_xfer_dlist``; the loopback transport expands
 indices back to addresses (:meth:`PreparedGeometry.addresses`).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -47,8 +52,13 @@ PRECOMPUTE_TAILS_UP_TO = 64
 
 
 def _parse_levels(text: str) -> tuple[int, ...]:
-    levels = sorted({int(x) for x in text.replace(" ", "").split(",") if x and int(x) > 1}, reverse=True)
-    return tuple(levels)
+    """``"64"`` -> (64,), ``"256,16"`` -> (256, 16), ``"0"`` or ``""`` -> () (levels below 2 dropped)."""
+    try:
+        return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x and int(x) > 1}, reverse=True))
+    except ValueError:
+        logging.getLogger(__name__).warning("KVBRIDGE_PREPPED_SPANS=%r is not a comma-separated list of integers; "
+                                            "using 64", text)
+        return (64,)
 
 
 # span levels (blocks per span entry), largest first; () = no span lists. Read when a geometry is built.
@@ -205,7 +215,7 @@ class PreparedGeometry:
         self.reads: list[tuple] = []  # (low, _PreppedRead)
         self.spans: list[_Spans | None] = []  # per read
         lrows, rrows = [], []
-        span_todo = []  # (read index, runs, levels, per-side (rows of those runs, nb))
+        span_todo = []  # (read index, runs with spans, the other runs, levels, per side (its rows, nb))
         p_off = d_off = 0
         for low in lows:
             pr, dr = p_mem.region(low.read.group), lowered.d_mem.region(low.read.group)
@@ -247,7 +257,7 @@ class PreparedGeometry:
                 ok &= _inside_one_allocation(p_mem, tpl.src_rel, tpl.src_rel + p_nb * p_bs)
                 ok &= _inside_one_allocation(lowered.d_mem, tpl.dst_rel, tpl.dst_rel + d_nb * d_bs)
                 if ok.any():
-                    span_todo.append((len(self.reads) - 1, np.flatnonzero(ok), lv,
+                    span_todo.append((len(self.reads) - 1, np.flatnonzero(ok), np.flatnonzero(~ok), lv,
                                       (rrows[-1], p_nb), (lrows[-1], d_nb)))
             p_off += runs * p_k * p_nb
             d_off += runs * d_k * d_nb
@@ -257,7 +267,7 @@ class PreparedGeometry:
                     lowered.template(low, ntok)
         self.remote_entries, self.local_entries = p_off, d_off  # the per-block lists
         rspan, lspan = [], []  # span rows: a second list pair (the per-block rows, then these)
-        for ri, sruns, lv, (r_rows, p_nb), (l_rows, d_nb) in span_todo:
+        for ri, sruns, plain, lv, (r_rows, p_nb), (l_rows, d_nb) in span_todo:
             # after every per-block row: row (run i, level G, phase p) entry q = blocks p+qG .. p+qG+G-1 of run i
             pre = self.reads[ri][1]
             out = []
@@ -284,7 +294,6 @@ class PreparedGeometry:
                 tbl[:, -1] = base_off + sruns * nb
                 out += [tbl, ph, off]
             r_tbl, r_ph, p_off, l_tbl, l_ph, d_off = out
-            plain = np.setdiff1d(np.arange(pre.runs), sruns)
             self.spans[ri] = _Spans(sruns, plain, np.array(lv + (1,), np.int64), np.stack([r_tbl, l_tbl]),
                                     np.stack([r_ph, l_ph]))
         self.remote_rows = np.concatenate(rrows) if rrows else np.empty((0, 5), np.uint64)
