@@ -9,8 +9,11 @@ the same for both systems. The two systems alternate request by request; medians
 * kvbridge prepped: ``runtime.prepped_hook.direct_reads`` (the caller's thread: validate + sizes), then ``request`` (index
   arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided), with
   span lists (``KVBRIDGE_PREPPED_SPANS``, default 64) where runs are whole blocks on both sides.
-* kvbridge prepped, no spans: the same on lists prepared with span levels () (the path before span lists),
-  alternated with the others in the same loop.
+* kvbridge prepped, no spans: the same on lists prepared with span levels () (the path before span lists).
+  The loop runs ``2 * reps`` rounds; each round runs vLLM, then the two kvbridge variants in alternating
+  order. The prepped and no-span columns hold only the rounds where that variant ran right after vLLM
+  (caches cold, as the post thread finds them after an engine step; ``reps`` samples each); the "warm"
+  column the rounds where it ran second. vLLM, staged: every round.
 * kvbridge merged: ``LoweredPlan.descriptors`` (merges in Python) + Nx3 + ``get_xfer_descs`` x2 +
   ``initialize_xfer`` (the old path), to decide which is faster.
 * vLLM 0.33: its own ``NixlConnectorWorker._compute_desc_ids`` (called on a stub holding the attributes
@@ -190,14 +193,23 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
 
     tv, tp, tc, tm, ts, tn = [], [], [], [], [], []
     cv = cp = cm = cn = 0
-    for i in range(reps + 1):
+    wp, wn = [], []  # "warm": the kvbridge variant that ran second (after the other one, not after vLLM)
+    for i in range(2 * reps + 1):
         a, cv = run_vllm()
-        b, cp, c = run_prepped()
-        nn, cn, _ = run_prepped(preps_ns)
+        if i % 2:  # with spans right after vLLM (cold caches), then without
+            b, cp, c = run_prepped()
+            nn, cn, _ = run_prepped(preps_ns)
+        else:
+            nn, cn, _ = run_prepped(preps_ns)
+            b, cp, c = run_prepped()
         mm, cm = run_merged() if (reps <= 5 or i % 3 == 0) else (None, cm)
         st = run_staged_post()
         if i:
-            tv.append(a), tp.append(b), tc.append(c), ts.append(st), tn.append(nn)
+            tv.append(a), ts.append(st)
+            if i % 2:
+                tp.append(b), tc.append(c), wn.append(nn)
+            else:
+                tn.append(nn), wp.append(b)
             if mm is not None:
                 tm.append(mm)
     best_kv = statistics.median(tp)  # the runtime posts prepped (see RESULTS.md: prepped vs merged)
@@ -207,6 +219,7 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
            "staged_post_ms": stats(ts),
            "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms,
            "nospan_ids": cn, "nospan_ms": stats(tn), "nospan_ratio": statistics.median(tv) / statistics.median(tn),
+           "warm_ms": f"{statistics.median(wp) * 1e3:.3f} / {statistics.median(wn) * 1e3:.3f}",
            "prep_nospan_ms": prep_ns_ms, "rows": rows, "span_rows": span_rows, "rss_mib": rss_sp, "rss_nospan_mib": rss_ns}
     log(row)
     for p in pranks:
@@ -241,13 +254,14 @@ def main():
     print("\n| scenario | layout | alloc | vLLM descs | vLLM ms med / min | kvbridge prepped ids "
           "| prepped ms med / min | caller's thread ms | kvbridge merged descs | merged (old path) ms "
           "| vLLM / kvbridge prepped (medians) | staged posting ms "
-          "| no-span ids | no-span prepped ms med / min | vLLM / no-span (medians) |")
-    print("|" + "---|" * 15)
+          "| no-span ids | no-span prepped ms med / min | vLLM / no-span (medians) "
+          "| warm ms med: prepped / no-span |")
+    print("|" + "---|" * 16)
     for r in rows:
         print(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['vllm_descs']:,} | {r['vllm_ms']} | "
               f"{r['kvb_prepped_ids']:,} | {r['kvb_prepped_ms']} | {r['kvb_caller_ms']} | {r['kvb_merged_descs']:,} | "
               f"{r['kvb_merged_ms']} | {r['ratio']:.1f}x | {r['staged_post_ms']} | {r['nospan_ids']:,} | "
-              f"{r['nospan_ms']} | {r['nospan_ratio']:.1f}x |")
+              f"{r['nospan_ms']} | {r['nospan_ratio']:.1f}x | {r['warm_ms']} |")
     print("\n| scenario | layout | alloc | list rows (per-block, both sides) | span list rows (both sides) "
           "| prepare ms: no spans / with spans | RSS MiB after prepare: no spans / with spans |")
     print("|" + "---|" * 7)

@@ -306,6 +306,10 @@ class PreparedGeometry:
         dt = self.index_dtype
         self.spans = [None if sp is None else _Spans(sp.runs, sp.plain, sp.sizes, sp.tbl.astype(dt), sp.ph.astype(dt))
                       for sp in self.spans]
+        # per read: the first index of each run's rows on each side (entry (i, 0, 0))
+        self._run_ids = [((pre.p_off + np.arange(pre.runs, dtype=np.int64) * (pre.p_k * pre.p_nb)).astype(dt),
+                          (pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)).astype(dt))
+                         for _, pre, _ in self.reads]
 
     # ---- per request -------------------------------------------------------------------------
     def validate(self, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
@@ -338,12 +342,10 @@ class PreparedGeometry:
         l_parts, r_parts, tails = [], [], []
         spans = False
         base_s, base_d = lo.prefill_bases[self.prank], lo.decode_base
-        for (low, pre, tpl), sp in zip(self.reads, self.spans):
+        for (low, pre, tpl), sp, (run_r, run_l) in zip(self.reads, self.spans, self._run_ids):
             gname = low.read.group
             g, bsp, bsd = low.chunk, low.bsp, low.bsd
             pb, db = prefill_blocks[gname], decode_blocks[gname]
-            run_r = pre.p_off + np.arange(pre.runs, dtype=np.int64) * (pre.p_k * pre.p_nb)
-            run_l = pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)
             if not pre.per_token:
                 r_parts.append((run_r + int(pb.block_ids[0])).astype(dt))
                 l_parts.append((run_l + int(db.block_ids[0])).astype(dt))
@@ -378,9 +380,9 @@ class PreparedGeometry:
                         continue
                     out = np.empty((run.size, n_full) if pre.run_major else (n_full, run.size), dtype=dt)
                     if pre.run_major:
-                        np.add(run.astype(dt)[:, None], pos.astype(dt)[None, :], out=out)
+                        np.add(run[:, None], pos.astype(dt)[None, :], out=out)
                     else:
-                        np.add(pos.astype(dt)[:, None], run.astype(dt)[None, :], out=out)
+                        np.add(pos.astype(dt)[:, None], run[None, :], out=out)
                     parts.append(out.ravel())
             if tail:
                 t = lo.template(low, tail)
