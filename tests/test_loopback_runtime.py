@@ -59,6 +59,7 @@ def test_loopback_direct_reads_post_spans(monkeypatch):
     from kvbridge.testing.verify import BlockPool
     monkeypatch.setattr(prepped, "SPAN_LEVELS", (4,))
     monkeypatch.setattr(prepped, "SPAN_MIN_SAVED_PER_STRETCH", 0)
+    monkeypatch.setattr(prepped, "SPAN_MIN_IDS", 0)
     used = []
     real = prepped.PreparedGeometry.request
     monkeypatch.setattr(prepped.PreparedGeometry, "request",

@@ -214,8 +214,8 @@ def test_loopback_refuses_reads_outside_registered_memory():
 
 
 # ---- span lists (issue 14 point 4: MLA and other whole-block runs) --------------------------------
-# Small caches (64 blocks) with levels (8, 4) so every path is reached; the threshold that keeps spans
-# off where they save too few ids per stretch is set to 0 here (its own test below uses the default).
+# Small caches (64 blocks) with levels (8, 4) so every path is reached; the thresholds that keep spans
+# off where they save too few ids are set to 0 here (their own test below uses the defaults).
 SPAN_CASES = [  # runs that are whole blocks on both sides
     ("tiny-mla", 2, 1, "flash_attn_hnd", 16, 16, 700),       # per-layer MLA blocks (P>D: replicated)
     ("tiny-dense", 1, 1, "flash_attn_hnd", 16, 16, 700),     # K and V blocks of each layer
@@ -233,6 +233,7 @@ SPAN_NB = 64
 def span_levels(monkeypatch):
     monkeypatch.setattr(prepped, "SPAN_LEVELS", (8, 4))
     monkeypatch.setattr(prepped, "SPAN_MIN_SAVED_PER_STRETCH", 0)
+    monkeypatch.setattr(prepped, "SPAN_MIN_IDS", 0)
 
 
 def _ids(m, p_ids, d_ids, d_first=0):
@@ -344,16 +345,19 @@ def test_no_spans_where_a_side_is_not_block_contiguous(case, span_levels):
 
 
 def test_spans_only_where_they_save_enough_ids():
-    """Default threshold: a 2,048-block contiguous MLA request posts spans of 64; stretches of 100 blocks
-    (one span of 64 + 36 single blocks each) post per-block ids (measured slower with spans)."""
-    m = load_model("tiny-mla")
+    """Default thresholds, DeepSeek-V3 MLA (61 per-layer runs): a 2,048-block contiguous request posts
+    spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each) and a 200-block
+    request (61 x 200 ids < SPAN_MIN_IDS) post per-block ids (measured slower with spans)."""
+    m = load_model("deepseek-v3")
     P = EngineLayout(m, tp=1, block_size=16, memory=MemoryLayout.parse("flash_attn_hnd"), num_blocks=4096)
     lp = LoweredPlan(plan_transfer(P, P), (0, 0))
     geo = PreparedGeometry(lp, (0, 0), span_levels=(64,))
-    tokens = 2048 * 16
-    for ids, spans, n_ids in ((np.arange(100, 2148), True, 3 * 32),
-                              (_stretches([(i * 200, 100) for i in range(20)] + [(4000, 48)]), False, 3 * 2048)):
+    runs = 61
+    for ids, spans, n_ids in ((np.arange(100, 2148), True, runs * 32),
+                              (_stretches([(i * 200, 100) for i in range(20)] + [(4000, 48)]), False, runs * 2048),
+                              (np.arange(7, 207), False, runs * 200)):
         pb, db = _ids(m, ids, ids)
+        tokens = ids.size * 16
         req = geo.request(geo.validate(tokens, pb, db), pb, db)
         assert req.spans == spans and req.local_ids.size == n_ids
         _check_expands(geo, req, lp.descriptors(tokens, pb, db)[0])

@@ -68,6 +68,11 @@ SPAN_LEVELS: tuple[int, ...] = _parse_levels(os.environ.get("KVBRIDGE_PREPPED_SP
 # between consecutive ids (a span row, then the per-block row for the remainder, then the next
 # stretch's span row) ~50-100 ns; stretches of 100 blocks with G = 64 posted slower with spans.
 SPAN_MIN_SAVED_PER_STRETCH = 100
+# ... and only where the request has at least this many per-block ids on the runs that have span rows:
+# below it NIXL's saving (~2 ns an id) does not pay for cutting the request into spans (~15-100 µs of
+# numpy and Python, more under load); e.g. a cross-layer block (one run) never qualifies, MLA's 61
+# per-layer runs from 269 blocks (4,304 tokens at 16 a block) on.
+SPAN_MIN_IDS = 16384
 
 
 @dataclass(frozen=True)
@@ -365,7 +370,9 @@ class PreparedGeometry:
                     dblk, doff = db.locate(cs, bsd)
                     pos_r = (poff // g) * pre.p_nb + pblk
                     pos_l = (doff // g) * pre.d_nb + dblk
-                pieces = None if sp is None else _pieces(pos_r, pos_l, sp.sizes)
+                pieces = None
+                if sp is not None and sp.runs.size * n_full >= SPAN_MIN_IDS:
+                    pieces = _pieces(pos_r, pos_l, sp.sizes)
                 if pieces is not None:  # spannable runs: spans + single blocks, run-major
                     col, first = pieces
                     spans = True
