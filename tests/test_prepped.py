@@ -260,7 +260,14 @@ PATTERNS = {
     # stretches ending on the last block (the last entry of a phase row) and lengths 9, 13, 22
     "to-the-end": lambda rng: (_stretches([(55, 9), (0, 13), (30, 22)]), _stretches([(20, 9), (51, 13), (29, 22)])),
     "shuffled": lambda rng: (rng.permutation(SPAN_NB)[:TOKENS_BLOCKS], rng.permutation(SPAN_NB)[:TOKENS_BLOCKS]),
+    # more stretches than the few-stretches path takes (the vectorised cut), breaks differing per side
+    "many-stretches": lambda rng: (_gapped([5, 3, 9, 1, 4, 8, 2, 6, 4, 2]), _gapped([7, 7, 2, 9, 3, 5, 11])),
 }
+
+
+def _gapped(lens):
+    """Stretches of ``lens`` blocks, one free block between them."""
+    return _stretches([(sum(lens[:i]) + i, n) for i, n in enumerate(lens)])
 
 
 @pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -345,8 +352,8 @@ def test_no_spans_where_a_side_is_not_block_contiguous(case, span_levels):
 
 
 def test_spans_only_where_they_save_enough_ids():
-    """Default thresholds, DeepSeek-V3 MLA (61 per-layer runs): a 2,048-block contiguous request posts
-    spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each) and a 200-block
+    """Default thresholds, DeepSeek-V3 MLA (61 per-layer runs): a 2,048-block contiguous request and 8
+    stretches of 256 blocks post spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each) and a 200-block
     request (61 x 200 ids < SPAN_MIN_IDS) post per-block ids (measured slower with spans)."""
     m = load_model("deepseek-v3")
     P = EngineLayout(m, tp=1, block_size=16, memory=MemoryLayout.parse("flash_attn_hnd"), num_blocks=4096)
@@ -355,7 +362,8 @@ def test_spans_only_where_they_save_enough_ids():
     runs = 61
     for ids, spans, n_ids in ((np.arange(100, 2148), True, runs * 32),
                               (_stretches([(i * 200, 100) for i in range(20)] + [(4000, 48)]), False, runs * 2048),
-                              (np.arange(7, 207), False, runs * 200)):
+                              (np.arange(7, 207), False, runs * 200),
+                              (_stretches([(i * 300, 256) for i in range(8)]), True, runs * 8 * 4)):
         pb, db = _ids(m, ids, ids)
         tokens = ids.size * 16
         req = geo.request(geo.validate(tokens, pb, db), pb, db)

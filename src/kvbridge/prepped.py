@@ -102,6 +102,8 @@ class _Spans:
     sizes: np.ndarray
     tbl: np.ndarray
     ph: np.ndarray
+    sizes_py: list  # sizes and ph as Python lists (the few-stretches path reads single values)
+    ph_py: list
 
 
 def _inside_one_allocation(mem, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -117,13 +119,15 @@ def _inside_one_allocation(mem, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return ok & (hi <= np.where(ok, ends[np.maximum(i, 0)], -1))
 
 
-def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sizes: np.ndarray):
+def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sp: _Spans, dt):
     """Cut chunks (block positions ``pos_r``/``pos_l`` on the two sides, ``< 2**31``) into pieces: each
-    maximal stretch of chunks consecutive on both sides at once becomes spans of ``sizes[0]`` blocks,
-    then of ``sizes[1]`` ..., then single blocks (``sizes[-1] == 1``). Returns (column of ``sizes`` per
-    piece, index of the piece's first chunk), in chunk order; None when no stretch is as long as the
-    smallest span (every piece would be one block) or the spans save too few ids to pay for the row
-    changes (:data:`SPAN_MIN_SAVED_PER_STRETCH`)."""
+    maximal stretch of chunks consecutive on both sides at once becomes spans of ``sp.sizes[0]`` blocks,
+    then of ``sp.sizes[1]`` ..., then single blocks (``sizes[-1] == 1``). Returns, in chunk order, the
+    column of ``sizes`` of each piece and ``(2, pieces)`` offsets of its entry within its run's rows of
+    that size (remote, local: ``ph[side, col, b % S] + b // S`` for a piece of ``S`` blocks from block
+    ``b``); None when no stretch is as long as the smallest span or the spans save too few ids to pay
+    for the row changes (:data:`SPAN_MIN_SAVED_PER_STRETCH`)."""
+    sizes = sp.sizes
     n, gmin = pos_r.size, int(sizes[-2])
     if n < gmin:
         return None
@@ -132,8 +136,8 @@ def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sizes: np.ndarray):
     brk = np.flatnonzero((key[1:] - key[:-1]) != _BOTH_NEXT)
     if brk.size > n - gmin:  # too few consecutive pairs left for even one span
         return None
-    if brk.size < _FEW_STRETCHES:  # a few stretches: plain Python, cheaper than a dozen numpy calls
-        return _pieces_few(brk.tolist(), n, sizes.tolist())
+    if brk.size < _FEW_STRETCHES:  # a few stretches: plain Python, fewer numpy calls
+        return _pieces_few(brk.tolist(), n, sp, pos_r, pos_l, dt)
     lens = np.diff(brk, prepend=-1, append=n - 1)
     cnt = np.empty((lens.size, sizes.size), np.int64)
     rem = lens
@@ -147,30 +151,46 @@ def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sizes: np.ndarray):
     size = sizes[col]
     first = np.cumsum(size)
     first -= size  # the pieces tile the chunks in order
-    return col, first
+    b = np.empty((2, first.size), np.int64)
+    np.take(pos_r, first, out=b[0])
+    np.take(pos_l, first, out=b[1])
+    q, phase = np.divmod(b, size)
+    q += sp.ph[_SIDES, col, phase]
+    return col, q.astype(dt)
 
 
 _BOTH_NEXT = (1 << 32) + 1
 _FEW_STRETCHES = 8
 
 
-def _pieces_few(brk: list, n: int, sizes: list):
-    """:func:`_pieces` for a few stretches (``brk``: the last chunk of every stretch but the last)."""
-    cols, firsts = [], []
-    spanned = 0
-    st = 0
+def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndarray, dt):
+    """:func:`_pieces` for a few stretches (``brk``: the last chunk of every stretch but the last): the
+    pieces of one size in one stretch are consecutive entries of one row on each side (one segment)."""
+    sizes, (ph_r, ph_l) = sp.sizes_py, sp.ph_py
+    gmin = sizes[-2]
+    seg_col, seg_len, seg_r, seg_l = [], [], [], []
+    spanned = pieces = st = 0
     for end in brk + [n - 1]:
         left = end + 1 - st
-        spanned += left >= sizes[-2]
+        spanned += left >= gmin
         for k, size in enumerate(sizes):
             q, left = divmod(left, size)
             if q:
-                cols += [k] * q
-                firsts += range(st, st + q * size, size)
+                br, bl = pos_r.item(st), pos_l.item(st)
+                seg_col.append(k)
+                seg_len.append(q)
+                seg_r.append(ph_r[k][br % size] + br // size - pieces)
+                seg_l.append(ph_l[k][bl % size] + bl // size - pieces)
+                pieces += q
                 st += q * size
-    if not spanned or n - len(cols) < SPAN_MIN_SAVED_PER_STRETCH * spanned:
+    if not spanned or n - pieces < SPAN_MIN_SAVED_PER_STRETCH * spanned:
         return None
-    return np.array(cols, np.int64), np.array(firsts, np.int64)
+    lens = np.array(seg_len)
+    off = np.repeat(np.array((seg_r, seg_l), dt), lens, axis=1)
+    off += np.arange(pieces, dtype=dt)
+    return np.repeat(np.array(seg_col), lens), off
+
+
 _SIDES = np.arange(2)[:, None]
 
 
@@ -299,8 +319,9 @@ class PreparedGeometry:
                 tbl[:, -1] = base_off + sruns * nb
                 out += [tbl, ph, off]
             r_tbl, r_ph, p_off, l_tbl, l_ph, d_off = out
-            self.spans[ri] = _Spans(sruns, plain, np.array(lv + (1,), np.int64), np.stack([r_tbl, l_tbl]),
-                                    np.stack([r_ph, l_ph]))
+            ph = np.stack([r_ph, l_ph])
+            self.spans[ri] = _Spans(sruns, plain, np.array(lv + (1,), np.int64), np.stack([r_tbl, l_tbl]), ph,
+                                    list(lv + (1,)), ph.tolist())
         self.remote_rows = np.concatenate(rrows) if rrows else np.empty((0, 5), np.uint64)
         self.local_rows = np.concatenate(lrows) if lrows else np.empty((0, 5), np.uint64)
         # NIXL's cost per posted id grows with the rows of the list it indexes, so requests that use no
@@ -309,7 +330,8 @@ class PreparedGeometry:
         self.local_span_rows = np.concatenate([self.local_rows] + lspan) if lspan else None
         self.index_dtype = np.int32 if max(p_off, d_off) <= INT32_MAX else np.int64
         dt = self.index_dtype
-        self.spans = [None if sp is None else _Spans(sp.runs, sp.plain, sp.sizes, sp.tbl.astype(dt), sp.ph.astype(dt))
+        self.spans = [None if sp is None else _Spans(sp.runs, sp.plain, sp.sizes, sp.tbl.astype(dt), sp.ph.astype(dt),
+                                                     sp.sizes_py, sp.ph_py)
                       for sp in self.spans]
         # per read: the first index of each run's rows on each side (entry (i, 0, 0))
         self._run_ids = [((pre.p_off + np.arange(pre.runs, dtype=np.int64) * (pre.p_k * pre.p_nb)).astype(dt),
@@ -372,13 +394,12 @@ class PreparedGeometry:
                     pos_l = (doff // g) * pre.d_nb + dblk
                 pieces = None
                 if sp is not None and sp.runs.size * n_full >= SPAN_MIN_IDS:
-                    pieces = _pieces(pos_r, pos_l, sp.sizes)
+                    pieces = _pieces(pos_r, pos_l, sp, dt)
                 if pieces is not None:  # spannable runs: spans + single blocks, run-major
-                    col, first = pieces
+                    col, off = pieces
                     spans = True
-                    q, phase = np.divmod(np.stack((pos_r[first], pos_l[first])), sp.sizes[col])
-                    q += sp.ph[_SIDES, col, phase]
-                    ids = sp.tbl[:, :, col] + q.astype(dt)[:, None, :]  # (side, run, piece)
+                    ids = sp.tbl[:, :, col]  # (side, run, piece)
+                    ids += off[:, None, :]
                     r_parts.append(ids[0].ravel())
                     l_parts.append(ids[1].ravel())
                     run_r, run_l = run_r[sp.plain], run_l[sp.plain]
