@@ -272,7 +272,9 @@ def _gapped(lens):
 
 @pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_span_ids_expand_to_the_lowered_descriptors(case, pattern, span_levels):
+@pytest.mark.parametrize("few_pieces", [256, 0], ids=["lists", "segments"])
+def test_span_ids_expand_to_the_lowered_descriptors(case, pattern, few_pieces, span_levels, monkeypatch):
+    monkeypatch.setattr(prepped, "_FEW_PIECES", few_pieces)  # both ways of building a few stretches' pieces
     model, ptp, dtp, layout, pbs, dbs, tokens = case
     m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, SPAN_NB)
     rng = np.random.default_rng(5)

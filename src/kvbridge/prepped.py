@@ -168,7 +168,7 @@ def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndar
     pieces of one size in one stretch are consecutive entries of one row on each side (one segment)."""
     sizes, (ph_r, ph_l) = sp.sizes_py, sp.ph_py
     gmin = sizes[-2]
-    seg_col, seg_len, seg_r, seg_l = [], [], [], []
+    segs = []  # (col, pieces, first offset remote, first offset local)
     spanned = pieces = st = 0
     for end in brk + [n - 1]:
         left = end + 1 - st
@@ -177,20 +177,26 @@ def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndar
             q, left = divmod(left, size)
             if q:
                 br, bl = pos_r.item(st), pos_l.item(st)
-                seg_col.append(k)
-                seg_len.append(q)
-                seg_r.append(ph_r[k][br % size] + br // size - pieces)
-                seg_l.append(ph_l[k][bl % size] + bl // size - pieces)
+                segs.append((k, q, ph_r[k][br % size] + br // size, ph_l[k][bl % size] + bl // size))
                 pieces += q
                 st += q * size
     if not spanned or n - pieces < SPAN_MIN_SAVED_PER_STRETCH * spanned:
         return None
-    lens = np.array(seg_len)
-    off = np.repeat(np.array((seg_r, seg_l), dt), lens, axis=1)
+    if pieces <= _FEW_PIECES:  # a few dozen values: lists, then one array each
+        cols, o_r, o_l = [], [], []
+        for k, q, r0, l0 in segs:
+            cols += [k] * q
+            o_r += range(r0, r0 + q)
+            o_l += range(l0, l0 + q)
+        return np.array(cols), np.array((o_r, o_l), dt)
+    k, q, r0, l0 = (np.array(x) for x in zip(*segs))
+    start = np.cumsum(q) - q
+    off = np.repeat(np.array((r0 - start, l0 - start), dt), q, axis=1)
     off += np.arange(pieces, dtype=dt)
-    return np.repeat(np.array(seg_col), lens), off
+    return np.repeat(k, q), off
 
 
+_FEW_PIECES = 256
 _SIDES = np.arange(2)[:, None]
 
 
@@ -400,9 +406,11 @@ class PreparedGeometry:
                     spans = True
                     ids = sp.tbl[:, :, col]  # (side, run, piece)
                     ids += off[:, None, :]
-                    r_parts.append(ids[0].ravel())
-                    l_parts.append(ids[1].ravel())
-                    run_r, run_l = run_r[sp.plain], run_l[sp.plain]
+                    ids = ids.reshape(2, -1)
+                    r_parts.append(ids[0])
+                    l_parts.append(ids[1])
+                    # the other runs of the read (if any) take the per-block path below
+                    run_r, run_l = (run_r[sp.plain], run_l[sp.plain]) if sp.plain.size else (run_r[:0], run_l[:0])
                 for parts, run, pos in ((r_parts, run_r, pos_r), (l_parts, run_l, pos_l)):
                     if not run.size:
                         continue
