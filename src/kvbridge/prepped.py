@@ -131,6 +131,8 @@ def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sp: _Spans, dt):
     n, gmin = pos_r.size, int(sizes[-2])
     if n < gmin:
         return None
+    if _consecutive(pos_r) and _consecutive(pos_l):  # one stretch (contiguous on both sides): no ufuncs
+        return _pieces_few([], n, sp, pos_r, pos_l, dt)
     key = pos_r << 32
     key += pos_l  # consecutive on both sides <=> key steps by 2**32 + 1
     brk = np.flatnonzero((key[1:] - key[:-1]) != _BOTH_NEXT)
@@ -160,6 +162,19 @@ def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sp: _Spans, dt):
 
 
 _BOTH_NEXT = (1 << 32) + 1
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _consecutive(pos: np.ndarray) -> bool:
+    """``pos`` (int64) is ``p0, p0+1, ...``: the end points, then the bytes against a cached arange
+    (a memcmp: right after an engine step numpy's ufuncs cost tens of µs each, cold)."""
+    global _ARANGE
+    n, p0 = pos.size, pos.item(0)
+    if pos.item(n - 1) - p0 != n - 1 or p0 < 0:
+        return False
+    if _ARANGE.size < p0 + n:
+        _ARANGE = np.arange(max(p0 + n, 2 * _ARANGE.size), dtype=np.int64)  # replaced whole: thread safe
+    return pos.tobytes() == _ARANGE[p0:p0 + n].tobytes()
 _FEW_STRETCHES = 8
 
 
