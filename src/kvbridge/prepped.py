@@ -175,6 +175,8 @@ def _consecutive(pos: np.ndarray) -> bool:
     if _ARANGE.size < p0 + n:
         _ARANGE = np.arange(max(p0 + n, 2 * _ARANGE.size), dtype=np.int64)  # replaced whole: thread safe
     return pos.tobytes() == _ARANGE[p0:p0 + n].tobytes()
+
+
 _FEW_STRETCHES = 8
 
 
@@ -212,7 +214,7 @@ def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndar
 
 
 _FEW_PIECES = 256
-_SIDES = np.arange(2)[:, None]
+_SIDES = np.arange(2)[:, None]  # (side, 1): fancy-indexes the remote (0) and local (1) tables at once
 
 
 @dataclass
