@@ -7,7 +7,13 @@ over real registered memory (address space reserved with MAP_NORESERVE; in-proce
 the same for both systems. The two systems alternate request by request; medians and minima.
 
 * kvbridge prepped: ``runtime.prepped_hook.direct_reads`` (the caller's thread: validate + sizes), then ``request`` (index
-  arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided).
+  arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided), with
+  span lists (``KVBRIDGE_PREPPED_SPANS``, default 64) where runs are whole blocks on both sides.
+* kvbridge prepped, no spans: the same on lists prepared with span levels () (the path before span lists).
+  The loop runs ``2 * reps`` rounds; each round runs vLLM, then the two kvbridge variants in alternating
+  order. The prepped and no-span columns hold only the rounds where that variant ran right after vLLM
+  (caches cold, as the post thread finds them after an engine step; ``reps`` samples each); the "warm"
+  column the rounds where it ran second. vLLM, staged: every round.
 * kvbridge merged: ``LoweredPlan.descriptors`` (merges in Python) + Nx3 + ``get_xfer_descs`` x2 +
   ``initialize_xfer`` (the old path), to decide which is faster.
 * vLLM 0.33: its own ``NixlConnectorWorker._compute_desc_ids`` (called on a stub holding the attributes
@@ -54,6 +60,11 @@ def vllm_compute_desc_ids():
     return W._compute_desc_ids
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE / 2**20
+
+
 def stats(xs):
     xs = [x * 1e3 for x in xs]
     return f"{statistics.median(xs):.3f} / {min(xs):.3f}"
@@ -77,9 +88,21 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
         bases[p] = t.register(vbuf(psize[p]))
         agents[p] = dec.add_peer(t.metadata())
     lp = LoweredPlan(plan, DR, bases, dbase)
-    t0 = time.perf_counter()
+    from kvbridge import prepped
+    for p in pranks:  # build the partial-chunk templates once (cached in lp), so both timings below exclude it
+        prepped.PreparedGeometry(lp, p, span_levels=())
+    levels = prepped.SPAN_LEVELS
+    prepped.SPAN_LEVELS = ()
+    rss0, t0 = rss_mib(), time.perf_counter()
+    preps_ns = {p: dec.prepare(agents[p], lp, p) for p in pranks}
+    prep_ns_ms, rss_ns = (time.perf_counter() - t0) * 1e3, rss_mib() - rss0
+    prepped.SPAN_LEVELS = levels
+    rss0, t0 = rss_mib(), time.perf_counter()
     preps = {p: dec.prepare(agents[p], lp, p) for p in pranks}
-    prep_ms = (time.perf_counter() - t0) * 1e3
+    prep_ms, rss_sp = (time.perf_counter() - t0) * 1e3, rss_mib() - rss0
+    span_rows = sum(0 if pr.geometry.local_span_rows is None else
+                    len(pr.geometry.local_span_rows) + len(pr.geometry.remote_span_rows) for pr in preps.values())
+    rows = sum(len(pr.geometry.local_rows) + len(pr.geometry.remote_rows) for pr in preps.values())
     rng = np.random.default_rng(0)
     n = ceil_div(tokens, bs)
     ids = lambda: (rng.permutation(num_blocks)[:n] if shuffled else np.arange(n)).astype(np.int64)  # noqa: E731
@@ -125,16 +148,18 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
     remote_stub = SimpleNamespace(lowered=lp)
     req_stub = SimpleNamespace(num_tokens=tokens, prefill_blocks=pb, decode_blocks=db)
 
-    def run_prepped():
+    def run_prepped(preps=preps):
         t = time.perf_counter()
         # caller's thread: the runtime's own hand-over (runtime/prepped_hook.direct_reads): validate once,
         # sizes by arithmetic, one PreppedWork per prefill rank
         works = direct_reads(preps, remote_stub, req_stub, pranks)
         t_caller = time.perf_counter() - t
         hs, cnt = [], 0
-        for p, w in works.items():  # the post thread's part (run inline here)
+        for p, w in works.items():  # the post thread's part (run inline here, as NixlTransport.read_prepped)
             req = w.prep.geometry.request(w.ranges, w.prefill_blocks, w.decode_blocks)
-            hs.append(api.make_prepped_xfer("READ", w.prep.local, req.local_ids, w.prep.remote, req.remote_ids, b"x"))
+            pr = w.prep
+            local, remote = (pr.local_span, pr.remote_span) if req.spans else (pr.local, pr.remote)
+            hs.append(api.make_prepped_xfer("READ", local, req.local_ids, remote, req.remote_ids, b"x"))
             cnt += req.local_ids.size
         dt = time.perf_counter() - t
         for h in hs:
@@ -166,15 +191,25 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
             pack_msg(Stage("r", "d", DR, layout_dict, {}, tokens, wire_p, wire_d))
         return time.perf_counter() - t
 
-    tv, tp, tc, tm, ts = [], [], [], [], []
-    cv = cp = cm = 0
-    for i in range(reps + 1):
+    tv, tp, tc, tm, ts, tn = [], [], [], [], [], []
+    cv = cp = cm = cn = 0
+    wp, wn = [], []  # "warm": the kvbridge variant that ran second (after the other one, not after vLLM)
+    for i in range(2 * reps + 1):
         a, cv = run_vllm()
-        b, cp, c = run_prepped()
+        if i % 2:  # with spans right after vLLM (cold caches), then without
+            b, cp, c = run_prepped()
+            nn, cn, _ = run_prepped(preps_ns)
+        else:
+            nn, cn, _ = run_prepped(preps_ns)
+            b, cp, c = run_prepped()
         mm, cm = run_merged() if (reps <= 5 or i % 3 == 0) else (None, cm)
         st = run_staged_post()
         if i:
-            tv.append(a), tp.append(b), tc.append(c), ts.append(st)
+            tv.append(a), ts.append(st)
+            if i % 2:
+                tp.append(b), tc.append(c), wn.append(nn)
+            else:
+                tn.append(nn), wp.append(b)
             if mm is not None:
                 tm.append(mm)
     best_kv = statistics.median(tp)  # the runtime posts prepped (see RESULTS.md: prepped vs merged)
@@ -182,10 +217,14 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
            "vllm_descs": cv, "kvb_prepped_ids": cp, "kvb_merged_descs": cm,
            "vllm_ms": stats(tv), "kvb_prepped_ms": stats(tp), "kvb_caller_ms": stats(tc), "kvb_merged_ms": stats(tm),
            "staged_post_ms": stats(ts),
-           "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms}
+           "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms,
+           "nospan_ids": cn, "nospan_ms": stats(tn), "nospan_ratio": statistics.median(tv) / statistics.median(tn),
+           "warm_ms": f"{statistics.median(wp) * 1e3:.3f} / {statistics.median(wn) * 1e3:.3f}",
+           "prep_nospan_ms": prep_ns_ms, "rows": rows, "span_rows": span_rows, "rss_mib": rss_sp, "rss_nospan_mib": rss_ns}
     log(row)
     for p in pranks:
         dec.unprepare(preps[p])
+        dec.unprepare(preps_ns[p])
     dec.close()
     for t in pre.values():
         t.close()
@@ -214,12 +253,21 @@ def main():
                 rows.append(scenario(name, model, ptp, dtp, layout, a.tokens, a.blocks, sh, a.reps, cdi))
     print("\n| scenario | layout | alloc | vLLM descs | vLLM ms med / min | kvbridge prepped ids "
           "| prepped ms med / min | caller's thread ms | kvbridge merged descs | merged (old path) ms "
-          "| vLLM / kvbridge prepped (medians) | staged posting ms |")
-    print("|" + "---|" * 12)
+          "| vLLM / kvbridge prepped (medians) | staged posting ms "
+          "| no-span ids | no-span prepped ms med / min | vLLM / no-span (medians) "
+          "| warm ms med: prepped / no-span |")
+    print("|" + "---|" * 16)
     for r in rows:
         print(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['vllm_descs']:,} | {r['vllm_ms']} | "
               f"{r['kvb_prepped_ids']:,} | {r['kvb_prepped_ms']} | {r['kvb_caller_ms']} | {r['kvb_merged_descs']:,} | "
-              f"{r['kvb_merged_ms']} | {r['ratio']:.1f}x | {r['staged_post_ms']} |")
+              f"{r['kvb_merged_ms']} | {r['ratio']:.1f}x | {r['staged_post_ms']} | {r['nospan_ids']:,} | "
+              f"{r['nospan_ms']} | {r['nospan_ratio']:.1f}x | {r['warm_ms']} |")
+    print("\n| scenario | layout | alloc | list rows (per-block, both sides) | span list rows (both sides) "
+          "| prepare ms: no spans / with spans | RSS MiB after prepare: no spans / with spans |")
+    print("|" + "---|" * 7)
+    for r in rows:
+        print(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['rows']:,} | {r['span_rows']:,} | "
+              f"{r['prep_nospan_ms']:.1f} / {r['prep_ms']:.1f} | +{r['rss_nospan_mib']:.1f} / +{r['rss_mib']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -51,14 +51,36 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
         assert not calls
 
 
-def _loopback_read(mode, prepped, monkeypatch, torch=None):
+def test_loopback_direct_reads_post_spans(monkeypatch):
+    """MLA (runs are whole blocks on both sides) with free lists in order: the runtime's direct reads
+    post spans through the second list pair (levels set small for these small requests), byte-exact."""
+    from kvbridge import prepped
+    from kvbridge.models import load_model
+    from kvbridge.testing.verify import BlockPool
+    monkeypatch.setattr(prepped, "SPAN_LEVELS", (4,))
+    monkeypatch.setattr(prepped, "SPAN_MIN_SAVED_PER_STRETCH", 0)
+    monkeypatch.setattr(prepped, "SPAN_MIN_IDS", 0)
+    used = []
+    real = prepped.PreparedGeometry.request
+    monkeypatch.setattr(prepped.PreparedGeometry, "request",
+                        lambda self, *a: (lambda r: (used.append(r.spans), r)[1])(real(self, *a)))
+    _loopback_read("direct", True, monkeypatch, model=load_model("tiny-mla"),
+                   pools=lambda lay, rng: BlockPool(lay, rng, shuffled=False))
+    assert used and any(used)
+
+
+def _loopback_read(mode, prepped, monkeypatch, torch=None, model=None, pools=None):
     from kvbridge.runtime import prepped_hook
     monkeypatch.setattr(prepped_hook, "ENABLED", prepped)
     reg = LoopbackRegistry()
     k = next(_n)
-    pl, dl = layout("prefill", 2, 128), layout("decode", 1, 128)
+    kw = {} if model is None else {"model": model}
+    pl, dl = layout("prefill", 2, 128, **kw), layout("decode", 1, 128, **kw)
     jobs = Jobs(dl, seed=7)
     jobs.engine("pl", pl)
+    if pools is not None:  # block allocators other than shuffled free lists
+        jobs.dpool = pools(dl, jobs.rng)
+        jobs.ppools["pl"] = (pl, pools(pl, jobs.rng))
     pres = [PrefillRank(pl, (0, r), memory=default_memory(pl, (0, r), torch=torch), engine_id="pl",
                         transport=LoopbackTransport(f"pl{k}-{r}", reg)) for r in range(2)]
     dec = None

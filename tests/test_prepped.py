@@ -12,6 +12,7 @@ from kvbridge.lower import GroupBlocks, LoweredPlan, merge_adjacent
 from kvbridge.memory import rank_memory
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
+from kvbridge import prepped
 from kvbridge.prepped import PreparedGeometry
 from kvbridge.transport.nixl import nixl_available
 
@@ -68,25 +69,38 @@ def test_prepped_indices_expand_to_the_lowered_descriptors(case, shuffled):
             geo = PreparedGeometry(lp, d.prefill)
             ranges = geo.validate(tokens, pb, db)
             req = geo.request(ranges, pb, db)
-            la, ll = geo.addresses(geo.local_rows, req.local_ids)
-            ra, rl = geo.addresses(geo.remote_rows, req.remote_ids)
-            assert np.array_equal(ll, rl)
-            if req.tail is not None:
-                ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
-            got, want = _norm(ra, la, ll), _norm(d.src.copy(), d.dst.copy(), d.nbytes.copy())
-            assert all(np.array_equal(x, y) for x, y in zip(got, want))
-            assert geo.size(ranges) == (req.count, d.total_bytes)
+            _check_expands(geo, req, d)
+            assert geo.size(ranges) == (req.count, d.total_bytes)  # no spans: 40 blocks < 2 x 64 - 1
             assert req.local_ids.dtype == np.int32
 
 
-def _run_nixl_read(case, shuffled):
+def _check_expands(geo, req, d):
+    """``req``'s ids (through the rows they index) plus its tail are exactly the lowered descriptors
+    ``d``, once both are sorted and merged."""
+    lrows, rrows = geo.rows(req)
+    la, ll = geo.addresses(lrows, req.local_ids)
+    ra, rl = geo.addresses(rrows, req.remote_ids)
+    assert np.array_equal(ll, rl)
+    if req.tail is not None:
+        ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
+    got, want = _norm(ra, la, ll), _norm(d.src.copy(), d.dst.copy(), d.nbytes.copy())
+    assert all(np.array_equal(x, y) for x, y in zip(got, want))
+    assert int(ll.sum()) == d.total_bytes
+
+
+def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
+    """Read one request of ``case`` through NIXL's prepped lists (every prefill rank of decode rank
+    (0, 0)); the decode buffer must equal the lowered descriptors' reference copy byte for byte.
+    ``blocks(m, rng) -> (prefill blocks, decode blocks)`` overrides the block ids. Returns the posted
+    requests (``PreppedRequest`` per prefill rank)."""
     from kvbridge.testing.oracle import copy_runs_reference
     from kvbridge.transport.nixl import NixlTransport
     model, ptp, dtp, layout, pbs, dbs, tokens = case
-    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs)
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, nb)
     drank = (0, 0)
     d_t = NixlTransport("i14-dec")
     p_ts, pbufs, bases, agents = {}, {}, {}, {}
+    posted = []
     try:
         dbuf = np.zeros(rank_memory(plan.decode, *drank).size, np.uint8)
         dbase = d_t.register(dbuf)
@@ -97,7 +111,10 @@ def _run_nixl_read(case, shuffled):
             bases[prank] = t.register(buf)
             agents[prank] = d_t.add_peer(t.metadata())
         lp = LoweredPlan(plan, drank, bases, dbase)
-        pb, db = _blocks(m, tokens, pbs, nb, shuffled, rng, 3), _blocks(m, tokens, dbs, nb, shuffled, rng, 5)
+        if blocks is None:
+            pb, db = _blocks(m, tokens, pbs, nb, shuffled, rng, 3), _blocks(m, tokens, dbs, nb, shuffled, rng, 5)
+        else:
+            pb, db = blocks(m, rng)
         expect = np.zeros_like(dbuf)
         for d in lp.descriptors(tokens, pb, db):
             copy_runs_reference(expect, d.dst - dbase, pbufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
@@ -107,6 +124,7 @@ def _run_nixl_read(case, shuffled):
             if prep is None:
                 continue
             ranges = prep.geometry.validate(tokens, pb, db)
+            posted.append(prep.geometry.request(ranges, pb, db))  # what read_prepped builds on its thread
             xs.append((p, d_t.read_prepped(prep, ranges, pb, db, notif=b"done")))
         for p, x in xs:
             deadline = time.monotonic() + 30
@@ -126,10 +144,12 @@ def _run_nixl_read(case, shuffled):
         assert got == {p for p, _ in xs}
         for prep in preps.values():
             d_t.unprepare(prep)
+        assert d_t.stats.dlists_prepared == d_t.stats.dlists_released
     finally:
         d_t.close()
         for t in p_ts.values():
             t.close()
+    return posted
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
@@ -191,3 +211,223 @@ def test_loopback_refuses_reads_outside_registered_memory():
         b.read(peer, np.array([sa + 60]), np.array([da]), np.array([8]))
     b.read(peer, np.array([sa + 8]), np.array([da]), np.array([8]))
     assert dst[:8].tolist() == list(range(8, 16))
+
+
+# ---- span lists (issue 14 point 4: MLA and other whole-block runs) --------------------------------
+# Small caches (64 blocks) with levels (8, 4) so every path is reached; the thresholds that keep spans
+# off where they save too few ids are set to 0 here (their own test below uses the defaults).
+SPAN_CASES = [  # runs that are whole blocks on both sides
+    ("tiny-mla", 2, 1, "flash_attn_hnd", 16, 16, 700),       # per-layer MLA blocks (P>D: replicated)
+    ("tiny-dense", 1, 1, "flash_attn_hnd", 16, 16, 700),     # K and V blocks of each layer
+    ("tiny-dense", 2, 2, "cross_layer", 16, 16, 700),        # one run = every layer of a block
+]
+NOT_BLOCK_CONTIGUOUS = [  # one side's runs are part of a block: no span rows at all
+    ("tiny-dense", 1, 2, "flash_attn_hnd", 16, 16, 700),     # prefill: half the heads of its block
+    ("tiny-dense", 2, 1, "flash_attn_hnd", 16, 16, 700),     # decode: half the heads of its block
+    ("tiny-mla", 1, 1, "flash_attn_hnd", 16, 32, 700),       # two chunks per decode block
+]
+SPAN_NB = 64
+
+
+@pytest.fixture
+def span_levels(monkeypatch):
+    monkeypatch.setattr(prepped, "SPAN_LEVELS", (8, 4))
+    monkeypatch.setattr(prepped, "SPAN_MIN_SAVED_PER_STRETCH", 0)
+    monkeypatch.setattr(prepped, "SPAN_MIN_IDS", 0)
+
+
+def _ids(m, p_ids, d_ids, d_first=0):
+    """Per-token groups get these ids (Mamba groups a slot)."""
+    pb, db = {}, {}
+    for g in m.groups:
+        pb[g.name] = GroupBlocks(p_ids if g.per_token else [3])
+        db[g.name] = GroupBlocks(d_ids if g.per_token else [5], d_first)
+    return pb, db
+
+
+def _stretches(starts_lens):
+    ids = np.concatenate([np.arange(s, s + n) for s, n in starts_lens]).astype(np.int64)
+    assert np.unique(ids).size == ids.size  # a block holds one token range
+    return ids
+
+
+TOKENS_BLOCKS = 44  # 700 tokens = 43 full blocks + a partial one (a tail)
+PATTERNS = {
+    # both sides contiguous, unaligned starts: spans of 8 and 4 from a phase != 0
+    "contiguous": lambda rng: (np.arange(3, 47), np.arange(17, 61)),
+    # one stretch crosses the other side's break: stretches 19|25 on prefill, 30|14 on decode -> 19|11|14
+    "partial": lambda rng: (_stretches([(40, 19), (2, 25)]), _stretches([(0, 30), (45, 14)])),
+    # stretches ending on the last block (the last entry of a phase row) and lengths 9, 13, 22
+    "to-the-end": lambda rng: (_stretches([(55, 9), (0, 13), (30, 22)]), _stretches([(20, 9), (51, 13), (29, 22)])),
+    "shuffled": lambda rng: (rng.permutation(SPAN_NB)[:TOKENS_BLOCKS], rng.permutation(SPAN_NB)[:TOKENS_BLOCKS]),
+    # more stretches than the few-stretches path takes (the vectorised cut), breaks differing per side
+    "many-stretches": lambda rng: (_gapped([5, 3, 9, 1, 4, 8, 2, 6, 4, 2]), _gapped([7, 7, 2, 9, 3, 5, 11])),
+}
+
+
+def _gapped(lens):
+    """Stretches of ``lens`` blocks, one free block between them."""
+    return _stretches([(sum(lens[:i]) + i, n) for i, n in enumerate(lens)])
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("few_pieces", [256, 0], ids=["lists", "segments"])
+def test_span_ids_expand_to_the_lowered_descriptors(case, pattern, few_pieces, span_levels, monkeypatch):
+    monkeypatch.setattr(prepped, "_FEW_PIECES", few_pieces)  # both ways of building a few stretches' pieces
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, SPAN_NB)
+    rng = np.random.default_rng(5)
+    bases = {r: (1 << 40) * (i + 1) for i, r in enumerate(plan.prefill_ranks_for((0, 0)))}
+    lp = LoweredPlan(plan, (0, 0), bases, 1 << 44)
+    pb, db = _ids(m, *PATTERNS[pattern](rng))
+    for d in lp.descriptors(tokens, pb, db):
+        geo = PreparedGeometry(lp, d.prefill)
+        assert geo.local_span_rows is not None and any(sp is not None for sp in geo.spans)
+        ranges = geo.validate(tokens, pb, db)
+        req = geo.request(ranges, pb, db)
+        _check_expands(geo, req, d)
+        count, nbytes = geo.size(ranges)
+        assert nbytes == d.total_bytes
+        assert req.spans == (pattern != "shuffled")
+        assert (req.count < count) if req.spans else (req.count == count)
+        no_spans = PreparedGeometry(lp, d.prefill, span_levels=())
+        assert no_spans.local_span_rows is None
+        assert no_spans.request(ranges, pb, db).count == count
+
+
+@pytest.mark.parametrize("case", SPAN_CASES + NOT_BLOCK_CONTIGUOUS, ids=lambda c: "-".join(map(str, c)))
+def test_span_rows_are_dense_strided_rows_inside_the_buffers(case, span_levels):
+    """NIXL's strided form needs ``len <= stride``; every entry of every row lies in the registered
+    buffer (NIXL refuses the list otherwise: the byte-exact tests below prepare them for real)."""
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, SPAN_NB)
+    lp = LoweredPlan(plan, (0, 0))
+    spannable = case in SPAN_CASES
+    for prank in plan.prefill_ranks_for((0, 0)):
+        geo = PreparedGeometry(lp, prank)
+        assert (geo.local_span_rows is not None) == spannable
+        if not spannable:
+            continue
+        for rows, mem, base in ((geo.remote_span_rows, lp.p_mem(prank), 0), (geo.local_span_rows, lp.d_mem, 0)):
+            r = rows.astype(np.int64)
+            assert (r[:, 1] <= r[:, 3]).all() and (r[:, 4] >= 1).all()
+            end = r[:, 0] + (r[:, 4] - 1) * r[:, 3] + r[:, 1]
+            assert (r[:, 0] >= base).all() and (end <= base + mem.size).all()
+            assert np.array_equal(rows[:len(geo.local_rows if mem is lp.d_mem else geo.remote_rows)],
+                                  geo.local_rows if mem is lp.d_mem else geo.remote_rows)
+
+
+def test_span_rows_stay_inside_one_engine_allocation():
+    """Engine-owned memory (a registered allocation per layer): each span row lies in one allocation."""
+    import kvbridge
+    from kvbridge.testing.engines import allocate
+    eng = kvbridge.EngineLayout(load_model("tiny-mla"), tp=1, block_size=16, num_blocks=160)
+    p_mem = kvbridge.describe_memory(eng, (0, 0), allocate(eng, (0, 0), "separate").layers)
+    d_mem = kvbridge.describe_memory(eng, (0, 0), allocate(eng, (0, 0), "separate", 1).layers)
+    assert len(p_mem.allocations) > 1
+    lp = LoweredPlan(plan_transfer(eng, eng), (0, 0), prefill_mems={(0, 0): p_mem}, decode_mem=d_mem)
+    geo = PreparedGeometry(lp, (0, 0), span_levels=(64,))
+    assert geo.local_span_rows is not None
+    for rows, mem in ((geo.remote_span_rows, p_mem), (geo.local_span_rows, d_mem)):
+        r = rows.astype(np.int64)
+        end = r[:, 0] + (r[:, 4] - 1) * r[:, 3] + r[:, 1]
+        assert all(mem.allocation_of(int(a), int(e - a)) >= 0 for a, e in zip(r[:, 0], end))
+    # a run whose blocks are not all inside one allocation gets no span rows
+    fake = type("M", (), {"allocations": p_mem.allocations})()
+    lo = np.array([p_mem.allocations[0].addr, p_mem.allocations[0].end - 8])
+    assert prepped._inside_one_allocation(fake, lo, lo + 16).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("case", NOT_BLOCK_CONTIGUOUS, ids=lambda c: "-".join(map(str, c)))
+def test_no_spans_where_a_side_is_not_block_contiguous(case, span_levels):
+    model, ptp, dtp, layout, pbs, dbs, tokens = case
+    m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, SPAN_NB)
+    lp = LoweredPlan(plan, (0, 0))
+    pb, db = _ids(m, np.arange(0, 44), np.arange(-(-tokens // dbs)))
+    for d in lp.descriptors(tokens, pb, db):
+        geo = PreparedGeometry(lp, d.prefill)
+        assert all(sp is None for sp in geo.spans) and geo.local_span_rows is None
+        req = geo.request(geo.validate(tokens, pb, db), pb, db)
+        assert not req.spans
+        _check_expands(geo, req, d)
+
+
+def test_spans_only_where_they_save_enough_ids():
+    """Default thresholds, DeepSeek-V3 MLA (61 per-layer runs): a 2,048-block contiguous request and 8
+    stretches of 256 blocks post spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each) and a 200-block
+    request (61 x 200 ids < SPAN_MIN_IDS) post per-block ids (measured slower with spans)."""
+    m = load_model("deepseek-v3")
+    P = EngineLayout(m, tp=1, block_size=16, memory=MemoryLayout.parse("flash_attn_hnd"), num_blocks=4096)
+    lp = LoweredPlan(plan_transfer(P, P), (0, 0))
+    geo = PreparedGeometry(lp, (0, 0), span_levels=(64,))
+    runs = 61
+    for ids, spans, n_ids in ((np.arange(100, 2148), True, runs * 32),
+                              (_stretches([(i * 200, 100) for i in range(20)] + [(4000, 48)]), False, runs * 2048),
+                              (np.arange(7, 207), False, runs * 200),
+                              (_stretches([(i * 300, 256) for i in range(8)]), True, runs * 8 * 4)):
+        pb, db = _ids(m, ids, ids)
+        tokens = ids.size * 16
+        req = geo.request(geo.validate(tokens, pb, db), pb, db)
+        assert req.spans == spans and req.local_ids.size == n_ids
+        _check_expands(geo, req, lp.descriptors(tokens, pb, db)[0])
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("pattern", list(PATTERNS) + ["prefix"])
+def test_span_nixl_read_is_byte_exact(case, pattern, span_levels):
+    """Spans posted through NIXL (two list pairs per prefill rank): contiguous, partly contiguous (a
+    stretch crossing the other side's break, stretches ending on the last block), shuffled (no spans),
+    and a prefix hit (decode blocks start at block 5 of the request)."""
+    def blocks(m, rng):
+        if pattern == "prefix":
+            return _ids(m, np.arange(10, 54), np.arange(20, 59), d_first=5)
+        return _ids(m, *PATTERNS[pattern](rng))
+    posted = _run_nixl_read(case, blocks=blocks, nb=SPAN_NB)
+    assert posted and any(r.spans for r in posted) == (pattern != "shuffled")
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+@pytest.mark.parametrize("case", NOT_BLOCK_CONTIGUOUS, ids=lambda c: "-".join(map(str, c)))
+def test_not_block_contiguous_nixl_read_is_byte_exact(case, span_levels):
+    def blocks(m, rng):
+        return _ids(m, np.arange(3, 47), np.arange(10, 10 + -(-case[-1] // case[5])))
+    posted = _run_nixl_read(case, blocks=blocks, nb=SPAN_NB)
+    assert posted and not any(r.spans for r in posted)
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "partial", "shuffled"])
+def test_loopback_span_read_is_byte_exact(pattern, span_levels):
+    from kvbridge.testing.oracle import copy_runs_reference
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    m, plan, nb = _setup("tiny-mla", 2, 1, "flash_attn_hnd", 16, 16, SPAN_NB)
+    reg = LoopbackRegistry()
+    dec = LoopbackTransport("dec", reg)
+    rng = np.random.default_rng(2)
+    bufs, bases, agents = {}, {}, {}
+    for prank in plan.prefill_ranks_for((0, 0)):
+        t = LoopbackTransport(f"pre{prank}", reg)
+        bufs[prank] = rng.integers(0, 256, rank_memory(plan.prefill, *prank).size, dtype=np.uint8)
+        bases[prank] = t.register(bufs[prank])
+        agents[prank] = dec.add_peer(t.metadata())
+    dbuf = np.zeros(rank_memory(plan.decode, 0, 0).size, np.uint8)
+    dbase = dec.register(dbuf)
+    lp = LoweredPlan(plan, (0, 0), bases, dbase)
+    pb, db = _ids(m, *PATTERNS[pattern](rng))
+    expect = np.zeros_like(dbuf)
+    for d in lp.descriptors(700, pb, db):
+        copy_runs_reference(expect, d.dst - dbase, bufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
+        prep = dec.prepare(agents[d.prefill], lp, d.prefill)
+        x = dec.read_prepped(prep, prep.geometry.validate(700, pb, db), pb, db, b"ok")
+        dec.release(x)
+        dec.unprepare(prep)
+    assert np.array_equal(dbuf, expect) and expect.any()
+    assert dec.stats.dlists_prepared == dec.stats.dlists_released == 4
+
+
+def test_span_levels_setting():
+    assert prepped._parse_levels("64") == (64,)
+    assert prepped._parse_levels("16, 256") == (256, 16)
+    assert prepped._parse_levels("0") == () and prepped._parse_levels("") == ()
+    assert prepped._parse_levels("x") == (64,)

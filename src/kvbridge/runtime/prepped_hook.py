@@ -7,6 +7,10 @@ arithmetic: no descriptors are built on the caller's thread) or, where nothing w
 lowered :class:`~kvbridge.lower.Descriptors` (the old path). :func:`post` posts either.
 
 ``KVBRIDGE_PREPPED=0`` turns the prepared path off (every direct read takes the old path).
+``KVBRIDGE_PREPPED_SPANS`` sets the span levels of the prepared lists (:mod:`kvbridge.prepped`; default
+``64``, ``0`` for none): where a read's runs are whole blocks on both sides (MLA, cross-layer blocks),
+stretches of consecutive blocks are posted as spans through a second list pair, chosen per request on
+the post thread (the caller's thread does the same work with or without spans).
 """
 from __future__ import annotations
 

@@ -150,21 +150,22 @@ class LoopbackTransport:
         geo = PreparedGeometry(lowered, prank)
         if not len(geo.local_rows):
             return None
-        self.stats.dlists_prepared += 2
+        self.stats.dlists_prepared += 2 if geo.local_span_rows is None else 4
         return Prepared(peer, geo)
 
     def unprepare(self, prep) -> None:
         if prep is not None and not prep.released:
             prep.released = True
-            self.stats.dlists_released += 2
+            self.stats.dlists_released += 2 if prep.geometry.local_span_rows is None else 4
 
     def read_prepped(self, prep, ranges, prefill_blocks, decode_blocks, notif=b"", size=None, cancel=None):
         if cancel is not None and cancel.cancelled:
             raise TransferError("read cancelled before it was posted", peer=prep.peer)
         peer, geo = prep.peer, prep.geometry
         req = geo.request(ranges, prefill_blocks, decode_blocks)
-        la, ll = geo.addresses(geo.local_rows, req.local_ids)
-        ra, _ = geo.addresses(geo.remote_rows, req.remote_ids)
+        lrows, rrows = geo.rows(req)
+        la, ll = geo.addresses(lrows, req.local_ids)
+        ra, _ = geo.addresses(rrows, req.remote_ids)
         if req.tail is not None:
             ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
         return self._copy(peer, ra, la, ll, notif)

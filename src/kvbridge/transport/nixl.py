@@ -246,20 +246,31 @@ class NixlTransport:
         geo = PreparedGeometry(lowered, prank, self.device_id, rdev)
         if not len(geo.local_rows):
             return None
+        handles = []
         try:
-            local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", geo.local_rows, self.mem_type)
-            remote = self.agent.prep_xfer_dlist(peer, geo.remote_rows, rtype)
+            for rows, agent, mem in ((geo.local_rows, "NIXL_INIT_AGENT", self.mem_type), (geo.remote_rows, peer, rtype),
+                                     (geo.local_span_rows, "NIXL_INIT_AGENT", self.mem_type),
+                                     (geo.remote_span_rows, peer, rtype)):
+                handles.append(None if rows is None else self.agent.prep_xfer_dlist(agent, rows, mem))
+                if handles[-1] is not None:
+                    self.stats.dlists_prepared += 1
         except Exception as e:  # noqa: BLE001
+            self._release_dlists(handles)
             raise _wrap(e, peer) from e
-        self.stats.dlists_prepared += 2
-        return Prepared(peer, geo, local, remote, remote_type=rtype)
+        return Prepared(peer, geo, handles[0], handles[1], remote_type=rtype, local_span=handles[2],
+                        remote_span=handles[3])
 
     def unprepare(self, prep: "prepped.Prepared | None") -> None:
         """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
         if prep is None or prep.released:
             return
         prep.released = True
-        for h in (prep.local, prep.remote):
+        self._release_dlists((prep.local, prep.remote, prep.local_span, prep.remote_span))
+
+    def _release_dlists(self, handles) -> None:
+        for h in handles:
+            if h is None:
+                continue
             try:
                 self.agent.release_dlist_handle(h)
                 self.stats.dlists_released += 1
@@ -296,7 +307,8 @@ class NixlTransport:
                     return self._start(h, peer)
                 x.tail, x.notif = h, notif  # the notification waits for both parts (check / settle)
                 self._start(h, peer)
-            h = self.agent.make_prepped_xfer("READ", prep.local, req.local_ids, prep.remote, req.remote_ids,
+            local, remote = (prep.local_span, prep.remote_span) if req.spans else (prep.local, prep.remote)
+            h = self.agent.make_prepped_xfer("READ", local, req.local_ids, remote, req.remote_ids,
                                              b"" if x.tail is not None else notif)
             x.handle = h
             return self._start(h, peer)
