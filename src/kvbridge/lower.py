@@ -395,7 +395,8 @@ class LoweredPlan:
         gname = self.prefill.model.groups[group_index].name
         bsp, bsd = self.prefill.block_size_of(gname), self.decode.block_size_of(gname)
         window = _window(self.prefill.model.groups[group_index])
-        r = _token_range(num_tokens, bsp, bsd, prefill, decode, window)
+        r = _token_range(num_tokens, bsp, bsd, prefill.first_block, prefill.block_ids.size, decode.first_block,
+                         decode.block_ids.size, window)
         if r is None:
             self._raise_token_range(gname, num_tokens, bsp, bsd, prefill, decode, window)
         return r
@@ -443,24 +444,30 @@ class LoweredPlan:
         state group); raises :class:`RequestError` before anything moves.
 
         The per-request check on the caller's thread: ``argmax`` and ``argmin`` per block-id array
-        (:func:`ids_in_range`) and integer arithmetic; the precise error
-        message is worked out only when a check fails."""
+        (as :func:`ids_in_range`, inline) and integer arithmetic; the precise error message is worked out
+        only when a check fails. Written flat (no helper calls on the good path): the caller's caches are
+        cold between an engine's steps, where every extra call or lookup costs microseconds."""
         ranges = {}
         pnb, dnb = self.prefill.num_blocks, self.decode.num_blocks
         for gname, per_token, bsp, bsd, window in self._read_groups:
             pb, db = prefill_blocks.get(gname), decode_blocks.get(gname)
-            if pb is None or db is None or not ids_in_range(pb.block_ids, pnb) or not ids_in_range(db.block_ids, dnb):
+            if pb is None or db is None:
+                self._raise_invalid(gname, prefill_blocks, decode_blocks)
+            p, d = pb.block_ids, db.block_ids
+            n_p, n_d = p.size, d.size
+            if ((n_p and (p.item(p.argmax()) >= pnb or p.item(p.argmin()) < 0))
+                    or (n_d and (d.item(d.argmax()) >= dnb or d.item(d.argmin()) < 0))):
                 self._raise_invalid(gname, prefill_blocks, decode_blocks)
             if per_token:
-                r = _token_range(num_tokens, bsp, bsd, pb, db, window)
+                r = _token_range(num_tokens, bsp, bsd, pb.first_block, n_p, db.first_block, n_d, window)
                 if r is None:
                     self._raise_token_range(gname, num_tokens, bsp, bsd, pb, db, window)
                 ranges[gname] = r
             else:
-                if pb.block_ids.size != 1 or db.block_ids.size != 1:
-                    side, b = ("prefill", pb) if pb.block_ids.size != 1 else ("decode", db)
+                if n_p != 1 or n_d != 1:
+                    side, n = ("prefill", n_p) if n_p != 1 else ("decode", n_d)
                     raise RequestError(f"Mamba group {gname!r} needs exactly one {side} state slot id per "
-                                       f"request, got {b.block_ids.size}")
+                                       f"request, got {n}")
                 ranges[gname] = (0, 1)
         return ranges
 
@@ -542,17 +549,24 @@ def _window_start(t0: int, t1: int, p0: int, num_tokens: int, window) -> int:
     return t0
 
 
-def _token_range(num_tokens: int, bsp: int, bsd: int, prefill: GroupBlocks, decode: GroupBlocks, window=None):
-    """The token range [t0, t1) the decode side needs for a per-token group, or None if the request is
-    inconsistent (:meth:`LoweredPlan.token_range` says why)."""
-    nd = decode.block_ids.size
-    t0, t1 = decode.tokens(bsd, num_tokens)
-    if not nd:
+def _token_range(num_tokens: int, bsp: int, bsd: int, p_first: int, p_n: int, d_first: int, d_n: int, window=None):
+    """The token range [t0, t1) the decode side needs for a per-token group whose prefill holds ``p_n``
+    blocks from block ``p_first`` on and the decode ``d_n`` from ``d_first`` (the arithmetic of
+    :meth:`GroupBlocks.tokens`, on plain ints), or None if the request is inconsistent
+    (:meth:`LoweredPlan.token_range` says why)."""
+    t0 = d_first * bsd
+    if not d_n:
         return t0, t0
-    if t1 <= t0 or decode.first_block + nd > -(-num_tokens // bsd):
+    t1 = (d_first + d_n) * bsd
+    if t1 > num_tokens:
+        t1 = num_tokens
+    if t1 <= t0 or d_first + d_n > -(-num_tokens // bsd):
         return None
-    p0, p1 = prefill.tokens(bsp, num_tokens)
-    t0 = _window_start(t0, t1, p0, num_tokens, window)
+    p0, p1 = p_first * bsp, (p_first + p_n) * bsp
+    if p1 > num_tokens:
+        p1 = num_tokens
+    if window is not None:
+        t0 = _window_start(t0, t1, p0, num_tokens, window)
     if t0 < p0 or t1 > p1:
         return None
     return t0, t1

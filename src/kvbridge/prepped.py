@@ -360,11 +360,24 @@ class PreparedGeometry:
         self._run_ids = [((pre.p_off + np.arange(pre.runs, dtype=np.int64) * (pre.p_k * pre.p_nb)).astype(dt),
                           (pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)).astype(dt))
                          for _, pre, _ in self.reads]
+        # reads_any: the token-range groups of this rank's reads; a state read always moves its slot
+        self._token_groups = tuple(dict.fromkeys(low.read.group for low, pre, _ in self.reads if pre.per_token))
+        self._has_state = any(not pre.per_token for _, pre, _ in self.reads)
 
     # ---- per request -------------------------------------------------------------------------
     def validate(self, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
         """Validated token ranges per group (raises :class:`~kvbridge.errors.RequestError`); cheap."""
         return self.lowered.validate(num_tokens, prefill_blocks, decode_blocks)
+
+    def reads_any(self, ranges) -> bool:
+        """Whether a validated request reads anything from this rank (no sizes: caller's-thread cheap)."""
+        if self._has_state:
+            return True
+        for g in self._token_groups:
+            t0, t1 = ranges[g]
+            if t1 > t0:
+                return True
+        return False
 
     def size(self, ranges) -> tuple[int, int]:
         """(descriptors before merging, bytes) of a validated request: arithmetic only."""

@@ -109,12 +109,13 @@ class _Read:
 
     prefill: Rank
     xfer: object
-    nbytes: int
+    nbytes: int | None         # None: a direct read sized at completion (work)
     slot: int | None = None    # staged: our staging offset of the segment
     runs: tuple | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
     scatter: object = None     # Future of the scatter from staging into the KV buffer
     cancel: _Cancellable | None = None
     done: bool = False         # the transfer completed (seen by poll)
+    work: object = None        # direct: what was posted (its sizes, once known, count at completion)
 
 
 @dataclass
@@ -382,8 +383,8 @@ class DecodeRank:
         direct = [p for p, m in modes.items() if m == "direct"]
         staged = [p for p, m in modes.items() if m == "staged"]
         descs = _prepped_hook.direct_reads(self._prepped.get(req.engine_id), remote, req, direct)  # [i14]
-        missing = [p for p in remote.agents if not req.attempt_for(p) and (p in staged or (
-            descs.get(p) is not None and descs[p].count))]
+        missing = [p for p in remote.agents if not req.attempt_for(p) and (
+            p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
             self.metrics.failed_requests += 1
             self.failed[req.req_id] = LeaseExpired(
@@ -397,7 +398,7 @@ class DecodeRank:
             if prank in staged:
                 continue
             d = descs.get(prank)
-            if d is None or d.count == 0:  # nothing to read here (prefix hit, unread replica): just notify
+            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica): notify
                 self._notify(agent, self._done(req, remote, prank))
                 continue
             f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d)
@@ -465,12 +466,14 @@ class DecodeRank:
         c = _Cancellable(d)
         x = _prepped_hook.post(self.transport, f.remote.agents[rr.prefill], c, self._done(f.req, f.remote, rr.prefill),
                                remote_device=_device_of(f.remote, rr.prefill))
-        self._track(f, rr, _Read(rr.prefill, x, d.total_bytes, cancel=c), d.count)
+        # sizes of a prepped read are worked out on the post thread: counted when the request completes
+        self._track(f, rr, _Read(rr.prefill, x, None, cancel=c, work=d))
 
-    def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int) -> None:
+    def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int = 0) -> None:
         rr.reads.append(r)
-        f.nbytes += r.nbytes
-        f.ndescs += ndescs
+        if r.work is None:
+            f.nbytes += r.nbytes
+            f.ndescs += ndescs
         self.metrics.transfers += 1
 
     def _failure(self, cls, f: _InFlight, prank: Rank | None, text: str) -> ReadFailure:
@@ -707,6 +710,11 @@ class DecodeRank:
             if rr.notify_at_end:
                 self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
         self.metrics.observe_transfer(time.perf_counter() - f.started)
+        for rr in f.ranks.values():
+            for r in rr.reads:
+                if r.work is not None:
+                    f.nbytes += r.work.total_bytes
+                    f.ndescs += r.work.count
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
         self.metrics.finished_requests += 1
@@ -902,13 +910,14 @@ class DecodeRank:
         t0 = time.perf_counter()
         self.start(req)
         f = self.inflight.get(req.req_id)
-        nbytes, ndescs = (f.nbytes, f.ndescs) if f else (0, 0)
         # poll every 0.2 ms, like an engine loop between steps: a tighter loop steals a core from the
         # copies on a small machine (reads and scatters run on the post threads, packs in the prefill)
         done, failed = self.wait(timeout_s, sleep_s=2e-4)
         if req.req_id in failed or req.req_id not in done:
             raise TransferError(f"request {req.req_id} failed: {failed.get(req.req_id, 'timeout')}")
-        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "descriptors": ndescs}
+        dt = time.perf_counter() - t0
+        nbytes, ndescs = (f.nbytes, f.ndescs) if f else (0, 0)  # counted at completion
+        return {"seconds": dt, "bytes": nbytes, "descriptors": ndescs}
 
     def set_transfer_mode(self, mode: str) -> None:
         """Force direct/staged/auto for later handshakes (forgets cached engines so they re-handshake)."""

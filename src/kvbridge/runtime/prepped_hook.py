@@ -2,8 +2,8 @@
 
 At handshake :func:`prepare` asks the transport (when it has ``prepare``) to turn the lowered templates
 of each prefill rank this decode rank reads into prepared lists. Per request :func:`direct_reads`
-validates the request once and hands out, per prefill rank, either a :class:`PreppedWork` (sizes by
-arithmetic: no descriptors are built on the caller's thread) or, where nothing was prepared, the
+validates the request once and hands out, per prefill rank, either a :class:`PreppedWork` (no sizes
+and no descriptors are worked out on the caller's thread) or, where nothing was prepared, the
 lowered :class:`~kvbridge.lower.Descriptors` (the old path). :func:`post` posts either.
 
 ``KVBRIDGE_PREPPED=0`` turns the prepared path off (every direct read takes the old path).
@@ -25,15 +25,40 @@ ENABLED = os.environ.get("KVBRIDGE_PREPPED", "1") != "0"
 @dataclass(slots=True)
 class PreppedWork:
     """A validated request for one prefill rank, to post through prepared lists (duck-types the
-    ``prefill``/``count``/``total_bytes`` of :class:`~kvbridge.lower.Descriptors`)."""
+    ``prefill``/``count``/``total_bytes`` of :class:`~kvbridge.lower.Descriptors`).
+
+    ``nonempty`` is known on the caller's thread; the sizes (``count``, ``total_bytes``: descriptors before
+    merging, bytes) are worked out on first use, which is the post thread's (:func:`post` hands
+    :meth:`size` to the transport), so the caller's thread never computes them."""
 
     prefill: tuple
     prep: object
     ranges: dict
     prefill_blocks: dict
     decode_blocks: dict
-    count: int
-    total_bytes: int
+    nonempty: bool
+    _size: tuple | None = None
+
+    def size(self) -> tuple[int, int]:
+        s = self._size
+        if s is None:
+            s = self._size = self.prep.geometry.size(self.ranges)
+        return s
+
+    @property
+    def count(self) -> int:
+        return self.size()[0]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size()[1]
+
+
+def reads_something(d) -> bool:
+    """Whether a hand-over from :func:`direct_reads` (or None) reads any byte, without sizing it."""
+    if d is None:
+        return False
+    return d.nonempty if isinstance(d, PreppedWork) else d.count > 0
 
 
 def prepare(transport, remote, previous: dict | None = None) -> dict:
@@ -68,7 +93,8 @@ def direct_reads(preps: dict | None, remote, req, direct) -> dict:
 
     The caller's thread: the request is validated once (argmax/argmin per block-id array, integer
     arithmetic; :meth:`~kvbridge.lower.LoweredPlan.validate`, also when every rank is staged) and each
-    prepared rank gets its sizes by arithmetic; index arrays are built on the post thread. Ranks without
+    prepared rank is told whether it reads anything; sizes and index arrays are worked out on the post
+    thread. Ranks without
     prepared lists take the old path (descriptors lowered here)."""
     lowered = remote.lowered
     ranges = lowered.validate(req.num_tokens, req.prefill_blocks, req.decode_blocks)
@@ -78,8 +104,7 @@ def direct_reads(preps: dict | None, remote, req, direct) -> dict:
         if prep is None:
             rest = [p] if rest is None else rest + [p]
             continue
-        count, nbytes = prep.geometry.size(ranges)
-        out[p] = PreppedWork(p, prep, ranges, req.prefill_blocks, req.decode_blocks, count, nbytes)
+        out[p] = PreppedWork(p, prep, ranges, req.prefill_blocks, req.decode_blocks, prep.geometry.reads_any(ranges))
     if rest:
         for d in lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=rest,
                                          ranges=ranges):
@@ -95,5 +120,5 @@ def post(transport, agent: str, d, notif: bytes, remote_device=None):
     w = getattr(d, "d", d)
     if isinstance(w, PreppedWork):
         return transport.read_prepped(w.prep, w.ranges, w.prefill_blocks, w.decode_blocks, notif,
-                                      (w.count, w.total_bytes), cancel=None if w is d else d)
+                                      w.size, cancel=None if w is d else d)
     return transport.read_descs(agent, d, notif, remote_device=remote_device)

@@ -75,8 +75,10 @@ class Transport(Protocol):
     def unprepare(self, prep) -> None: ...
 
     def read_prepped(self, prep, ranges: dict, prefill_blocks, decode_blocks, notif: bytes = b"",
-                     size: tuple[int, int] | None = None, cancel=None) -> XferHandle:
-        """Post a READ of one validated request through prepared lists (see :mod:`kvbridge.prepped`)."""
+                     size=None, cancel=None) -> XferHandle:
+        """Post a READ of one validated request through prepared lists (see :mod:`kvbridge.prepped`).
+        ``size``: ``(descriptors, bytes)``, a zero-argument callable returning them (to be called off the
+        caller's thread), or None."""
 
     def submit(self, fn, *args):
         """Run ``fn(*args)`` off the caller's thread (a staged scatter); returns a Future."""

@@ -214,7 +214,7 @@ class NixlTransport:
             x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local), self.xfer_descs(remote, remote_type),
                                                   peer, notif)
             return self._start(x.handle, peer)
-        return self._submit_post(peer, count, nbytes, post)
+        return self._submit_post(peer, 0, 0, post)
 
     def _submit_post(self, peer: str, count: int, nbytes: int, post) -> NixlXfer:
         """Track a new transfer and run ``post(x)`` (which sets ``x.handle``) on the post thread."""
@@ -278,7 +278,7 @@ class NixlTransport:
                 pass
 
     def read_prepped(self, prep: "prepped.Prepared", ranges: dict, prefill_blocks, decode_blocks,
-                     notif: bytes = b"", size: tuple[int, int] | None = None, cancel=None) -> NixlXfer:
+                     notif: bytes = b"", size=None, cancel=None) -> NixlXfer:
         """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
         the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and
         ``make_prepped_xfer`` (NIXL merges adjacent ids) run on the post thread. A partial last chunk,
@@ -287,13 +287,15 @@ class NixlTransport:
         agent, other peers' included) and neither carries the notification: :meth:`check` (or
         :meth:`settle`) sends it once both have completed, so the prefill never hears "done" while a
         part is still being read. ``cancel``: an object whose ``cancelled`` is checked on the post
-        thread first (a cancelled read is never handed to NIXL)."""
-        count, nbytes = size if size is not None else prep.geometry.size(ranges)
+        thread first (a cancelled read is never handed to NIXL). ``size``: ``(descriptors, bytes)`` or a
+        zero-argument callable returning them, called on the post thread (``PreppedWork.size``)."""
         peer = prep.peer
 
         def post(x: NixlXfer):
             if cancel is not None and cancel.cancelled:
                 raise TransferError("read cancelled before it was posted", peer=peer)
+            x.num_descs, x.nbytes = (size() if callable(size) else size if size is not None
+                                     else prep.geometry.size(ranges))
             req = prep.geometry.request(ranges, prefill_blocks, decode_blocks)
             main = req.local_ids.size > 0
             if req.tail is not None:
@@ -313,7 +315,7 @@ class NixlTransport:
             x.handle = h
             return self._start(h, peer)
 
-        return self._submit_post(peer, count, nbytes, post)
+        return self._submit_post(peer, 0, 0, post)
 
     def _start(self, h, peer: str) -> str:
         state = self.agent.transfer(h)
