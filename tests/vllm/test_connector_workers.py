@@ -35,6 +35,7 @@ PAIRS = {
     "BLNHC-to-LHBNC": (llama(2), Side(1, 1, 16, "BLNHC"), Side(2, 1, 32, "LHBNC")),
     # vLLM's CPU attention backend (K^T then V per block and head): block-granular, TP may differ
     "cpu-backend-tp1-to-tp2": (llama(2), Side(1, 1, 32, "LBHNC", "kv_blocks"), Side(2, 1, 32, "LBHNC", "kv_blocks")),
+    "cpu-backend-tp2-to-tp1": (llama(2), Side(2, 1, 32, "LBHNC", "kv_blocks"), Side(1, 1, 32, "LBHNC", "kv_blocks")),
     # sliding window + full attention with different KV head counts (hybrid allocator: per-group block sizes)
     "swa-full-gemma-like": (gemma_like(), Side(1, 1, 16, "LBNHC"), Side(2, 1, 16, "LBHNC")),
     # MLA

@@ -289,8 +289,9 @@ def test_pd_prefill_tp2(cluster, reference):
         cluster.release("decode-tp1")
 
 
-@pytest.mark.xfail(strict=False, reason="open intermittent stall on this 2-core VM: the prefill worker's side channel "
-                   "stops answering for 30-60 s (docs/vllm_notes.md (f)); fails in most runs here, XPASS when it does not")
+@pytest.mark.xfail(strict=False, reason="intermittent stall on this 2-core VM with the TP2 workers pinned (the prefill "
+                   "worker's side channel silent for 30-60 s, docs/vllm_notes.md (f)); XPASS in 2 of 2 full runs since "
+                   "the engines run unpinned (nobind), kept xfail until it has a longer record")
 def test_pd_decode_tp2(cluster, reference):
     """Heterogeneous pair: prefill TP1 → decode TP2 (each decode rank reads its KV head from the one prefill
     rank), block TP2_BLOCK (128; 64 with KVB_E2E_TP2_BLOCK=64: also a prefill block larger than the decode's)."""
