@@ -91,11 +91,19 @@ class _Cancellable:
     """A lowered :class:`~kvbridge.lower.Descriptors` handed to the post thread; once ``cancelled`` its
     NIXL arrays are never written, so a read queued behind others to a dead peer is never posted."""
 
-    __slots__ = ("d", "cancelled", "prefill", "count", "total_bytes")
+    __slots__ = ("d", "cancelled", "prefill")
 
     def __init__(self, d):
-        self.d, self.cancelled = d, False
-        self.prefill, self.count, self.total_bytes = d.prefill, d.count, d.total_bytes
+        self.d, self.cancelled, self.prefill = d, False, d.prefill
+
+    # read through, not copied: a prepped read's sizes are worked out on the post thread (PreppedWork.size)
+    @property
+    def count(self) -> int:
+        return self.d.count
+
+    @property
+    def total_bytes(self) -> int:
+        return self.d.total_bytes
 
     def nixl_arrays(self, *args):
         if self.cancelled:
