@@ -35,7 +35,7 @@ def suite(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "driver.py"), "--device", "cpu", "--small",
                            "--reps", "1", "--warmup", "0", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
-    path = out / "gpu_suite_cpu.json"
+    path = out / "gpu_suite_cpu_small.json"
     assert path.exists(), f"driver wrote no JSON (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc, json.loads(path.read_text())
 

@@ -56,7 +56,7 @@ def pairs_config(small: bool) -> dict:
                            note="SWA 8 heads + FA 2 heads, P TP4 blk32 FlashInfer -> D TP2 blk16 FlashAttention"),
         }
     return {
-        "dense-gqa": dict(model="llama-3.1-8b", tokens=16384, p=(4, 16, "flash_attn"), d=(2, 32, "vllm"),
+        "dense-gqa": dict(model="llama-3.1-8b", tokens=8192, p=(4, 16, "flash_attn"), d=(2, 32, "vllm"),
                           note="Llama-3.1-8B GQA 8 KV heads, P TP4 blk16 FlashAttention -> D TP2 blk32 vLLM BHNC"),
         "mla": dict(model="deepseek-v3", tokens=8192, p=(4, 64, "mla"), d=(2, 32, "vllm"),
                     note="DeepSeek-V3 MLA latent (replicated), P TP4 blk64 BTD -> D TP2 blk32 vLLM BHNC"),
@@ -135,9 +135,6 @@ def allocate(torch, eng, rank, form: str, device: str):
 
 
 # ---- the oracle, on the device ---------------------------------------------------------------------
-_INT = None
-
-
 def _int_dtype(torch, itemsize: int):
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[itemsize]
 
@@ -386,7 +383,7 @@ def _decode_main(conn, idx: int, cfg: dict) -> None:
                 for i, info in args[0].items():
                     peak.add(i, info)
                 res = None
-            elif cmd == "peak":  # (prefill index, bytes)
+            elif cmd == "peak":  # (prefill index, bytes): one timed READ
                 res = peak.read(*args)
             elif cmd == "d2d":  # (bytes, reps): torch device-to-device copy in this process
                 n, reps = args
@@ -491,13 +488,20 @@ class Proc:
         self.p = ctx.Process(target=target, args=(child, idx, cfg), daemon=True, name=self.name)
         self.p.start()
         child.close()
+        self.broken = False
+        self.timeout = cfg["call_timeout_s"]
 
     def send(self, *msg):
+        if self.broken:
+            raise RuntimeError(f"{self.name} missed an earlier answer; not asking it again")
         self.conn.send(msg)
 
-    def recv(self, timeout: float = 600.0):
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"{self.name} did not answer within {timeout:g} s")
+    def recv(self, timeout: float | None = None):
+        if self.broken:
+            raise RuntimeError(f"{self.name} missed an earlier answer; its replies are out of step")
+        if not self.conn.poll(self.timeout if timeout is None else timeout):
+            self.broken = True
+            raise RuntimeError(f"{self.name} did not answer within {self.timeout if timeout is None else timeout:g} s")
         try:
             kind, res = self.conn.recv()
         except EOFError:
@@ -506,15 +510,25 @@ class Proc:
             raise RuntimeError(res)
         return res
 
-    def call(self, *msg, timeout: float = 600.0):
+    def call(self, *msg, timeout: float | None = None):
         self.send(*msg)
         return self.recv(timeout)
 
 
-def call_all(procs, *msg) -> list:
+def call_all(procs, cmd: str, *args) -> list:
+    """Send ``cmd`` to every process (``args``, or for ``peak`` one argument tuple per process), then collect
+    every answer before raising the first error (the pipes stay in step)."""
+    for i, p in enumerate(procs):
+        p.send(cmd, *(args[0][i] if cmd == "peak" else args))
+    out, err = [], None
     for p in procs:
-        p.send(*msg)
-    return [p.recv() for p in procs]
+        try:
+            out.append(p.recv())
+        except Exception as e:  # noqa: BLE001
+            err = err or e
+    if err is not None:
+        raise err
+    return out
 
 
 def _med(x):
@@ -525,7 +539,9 @@ def _gbps(nbytes, seconds):
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else float("nan")
 
 
-def run(args) -> dict:
+def run(args, res: dict, save) -> dict:
+    """Start the ranks, measure every pair into ``res`` (saved after each pair: a run cut short by a time
+    limit still leaves its finished pairs), stop the ranks."""
     pairs = pairs_config(args.small)
     if args.pairs:
         pairs = {k: v for k, v in pairs.items() if k in args.pairs.split(",")}
@@ -535,55 +551,33 @@ def run(args) -> dict:
     n_p = max(p["p"][0] for p in pairs.values())
     n_d = max(p["d"][0] for p in pairs.values())
     cfg = {"device": args.device, "pairs": pairs, "num_prefill": n_p, "poll_sleep_us": args.poll_sleep_us,
-           "peak_bytes": 1 << 20}
-    # the peak buffers hold the largest read of one decode rank (the oracle's cell count, computed here
-    # the same way as in the ranks: tokens x this rank's heads x elements x item size, per layer)
+           "call_timeout_s": args.call_timeout}
+    # the peak buffers hold the largest read of one decode rank (tokens x this rank's heads x elements x
+    # item size, per layer: the oracle's cell count)
     cfg["peak_bytes"] = max(_decode_bytes(p, r) for p in pairs.values() for r in range(p["d"][0]))
+    res.update(pairs=pairs, memory_estimate_bytes=memory_estimate(pairs), rows=[], controls={}, errors={})
     t_setup = time.perf_counter()
     P = [Proc(_prefill_main, i, cfg) for i in range(n_p)]
     D = [Proc(_decode_main, i, cfg) for i in range(n_d)]
+    added: dict = {}
     try:
-        pinfo = [p.recv() for p in P]
-        dinfo = [d.recv() for d in D]
+        pinfo = [p.recv(args.call_timeout) for p in P]
+        dinfo = [d.recv(args.call_timeout) for d in D]
         call_all(D, "peers", {i: pi["peak"] for i, pi in enumerate(pinfo)})
-        setup_s = time.perf_counter() - t_setup
-        rows, controls, added = [], {}, {}
+        res["setup_s"] = time.perf_counter() - t_setup
+        res["rank_setup_s"] = {"prefill": [pi["setup_s"] for pi in pinfo], "decode": [di["setup_s"] for di in dinfo]}
+        res["devices"] = {"prefill": [pi["device"] for pi in pinfo], "decode": [di["device"] for di in dinfo]}
+        _log(f"ranks ready in {res['setup_s']:.1f} s on {res['devices']}")
         for name, pair in pairs.items():
-            dp = [d for i, d in enumerate(D) if i < pair["d"][0]]
-            pp = [p for i, p in enumerate(P) if i < pair["p"][0]]
-            endpoints = {(0, i): f"127.0.0.1:{pinfo[i]['ports'][name]}" for i in range(pair["p"][0])}
-            need = [dinfo[i]["need"][name] for i in range(len(dp))]
-            total = sum(need)
-            # (a) torch device-to-device copy of the same bytes, in one process
-            d2d = D[0].call("d2d", total, args.reps)
-            # (b) NIXL's own READ of one contiguous region of each decode rank's size, from a prefill rank
-            # it reads from, both decode ranks at once (as kvbridge's reads run)
-            peak = []
-            for rep in range(args.warmup + args.reps):
-                for i, d in enumerate(dp):  # decode rank i reads prefill rank i * (P TP / D TP), as in the plan
-                    d.send("peak", (i * len(pp)) // len(dp), need[i])
-                t = [d.recv() for d in dp]
-                if rep >= args.warmup:
-                    peak.append(max(t))
-            for mode in MODES:
-                call_all(dp, "handshake", name, mode, endpoints)
-                reps = []
-                for rep in range(args.warmup + args.reps):
-                    rid = f"{name}-{mode}-{rep}"
-                    attempt = random.randrange(1, 1 << 62)
-                    call_all(pp, "add", name, rid, attempt)
-                    added.setdefault(name, []).append(rid)
-                    call_all(pp, "busy", name)
-                    res = call_all(dp, "read", name, rid, attempt)
-                    busy = call_all(pp, "busy", name)
-                    for r in res:
-                        if not r["ok"]:
-                            raise RuntimeError(f"{rid} failed on a decode rank: {r['why']}")
-                    if rep >= args.warmup:
-                        reps.append({"ranks": res, "pack_busy_s": sum(busy)})
-                rows.append(_row(name, pair, mode, reps, total, d2d, peak))
-            controls[name] = call_all(dp, "control", name)
-        leases = _wait_freed(P, added, pairs)
+            t = time.perf_counter()
+            try:
+                _pair(args, name, pair, P, D, pinfo, dinfo, res, added)
+            except Exception as e:  # noqa: BLE001 - record it, go on with the next pair
+                res["errors"][name] = f"{type(e).__name__}: {e}"
+                _log(f"{name}: FAILED: {e}")
+            _log(f"{name}: {time.perf_counter() - t:.1f} s")
+            save(res)
+        res["leases"] = _wait_freed(P, added, pairs)
     finally:
         for p in P + D:
             try:
@@ -591,9 +585,49 @@ def run(args) -> dict:
             except Exception:  # noqa: BLE001
                 p.p.kill()
             p.p.join(10)
-    return {"rows": rows, "controls": controls, "leases": leases, "setup_s": setup_s,
-            "rank_setup_s": {"prefill": [pi["setup_s"] for pi in pinfo], "decode": [di["setup_s"] for di in dinfo]},
-            "devices": {"prefill": [pi["device"] for pi in pinfo], "decode": [di["device"] for di in dinfo]}}
+    return res
+
+
+def _pair(args, name, pair, P, D, pinfo, dinfo, res, added) -> None:
+    dp = [d for i, d in enumerate(D) if i < pair["d"][0]]
+    pp = [p for i, p in enumerate(P) if i < pair["p"][0]]
+    endpoints = {(0, i): f"127.0.0.1:{pinfo[i]['ports'][name]}" for i in range(pair["p"][0])}
+    need = [dinfo[i]["need"][name] for i in range(len(dp))]
+    total = sum(need)
+    # (a) torch device-to-device copy of the same bytes, in one process
+    d2d = D[0].call("d2d", total, args.reps)
+    # (b) NIXL's own READ of one contiguous region of each decode rank's size from a prefill rank it reads
+    # from (decode rank i: prefill rank i * P TP / D TP), both decode ranks at once (as kvbridge's reads run)
+    peak = []
+    for rep in range(args.warmup + args.reps):
+        t = call_all(dp, "peak", [((i * len(pp)) // len(dp), need[i]) for i in range(len(dp))])
+        if rep >= args.warmup:
+            peak.append(max(t))
+    for mode in MODES:
+        call_all(dp, "handshake", name, mode, endpoints)
+        reps = []
+        for rep in range(args.warmup + args.reps):
+            rid = f"{name}-{mode}-{rep}"
+            attempt = random.randrange(1, 1 << 62)
+            call_all(pp, "add", name, rid, attempt)
+            added.setdefault(name, []).append(rid)
+            call_all(pp, "busy", name)
+            out = call_all(dp, "read", name, rid, attempt)
+            busy = call_all(pp, "busy", name)
+            for r in out:
+                if not r["ok"]:
+                    raise RuntimeError(f"{rid} failed on a decode rank: {r['why']}")
+            if rep >= args.warmup:
+                reps.append({"ranks": out, "pack_busy_s": sum(busy)})
+        row = _row(name, pair, mode, reps, total, d2d, peak)
+        res["rows"].append(row)
+        _log(f"{name} {mode}: {row['gbps_median']:.3f} GB/s (x{row['vs_nixl_peak']:.2f} NIXL peak, "
+             f"x{row['vs_d2d']:.2f} d2d), byte-exact {row['byte_exact']}")
+    res["controls"][name] = call_all(dp, "control", name)
+
+
+def _log(msg: str) -> None:
+    print(f"[gpu-suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _decode_bytes(pair: dict, d_rank: int) -> int:
@@ -604,6 +638,43 @@ def _decode_bytes(pair: dict, d_rank: int) -> int:
             h = 1 if g.kind == "mla" else c.units_per_rank(eng.tp)
             n += len(eng.stage_layers(g, 0)) * pair["tokens"] * h * c.unit_elems * c.itemsize
     return n
+
+
+def _rank_bytes(pair: dict, side: str, rank: int) -> tuple[int, int]:
+    """(bytes allocated for the KV cache, bytes of the request's cells) of one rank."""
+    eng = engine_of(pair, side)
+    alloc = cells = 0
+    for g in eng.model.groups:
+        per_tok = sum((1 if g.kind == "mla" else c.units_per_rank(eng.tp)) * c.unit_elems * c.itemsize for c in g.components)
+        nl = len(eng.stage_layers(g, 0))
+        alloc += nl * eng.num_blocks * eng.block_size_of(g) * per_tok
+        cells += nl * pair["tokens"] * per_tok
+    return alloc, cells
+
+
+def memory_estimate(pairs: dict) -> dict:
+    """Device bytes each rank process allocates (KV caches, staging buffers, the peak buffer, D0's copy
+    buffers), to check that a configuration fits the GPU before starting it (all ranks share GPU 0 by default)."""
+    n_p = max(p["p"][0] for p in pairs.values())
+    n_d = max(p["d"][0] for p in pairs.values())
+    peak = max(_decode_bytes(p, r) for p in pairs.values() for r in range(p["d"][0]))
+    out = {}
+    for i in range(n_p):
+        tot = peak
+        for p in pairs.values():
+            if i < p["p"][0]:
+                alloc, held = _rank_bytes(p, "p", i)
+                tot += alloc + p["d"][0] * held + (4 << 20)
+        out[f"prefill-{i}"] = tot
+    for i in range(n_d):
+        tot = peak + (2 * max(sum(_decode_bytes(p, r) for r in range(p["d"][0])) for p in pairs.values()) if i == 0 else 0)
+        for p in pairs.values():
+            if i < p["d"][0]:
+                alloc, need = _rank_bytes(p, "d", i)
+                tot += alloc + need + (8 << 20)
+        out[f"decode-{i}"] = tot
+    out["total"] = sum(out.values())
+    return out
 
 
 def _wait_freed(P, added: dict, pairs: dict, timeout: float = 20.0) -> dict:
@@ -712,7 +783,10 @@ def print_table(res: dict) -> None:
     c.print(t)
     for name, ctl in res["controls"].items():
         c.print(f"control {name}: corrupted cell + stray byte caught on every decode rank: {res['controls_ok'][name]} ({ctl})")
-    c.print(f"leases: {res['leases']}")
+    c.print(f"leases: {res.get('leases')}")
+    for name, err in res["errors"].items():
+        c.print(f"[red]{name} FAILED[/red]: {err}")
+    c.print(f"all byte-exact (every row, every control, no pair failed): {res['all_byte_exact']}")
 
 
 def main(argv=None) -> int:
@@ -721,26 +795,41 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny models and few tokens (the CPU test)")
     ap.add_argument("--pairs", default="", help="comma-separated subset of: dense-gqa, mla, swa-fa")
     ap.add_argument("--tokens", type=int, default=0, help="tokens per request for every pair (default: per pair)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--poll-sleep-us", type=float, default=100.0)
+    ap.add_argument("--call-timeout", type=float, default=300.0, help="seconds one rank may take to answer")
+    ap.add_argument("--estimate", action="store_true", help="print the device memory each rank would allocate; run nothing")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "out" / "gpu"))
     args = ap.parse_args(argv)
+    if args.estimate:
+        pairs = pairs_config(args.small)
+        if args.tokens:
+            for p in pairs.values():
+                p["tokens"] = args.tokens
+        for k, v in memory_estimate(pairs).items():
+            print(f"{k:>10}: {v / 2**30:8.2f} GiB")
+        return 0
     t0 = time.time()
-    res = run(args)
-    res["environment"] = environment(args.device)
-    res["reps"], res["warmup"], res["argv"] = args.reps, args.warmup, sys.argv
-    res["started_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gpu_suite_{args.device}{'_small' if args.small else ''}.json"
+    res = {"environment": environment(args.device), "reps": args.reps, "warmup": args.warmup, "argv": sys.argv,
+           "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)), "complete": False}
+
+    def save(r: dict) -> None:
+        path.write_text(json.dumps(r, indent=1, default=str))
+
+    run(args, res, save)
     res["wall_s"] = time.time() - t0
     res["controls_ok"] = {n: all(c["mismatched_elements"] == 1 and c["stray_bytes"] == 1 for c in ctl)
                           for n, ctl in res["controls"].items()}
-    res["all_byte_exact"] = all(r["byte_exact"] for r in res["rows"]) and all(res["controls_ok"].values())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"gpu_suite_{args.device}.json"
-    (out / name).write_text(json.dumps(res, indent=1, default=str))
+    res["complete"] = not res["errors"] and len(res["rows"]) == len(res["pairs"]) * len(MODES)
+    res["all_byte_exact"] = (res["complete"] and all(r["byte_exact"] for r in res["rows"])
+                             and len(res["controls_ok"]) == len(res["pairs"]) and all(res["controls_ok"].values()))
+    save(res)
     print_table(res)
-    print(f"JSON: {out / name}  (wall {res['wall_s']:.1f} s, setup {res['setup_s']:.1f} s)")
+    print(f"JSON: {path}  (wall {res['wall_s']:.1f} s, setup {res.get('setup_s', float('nan')):.1f} s)")
     return 0 if res["all_byte_exact"] else 1
 
 
