@@ -736,6 +736,22 @@ def _row(name, pair, mode, reps, total, d2d, peak) -> dict:
     return row
 
 
+def targets(res: dict, args) -> list[dict]:
+    """Issue 24's targets per row: direct and staged >= 0.8x NIXL's own peak for the same bytes (large runs),
+    staged pack and scatter >= 0.5x the device-to-device copy. Judged on a GPU's full-size run only."""
+    judged = args.device == "cuda" and not args.small
+    out = []
+    for r in res["rows"]:
+        checks = [(f"{r['pair']} {r['mode']} vs NIXL peak", r["vs_nixl_peak"], 0.8)]
+        if r["mode"] == "staged":
+            checks += [(f"{r['pair']} staged pack vs d2d", r["pack_vs_d2d"], 0.5),
+                       (f"{r['pair']} staged scatter vs d2d", r["scatter_vs_d2d"], 0.5)]
+        for what, v, goal in checks:
+            verdict = ("met" if v >= goal else "NOT met") if judged else "not judged (CPU or small run)"
+            out.append({"what": what, "value": v, "target": f">= {goal}", "verdict": verdict})
+    return out
+
+
 def environment(device: str) -> dict:
     import torch
     env = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
@@ -760,8 +776,9 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-def _f(x, nd=2):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+def _f(x, nd=3):
+    """Three significant digits (CPU figures of the small run are tiny, GPU ones large)."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}g}"
 
 
 def print_table(res: dict) -> None:
@@ -771,15 +788,16 @@ def print_table(res: dict) -> None:
     unit = "GPU" if env["device"] == "cuda" else "CPU (torch on host memory; NOT GPU figures)"
     t = Table(title=f"kvbridge GPU suite on {unit}: {env.get('gpus', env['device'])}, {res['reps']} reps, medians")
     for c in ("pair", "mode", "MiB/req", "descs", "GB/s", "d2d GB/s", "NIXL peak GB/s", "x peak", "x d2d",
-              "pack GB/s", "scatter GB/s", "start ms", "poll ms", "byte-exact"):
+              "pack GB/s", "scatter GB/s", "pack x d2d", "scatter x d2d", "start ms", "poll ms", "byte-exact"):
         t.add_column(c, justify="left" if c in ("pair", "mode") else "right")
     for r in res["rows"]:
-        t.add_row(r["pair"], r["mode"], _f(r["bytes_per_request"] / 2**20, 1), f"{r['descriptors_per_request']:.0f}",
+        t.add_row(r["pair"], r["mode"], _f(r["bytes_per_request"] / 2**20), f"{r['descriptors_per_request']:.0f}",
                   _f(r["gbps_median"]), _f(r["d2d_gbps_median"]), _f(r["nixl_peak_gbps_median"]), _f(r["vs_nixl_peak"]),
                   _f(r["vs_d2d"]), _f(r.get("pack_gbps_median")), _f(r.get("scatter_gbps_median")),
-                  _f(r["start_ms_median"], 3), _f(r["poll_ms_median"], 3),
+                  _f(r.get("pack_vs_d2d")), _f(r.get("scatter_vs_d2d")),
+                  _f(r["start_ms_median"]), _f(r["poll_ms_median"]),
                   f"{'yes' if r['byte_exact'] else 'NO'} ({r['mismatched_elements']}/{r['stray_bytes']})")
-    c = Console(width=200)
+    c = Console(width=230)
     c.print(t)
     for name, ctl in res["controls"].items():
         c.print(f"control {name}: corrupted cell + stray byte caught on every decode rank: {res['controls_ok'][name]} ({ctl})")
@@ -787,6 +805,8 @@ def print_table(res: dict) -> None:
     for name, err in res["errors"].items():
         c.print(f"[red]{name} FAILED[/red]: {err}")
     c.print(f"all byte-exact (every row, every control, no pair failed): {res['all_byte_exact']}")
+    for t in res.get("targets", []):
+        c.print(f"target {t['what']}: {t['value']:.3g} vs {t['target']} -> {t['verdict']}")
 
 
 def main(argv=None) -> int:
@@ -827,6 +847,7 @@ def main(argv=None) -> int:
     res["complete"] = not res["errors"] and len(res["rows"]) == len(res["pairs"]) * len(MODES)
     res["all_byte_exact"] = (res["complete"] and all(r["byte_exact"] for r in res["rows"])
                              and len(res["controls_ok"]) == len(res["pairs"]) and all(res["controls_ok"].values()))
+    res["targets"] = targets(res, args)
     save(res)
     print_table(res)
     print(f"JSON: {path}  (wall {res['wall_s']:.1f} s, setup {res.get('setup_s', float('nan')):.1f} s)")
