@@ -370,3 +370,16 @@ def test_property_cp_oracle_every_byte(topo, seed, shuffled):
     res = verify(p, d, num_requests=3, seed=seed, shuffled=shuffled)
     assert res.errors == [] and res.mismatched_bytes == 0, (str(p), str(d))
     assert res.ok and res.amplification == 1.0
+
+
+def test_cp_sweep_every_byte():
+    """``kvbridge verify --sweep``'s CP part: every preset vLLM allows CP for, CP on either side or both."""
+    from kvbridge.testing.sweep import cp_sweep_cases
+    cases = cp_sweep_cases()
+    assert any(p.dcp > 1 and d.dcp > 1 for p, d in cases) and any(p.pcp > 1 for p, _ in cases)
+    assert any(d.dcp > 1 and p.dcp == 1 for p, d in cases) and any(p.dcp > 1 and d.dcp == 1 for p, d in cases)
+    assert {p.model.name for p, _ in cases} >= {"deepseek-v3-small", "tiny-mla-small", "llama-3.1-70b-small",
+                                                 "nemotron-h-56b-small"}
+    for p, d in cases:
+        res = verify(p, d, num_requests=3)
+        assert res.ok and res.mismatched_bytes == 0 and res.amplification == 1.0, (str(p), str(d))
