@@ -139,4 +139,5 @@ def cp_sweep_cases() -> list[tuple[EngineLayout, EngineLayout]]:
     return cases
 
 
-__all__ = ["shrink", "sweep_cases", "cp_sweep_cases", "CP_TOPOLOGIES", "pad_mamba", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]
+__all__ = ["shrink", "sweep_cases", "cp_sweep_cases", "CP_TOPOLOGIES",
+           "pad_mamba", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]
