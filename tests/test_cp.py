@@ -383,3 +383,21 @@ def test_cp_sweep_every_byte():
     for p, d in cases:
         res = verify(p, d, num_requests=3)
         assert res.ok and res.mismatched_bytes == 0 and res.amplification == 1.0, (str(p), str(d))
+
+
+def test_prepped_reads_any_respects_token_shares():
+    """A short request whose tokens all lie outside a read's token shares posts nothing on that pair
+    (NIXL refuses empty transfers): the decode still notifies, it just has no read."""
+    p, d = PAIRS["mla-p2dcp2-d3dcp3"]
+    plan = plan_transfer(p, d)
+    pb, db = {"mla": GroupBlocks.of([3])}, {"mla": GroupBlocks.of([5])}
+    seen = {}
+    for drank in d.ranks():
+        lp = LoweredPlan(plan, drank)
+        for desc in lp.descriptors(2, pb, db):
+            geo = PreparedGeometry(lp, desc.prefill)
+            ranges = geo.validate(2, pb, db)
+            seen[(drank[1], desc.prefill[1])] = (geo.reads_any(ranges), desc.count)
+    # tokens 0 and 1: decode DCP rank 0 (t // 2 % 3 == 0), prefill DCP rank 0 (t // 4 % 2 == 0); one run a layer
+    assert seen == {(0, 0): (True, 3), (0, 1): (False, 0), (1, 0): (False, 0), (1, 1): (False, 0),
+                    (2, 0): (False, 0), (2, 1): (False, 0)}

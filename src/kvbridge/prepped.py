@@ -361,7 +361,10 @@ class PreparedGeometry:
                           (pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)).astype(dt))
                          for _, pre, _ in self.reads]
         # reads_any: the token-range groups of this rank's reads; a state read always moves its slot
-        self._token_groups = tuple(dict.fromkeys(low.read.group for low, pre, _ in self.reads if pre.per_token))
+        self._token_groups = tuple(dict.fromkeys(low.read.group for low, pre, _ in self.reads
+                                                 if pre.per_token and low.plain))
+        # context parallelism: a read restricted to token shares may miss a short range entirely
+        self._cp_reads = tuple(low for low, pre, _ in self.reads if pre.per_token and not low.plain)
         self._has_state = any(not pre.per_token for _, pre, _ in self.reads)
 
     # ---- per request -------------------------------------------------------------------------
@@ -377,6 +380,12 @@ class PreparedGeometry:
             t0, t1 = ranges[g]
             if t1 > t0:
                 return True
+        for low in self._cp_reads:
+            t0, t1 = ranges[low.read.group]
+            if t1 > t0:
+                full, last = chunk_starts(low, t0, t1)
+                if full.size or last is not None:
+                    return True
         return False
 
     def size(self, ranges) -> tuple[int, int]:
