@@ -139,6 +139,11 @@ PAIRS = {
     # MLA P TP4 -> D TP4 x DCP4 (vLLM NIXL: interleave = block size), and with token-level interleave
     "mla-p4-d4dcp4": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=4, cp_interleave=16, block_size=16)),
     "mla-p4-d4dcp4-il1-bs8": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=4, block_size=8)),
+    # decode DCP smaller than the transfer TP (vLLM NIXL: DCP must be 1 or the TP)
+    "mla-p4-d4dcp2": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=2, cp_interleave=16, block_size=16)),
+    # PCP on the decode side (vLLM NIXL: PCP is producer only), DCP over TP x PCP
+    "mla-p2-d2pcp2dcp4": (E(MLA, "prefill", tp=2, block_size=16),
+                          E(MLA, "decode", tp=2, pcp=2, dcp=4, cp_interleave=4, block_size=8)),
     # DCP on both sides, sizes that do not divide each other, different interleaves and block sizes
     "mla-p2dcp2-d3dcp3": (E(MLA, "prefill", tp=2, dcp=2, cp_interleave=4, block_size=8),
                           E(MLA, "decode", tp=3, dcp=3, cp_interleave=2, block_size=4, layout="flash_attn_hnd")),
