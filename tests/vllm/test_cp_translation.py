@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
 
 from kvbridge.integrations.vllm_cp import (  # noqa: E402
     VLLMContextParallelError,
