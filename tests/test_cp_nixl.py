@@ -3,6 +3,8 @@ every decode byte checked against the oracle (whose token -> rank map is vLLM's,
 the planner), prefill frees every request, no handle leaked."""
 import pytest
 
+from kvbridge.plan import plan_transfer
+
 from kvbridge.layout import CacheGroup, EngineLayout, MemoryLayout, ModelSpec
 from kvbridge.models import preset
 from kvbridge.transport.nixl import nixl_available
@@ -29,6 +31,11 @@ CASES = {
     # DCP on both sides, sizes that do not divide each other
     "mla P tp2 dcp2 -> D tp3 dcp3": (eng(preset("tiny-mla"), "prefill", tp=2, dcp=2, cp_interleave=4, block_size=8),
                                      eng(preset("tiny-mla"), "decode", tp=3, dcp=3, cp_interleave=2, block_size=4)),
+    # DCP prefill -> plain decode: prefill ranks 2 and 3 (replicas of DCP ranks 0 and 1) are read by nobody and
+    # must still free every request (a designated decode rank notifies them)
+    "mla P tp4 dcp2 -> D tp1, replicas unread": (eng(preset("tiny-mla"), "prefill", tp=4, dcp=2, cp_interleave=8,
+                                                     block_size=8),
+                                                 eng(preset("tiny-mla"), "decode", tp=1, block_size=16)),
 }
 
 
@@ -46,3 +53,9 @@ def test_cp_cross_process_transfer_is_exact(name, mode):
     assert (res.staged_transfers > 0) == (mode == "staged") and (res.direct_transfers > 0) == (mode == "direct")
     assert res.prefill_freed == res.requests and res.leaked_handles == 0
     assert res.ok
+
+
+def test_unread_cp_replicas_have_a_notifier():
+    plan = plan_transfer(*CASES["mla P tp4 dcp2 -> D tp1, replicas unread"])
+    assert plan.readers_of((0, 2)) == plan.readers_of((0, 3)) == ()
+    assert plan.notifiers_of((0, 2)) == plan.notifiers_of((0, 3)) == ((0, 0),)

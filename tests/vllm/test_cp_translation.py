@@ -1,7 +1,7 @@
 """vLLM 0.33's context-parallel configuration -> kvbridge (issue 21 point 4), on vLLM's own config objects.
 
 Real parts: ``ParallelConfig`` / ``VllmConfig`` validation (on the CPU device), ``KVCacheConfig`` with
-``MLAAttentionSpec`` / ``FullAttentionSpec``, ``resolve_dcp_kv_block_size`` and vLLM's v1 ``Scheduler``.
+``MLAAttentionSpec``, ``resolve_kv_cache_block_sizes`` / ``resolve_dcp_kv_block_size`` and vLLM's v1 ``Scheduler``.
 Not run here (the CPU build cannot): ``initialize_model_parallel`` (the DCP/PCP process groups need one
 torch.distributed process per rank; the group rule is mirrored in ``kvbridge.testing.oracle.vllm_dcp_rank``
 and checked against the planner in ``tests/test_cp.py``), and the Triton slot-mapping kernel (no Triton;
