@@ -1,11 +1,12 @@
 """vLLM 0.33's context-parallel configuration -> kvbridge (issue 21 point 4), on vLLM's own config objects.
 
 Real parts: ``ParallelConfig`` / ``VllmConfig`` validation (on the CPU device), ``KVCacheConfig`` with
-``MLAAttentionSpec``, ``resolve_kv_cache_block_sizes`` / ``resolve_dcp_kv_block_size`` and vLLM's v1 ``Scheduler``.
-Not run here (the CPU build cannot): ``initialize_model_parallel`` (the DCP/PCP process groups need one
-torch.distributed process per rank; the group rule is mirrored in ``kvbridge.testing.oracle.vllm_dcp_rank``
-and checked against the planner in ``tests/test_cp.py``), and the Triton slot-mapping kernel (no Triton;
-mirrored line by line in ``kvbridge.testing.oracle.vllm_slots``).
+``MLAAttentionSpec``, ``resolve_kv_cache_block_sizes`` / ``resolve_dcp_kv_block_size``, vLLM's v1
+``Scheduler``, the KV-cache tensors vLLM's planner and allocator give each worker (``worker_harness``), and
+vLLM's own DCP/PCP process groups (``initialize_model_parallel`` over gloo, 4 CPU processes).
+Not run here (the CPU build cannot): attention with DCP/PCP and the GPU model runner, which writes the cache
+through the Triton slot-mapping kernel (no Triton here; the kernel is mirrored line by line in
+``kvbridge.testing.oracle.vllm_slots``, which fills and checks the tensors below).
 """
 from __future__ import annotations
 
@@ -160,3 +161,118 @@ def test_scheduler_allocates_block_size_times_dcp_tokens_per_block(mla_config):
     ids = sched.kv_cache_manager.get_block_ids("r0")[0]
     assert len(ids) == -(-150 // e.scheduler_block_size("g0")) == 3
     sched.update_from_output(out, make_model_runner_output([req]))
+
+
+def test_dcp_ranks_from_vllms_own_process_groups(tmp_path):
+    """vLLM's ``initialize_model_parallel`` (gloo, 4 CPU processes) for several TP x PCP x DCP settings: the
+    ranks it gives each worker are the ones kvbridge's layout and ``cp_from_worker`` compute (1-2 min here:
+    four processes import vLLM on two cores)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import cp_groups_worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(cp_groups_worker.worker, args=(4, port, str(tmp_path)), nprocs=4, join=True,
+                       start_method="spawn")
+    for rank in range(4):
+        for rec in json.loads((tmp_path / f"{rank}.json").read_text()):
+            tp, pcp, dcp = rec["setting"]
+            e = EngineLayout(MLA, tp=tp, pcp=pcp, dcp=dcp)
+            stage = rec["pcp_rank"] * tp + rec["tp_rank"]
+            assert stage == rank  # vLLM's world order inside one PP stage: PCP x TP
+            assert rec["kvbridge"] == [stage, rec["dcp_rank"], pcp, dcp], rec
+            assert e.dcp_rank(stage) == rec["dcp_rank"] == vllm_dcp_rank(tp, pcp, dcp, stage), rec
+
+
+def _worker(model, side, rank, parallel: dict, tmp):
+    """One vLLM worker's KV cache from vLLM's own planner and allocator, described for kvbridge with the
+    translated CP settings: (engine, rank, {layer: LayerKV}, memory)."""
+    import dataclasses
+
+    import kvbridge
+    from kvbridge.integrations.vllm import engine_from_vllm
+    from sched_utils import make_vllm_config
+    from worker_harness import plan_and_allocate
+    cfg = make_vllm_config(tmp, model.hf, block_size=side.block_size, kv_cache_layout=side.layout, max_model_len=512)
+    for k, v in parallel.items():
+        setattr(cfg.parallel_config, k, v)
+    kvc, kv = plan_and_allocate(cfg, model, side, (0, rank))
+    engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, rank))
+    # the wiring the connector gets at merge: CP settings from vLLM's config, then the cross-check
+    cp = cp_from_vllm(cfg.parallel_config, tp_rank=rank)
+    engine = dataclasses.replace(engine, **cp.engine_kwargs())
+    tokens = {}
+    for i, name in enumerate(names):
+        spec = layers[int(kvc.kv_cache_groups[i].layer_names[0].split(".")[2])]
+        tokens[name] = int(spec.tensor.shape[spec.axes.index("N")])
+    check_cp_against_vllm(engine, kvc, names, tensor_tokens=tokens)
+    return engine, cp.rank(0), layers, kvbridge.describe_memory(engine, cp.rank(0), layers)
+
+
+def _token_view(spec):
+    """[block, token, content] view of an MLA LayerKV(t, "BHNC") (one head)."""
+    t = spec.tensor
+    return t.permute(*[spec.axes.index(a) for a in "BNHC"])[:, :, 0, :]
+
+
+@pytest.mark.parametrize("p_layout,d_layout", [("LBNHC", "LBNHC"), ("LBHNC", "BLHNC")])
+def test_dcp_worker_tensors_from_vllms_allocator_byte_exact(p_layout, d_layout, tmp_path):
+    """MLA prefill TP4 -> decode TP4 x DCP4 (interleave 16) on the tensors vLLM 0.33's planner and allocator
+    give each worker: prefill filled through vLLM's slot rule (the oracle's copy of the kernel), bytes moved
+    by kvbridge's lowering over the reference transport, every decode slot checked, other slots untouched."""
+    import numpy as np
+
+    from kvbridge.lower import GroupBlocks, LoweredPlan
+    from kvbridge.plan import plan_transfer
+    from kvbridge.testing.oracle import vllm_slots
+    from kvbridge.transport.reference import ReferenceTransport
+    from worker_harness import Side
+    model = deepseek_like(2)
+    P = {r: _worker(model, Side(4, 1, 16, p_layout), r, {}, str(tmp_path / f"p{r}")) for r in range(4)}
+    D = {r: _worker(model, Side(4, 1, 16, d_layout), r, dict(decode_context_parallel_size=4,
+                                                             cp_kv_cache_interleave_size=16), str(tmp_path / f"d{r}"))
+         for r in range(4)}
+    pe, de = P[0][0], D[0][0]
+    assert (de.dcp, de.cp_interleave, de.scheduler_block_size("g0")) == (4, 16, 64)
+    plan = plan_transfer(pe, de)
+    n = 300
+    rng = np.random.default_rng(0)
+    pids, dids = rng.permutation(pe.num_blocks)[:-(-n // 16)], rng.permutation(de.num_blocks)[:-(-n // 64)]
+    pb, db = {"g0": GroupBlocks.of(pids)}, {"g0": GroupBlocks.of(dids)}
+    tok = torch.arange(n)
+
+    def want(layer, t, width):  # int16 pattern of (layer, token, element)
+        return ((layer * 7919 + t[:, None] * 613 + torch.arange(width)[None, :] * 31) % 32749 - 16000).to(torch.int16)
+    for r, (e, rank, layers, mem) in P.items():  # every prefill rank holds the whole latent (replicated)
+        for layer, spec in layers.items():
+            v = _token_view(spec).view(torch.int16)
+            _, blk, off = vllm_slots(tok.numpy(), pb["g0"], 16, 1, 0, 1)
+            v[torch.as_tensor(blk), torch.as_tensor(off)] = want(layer, tok, v.shape[-1])
+    t = ReferenceTransport()
+    for _, _, _, mem in list(P.values()) + list(D.values()):
+        for a in mem.allocations:
+            t.register_region(a.addr, a.nbytes, a.device)
+    moved = 0
+    for r, (e, rank, layers, mem) in D.items():
+        lp = LoweredPlan(plan, rank, prefill_mems={p: P[p[1]][3] for p in plan.prefill_ranks_for(rank)},
+                         decode_mem=mem)
+        for d in lp.descriptors(n, pb, db):
+            t.read("p", d.src, d.dst, d.nbytes)
+            moved += d.total_bytes
+    checked = 0
+    for r, (e, rank, layers, mem) in D.items():
+        for layer, spec in layers.items():
+            v = _token_view(spec).view(torch.int16)
+            local, blk, off = vllm_slots(tok.numpy(), db["g0"], 16, 4, r, 16)
+            sel = torch.as_tensor(local)
+            got = v[torch.as_tensor(blk[local]), torch.as_tensor(off[local])]
+            assert torch.equal(got, want(layer, tok[sel], v.shape[-1])), (r, layer)
+            checked += got.numel() * 2
+            mask = torch.zeros(v.shape[:2], dtype=torch.bool)
+            mask[torch.as_tensor(blk[local]), torch.as_tensor(off[local])] = True
+            assert not v[~mask].any(), "a slot this rank does not own was written"
+    assert moved == checked > 0
