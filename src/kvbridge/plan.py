@@ -26,8 +26,10 @@ piece are again an interval of them and the stabbing above runs per class (exact
 disjoint holders). A class whose tokens miss the decode rank's own share is skipped. PCP without DCP
 replicates the cache: the decode rank reads one PCP copy (its natural partner's), so decode ranks
 spread over the copies. A read carries the token shares it is restricted to (``Read.tokens``: the
-decode rank's and the prefill class's); Mamba state (never token-sharded) is taken from ranks already
-chosen where one holds it.
+decode rank's and the prefill class's). Mamba state (never token-sharded) next to a DCP prefill: a
+class's stabbing prefers ranks that also hold pending state pieces, which then take them (a preference,
+not a proof of minimality; brute force finds it minimal on every small MLA + Mamba topology,
+``tests/test_cp.py``).
 """
 from __future__ import annotations
 
