@@ -63,7 +63,7 @@ class Read:
     def __str__(self) -> str:
         u = ",".join(f"{a}:{b}" for a, b in self.units)
         t = (" t[" + "&".join(str(s) for s in self.tokens) + "]") if self.tokens else ""
-        return (f"D[pp{self.decode[0]},r{self.decode[1]}] <- P[pp{self.prefill[0]},r{self.prefill[1]}] "
+        return (f"D[pp{self.decode[0]},tp{self.decode[1]}] <- P[pp{self.prefill[0]},tp{self.prefill[1]}] "
                 f"{self.group} L{self.layers[0]}:{self.layers[1]} u[{u}]{t}")
 
 
