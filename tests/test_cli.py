@@ -52,3 +52,40 @@ def test_verify_single_and_sweep(capsys):
     assert main(["verify", "--sweep"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "FAIL" not in out
+
+
+def test_plan_cp_token_share_column_and_json(capsys):
+    """Context parallelism (issue 21): the table shows each read's token share and each rank's share."""
+    argv = ["plan", "--model", "deepseek-v3", "--prefill-tp", "4", "--decode-tp", "4", "--decode-dcp", "4",
+            "--decode-cp-interleave", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens" in out and "token share per rank" in out
+    for k in range(4):
+        assert f"{k}/4x16 (25%)" in out and f"t // 16 % 4 == {k}" in out
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["decode"]["dcp"] == 4 and doc["decode"]["cp_interleave"] == 16
+    assert [x["tokens"]["rank"] for x in doc["decode"]["ranks"]] == [0, 1, 2, 3]
+    assert sorted((r["decode"]["tp"], r["prefill"]["tp"], r["tokens"][0]["rank"]) for r in doc["reads"]) == [
+        (k, k, k) for k in range(4)]
+    assert all(r["token_fraction"] == 0.25 for r in doc["reads"])
+
+
+def test_plan_pcp_ranks_and_refusal(capsys):
+    assert main(["plan", "--model", "tiny-mla", "--prefill-tp", "1", "--prefill-pcp", "2", "--decode-tp", "2",
+                 "--decode-dcp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prefill"]["pcp"] == 2 and [x["tokens"] for x in doc["prefill"]["ranks"]] == [None, None]
+    assert {r["prefill"]["tp"] for r in doc["reads"]} == {0, 1}  # the two PCP copies, one per decode rank
+    assert main(["plan", "--model", "gemma-4-31b", "--prefill-tp", "8", "--decode-tp", "8", "--decode-dcp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "ContextParallelError" in err and "decode_context_parallel_size=2" in err
+
+
+def test_verify_cp_flags(capsys):
+    assert main(["verify", "--model", "tiny-mla", "--prefill-tp", "2", "--prefill-dcp", "2", "--prefill-block-size", "8",
+                 "--prefill-cp-interleave", "4", "--decode-tp", "3", "--decode-dcp", "3", "--decode-block-size", "4",
+                 "--decode-cp-interleave", "2", "--requests", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "dcp2x4" in out and "dcp3x2" in out

@@ -210,3 +210,28 @@ def test_core_never_needs_torch_or_rich():
 
 
 _ = itertools
+
+
+@pytest.mark.parametrize("p_cp, d_cp, model", [
+    (dict(tp=4, block_size=16), dict(tp=4, dcp=4, cp_interleave=16, block_size=16), "tiny-mla"),
+    (dict(tp=2, dcp=2, cp_interleave=4, block_size=8), dict(tp=3, dcp=3, cp_interleave=1, block_size=4), "tiny-mla"),
+    (dict(tp=1, pcp=2, dcp=2, cp_interleave=8, block_size=16), dict(tp=2, block_size=32), "tiny-mla"),
+    (dict(tp=1, pcp=2, block_size=32), dict(tp=4, dcp=2, cp_interleave=8, block_size=16), "gqa1"),
+])
+@pytest.mark.parametrize("p_form, d_form", [("vllm-LBNHC", "vllm-BLHNC"), ("separate", "vllm-LBHNC")])
+def test_context_parallel_engine_tensors_byte_exact(p_cp, d_cp, model, p_form, d_form):
+    """Issue 21: vLLM-shaped tensors on DCP/PCP ranks (each rank keeps block_size tokens of its share per
+    block), filled and checked through the oracle's own vLLM slot map."""
+    if model == "gqa1":
+        model = kvbridge.ModelSpec("gqa1", 4, (kvbridge.layout.CacheGroup(
+            "full", "full_attention", (0, 1, 2, 3), "float16", num_heads=1, head_dim=16),))
+        if p_form == "separate":
+            p_form = "flash_attn"
+    else:
+        model = kvbridge.load_model(model)
+        if p_form == "separate":
+            p_form = "scattered"
+    p = kvbridge.EngineLayout(model, num_blocks=24, **p_cp)
+    d = kvbridge.EngineLayout(model, num_blocks=24, **d_cp)
+    bad, cells = _move(p, d, p_form, d_form)
+    assert cells > 0 and bad == 0

@@ -16,9 +16,11 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 def _engine(args, side: str, model, num_blocks: int = 64) -> EngineLayout:
     g = lambda k: getattr(args, f"{side}_{k}")  # noqa: E731
+    il = getattr(args, f"{side}_cp_interleave", None) or getattr(args, "cp_interleave", None) or 1
     return EngineLayout(model, tp=g("tp"), pp=g("pp"), block_size=g("block_size"),
                         memory=MemoryLayout.parse(g("layout")), num_blocks=num_blocks, role=side,
-                        mamba_blocks_per_request=g("mamba_blocks"))
+                        mamba_blocks_per_request=g("mamba_blocks"), pcp=getattr(args, f"{side}_pcp", 1) or 1,
+                        dcp=getattr(args, f"{side}_dcp", 1) or 1, cp_interleave=il)
 
 
 def _add_topology(p: argparse.ArgumentParser, default_model: str, ptp=4, dtp=2) -> None:
@@ -31,6 +33,14 @@ def _add_topology(p: argparse.ArgumentParser, default_model: str, ptp=4, dtp=2) 
                        help=f"memory layout: a preset {sorted(LAYOUT_PRESETS)} or an axis order over LKBTHD")
         p.add_argument(f"--{side}-mamba-blocks", type=int, default=None,
                        help="kernel blocks a Mamba state slot spans (default: exactly the state size)")
+        p.add_argument(f"--{side}-pcp", type=int, default=1,
+                       help="prefill context parallel size (vLLM --prefill-context-parallel-size)")
+        p.add_argument(f"--{side}-dcp", type=int, default=1,
+                       help="decode context parallel size (vLLM --decode-context-parallel-size)")
+        p.add_argument(f"--{side}-cp-interleave", type=int, default=None,
+                       help="tokens per DCP rank turn (vLLM --cp-kv-cache-interleave-size; default --cp-interleave)")
+    p.add_argument("--cp-interleave", type=int, default=1,
+                   help="both sides' cp_kv_cache_interleave_size (vLLM's default 1; its NIXL connector uses the block size)")
 
 
 def cmd_models(args) -> int:
@@ -67,18 +77,38 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan_to_json(plan), indent=1))
         return 0
     doc = plan_to_json(plan)
-    t = Table(title=f"{model.name}: prefill tp={prefill.tp} pp={prefill.pp} -> decode tp={decode.tp} pp={decode.pp} "
-                    "(decode/prefill ranks as (pp, tp); heads and layers are global indices)")
-    for c in ("decode", "prefill", "group", "layers", "heads", "B/token", f"B/block({decode.block_size})", "B/request"):
+    cp = "tokens" in (doc["reads"][0] if doc["reads"] else {})
+    rank_note = "ranks as (pp, pcp_rank*tp + tp_rank)" if max(prefill.pcp, decode.pcp) > 1 else "ranks as (pp, tp)"
+    t = Table(title=f"{model.name}: prefill {_short(prefill, False)} -> decode {_short(decode, False)} "
+                    f"(decode/prefill {rank_note}; heads and layers are global indices"
+                    + ("; tokens: the read's share of the token axis, k/n x i = DCP rank k of n, i tokens a turn"
+                       if cp else "") + ")")
+    cols = ("decode", "prefill", "group", "layers", "heads") + (("tokens",) if cp else ()) + (
+        "B/token", f"B/block({decode.block_size})", "B/request")
+    for c in cols:
         t.add_column(c, justify="right" if c.startswith("B/") else "left", no_wrap=True)
     for r, jr in zip(plan.reads, doc["reads"]):
         bpt = jr["bytes_per_token"]
+        tok = (("&".join(str(s) for s in r.tokens) or "all") + f" ({jr['token_fraction']:.0%})",) if cp else ()
         t.add_row(f"{r.decode}", f"{r.prefill}", r.group, _fmt_layers(plan.group_layers(r)),
                   "latent" if jr["heads"] is None and model.group(r.group).kind == "mla" else
-                  (f"{jr['heads'][0]}:{jr['heads'][1]}" if jr["heads"] else "-"),
+                  (f"{jr['heads'][0]}:{jr['heads'][1]}" if jr["heads"] else "-"), *tok,
                   str(bpt) if bpt is not None else "", str(bpt * decode.block_size) if bpt is not None else "",
                   str(jr["bytes_per_request"] or ""))
     console.print(t)
+    if cp:
+        rt = Table(title="token share per rank (context parallelism): which tokens each rank stores")
+        for c in ("engine", "rank", "tp_rank", "pcp_rank", "dcp_rank", "tokens stored"):
+            rt.add_column(c)
+        for e in (prefill, decode):
+            for pp_r, r in e.ranks():
+                s = e.token_share(next(g for g in model.groups if g.per_token), r) if any(
+                    g.per_token for g in model.groups) else None
+                rt.add_row(e.role, f"({pp_r}, {r})", str(e.tp_rank(r)), str(e.pcp_rank(r)), str(e.dcp_rank(r)),
+                           "all (replica)" if s is None else
+                           f"t // {s.interleave} % {s.size} == {s.rank} ({1 / s.size:.0%}; scheduler block = "
+                           f"{e.block_size} x {s.size} tokens)")
+        console.print(rt)
     modes = choose_modes(plan)
     from .cost import CostModel
     mt = Table(title="transfer mode per (decode rank, prefill rank), chosen by the cost model for shuffled blocks "
@@ -102,8 +132,8 @@ def cmd_verify(args) -> int:
     from .testing.verify import verify
     cases = []
     if args.sweep:
-        from .testing.sweep import sweep_cases
-        cases = sweep_cases(quick=not args.full)
+        from .testing.sweep import cp_sweep_cases, sweep_cases
+        cases = sweep_cases(quick=not args.full) + cp_sweep_cases()
     else:
         model = load_model(args.model)
         cases = [(_engine(args, "prefill", model, args.num_blocks), _engine(args, "decode", model, args.num_blocks))]
@@ -145,8 +175,9 @@ def cmd_verify(args) -> int:
     return 1 if failed else 0
 
 
-def _short(e: EngineLayout) -> str:
-    return f"tp{e.tp} pp{e.pp} bs{e.block_size} {e.memory}"
+def _short(e: EngineLayout, memory: bool = True) -> str:
+    cp = (f" pcp{e.pcp}" if e.pcp > 1 else "") + (f" dcp{e.dcp}x{e.cp_interleave}" if e.dcp > 1 else "")
+    return f"tp{e.tp}{cp} pp{e.pp} bs{e.block_size}" + (f" {e.memory}" if memory else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

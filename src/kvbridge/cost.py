@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import Rank, TransferPlan
+from .plan import Rank, TransferPlan, share_fraction
 
 CALIBRATION_FILE = Path(os.environ.get("KVBRIDGE_CALIBRATION", Path.home() / ".cache" / "kvbridge" / "calibration.json"))
 
@@ -102,7 +102,8 @@ def pair_shapes(lp) -> dict:
         for low in lows:
             t = low.templates[low.chunk]
             if low.per_token:  # per chunk of lp.chunk_tokens tokens (a group's own chunk may be larger)
-                f = lp.chunk_tokens / low.chunk
+                # with context parallelism a read moves only the chunks in its token shares
+                f = lp.chunk_tokens / low.chunk * (share_fraction(low.shares) if low.shares else 1.0)
                 rs += t.nbytes.size * f
                 rc += max(t.runs_two_chunks - t.nbytes.size, 0) * f
                 b += float(t.nbytes.sum()) * f
@@ -125,6 +126,9 @@ def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_blo
             continue
         ids_d, ids_p = decode_blocks[g.name].block_ids, prefill_blocks[g.name].block_ids
         bsd = decode_block_size(g) if callable(decode_block_size) else decode_block_size
+        eng = getattr(decode_block_size, "__self__", None)  # EngineLayout.block_size_of: a block-list entry
+        if eng is not None and hasattr(eng, "scheduler_block_size"):  # spans block_size x dcp tokens with DCP
+            bsd = eng.scheduler_block_size(g)
         n = ids_d.size * bsd / chunk_tokens
         if n > chunks:
             chunks = n

@@ -200,7 +200,7 @@ def describe_memory(engine: EngineLayout, rank, layers: Mapping[int, LayerKV | L
     True
     """
     rank = tuple(rank)
-    pp_rank, tp_rank = rank
+    pp_rank, tp_rank = rank[0], engine.tp_rank(rank[1])  # rank[1] = pcp_rank * tp + tp_rank
     keep: list = []
     regions: dict[str, GroupRegion] = {}
     allocs: dict[tuple, Allocation] = {}

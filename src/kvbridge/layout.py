@@ -16,6 +16,17 @@ Conventions (used by every other module):
   the last one).
 * **Tokens and blocks.** Token ``t`` of a request lives in the ``t // block_size``-th block of that
   request's block list, at offset ``t % block_size``. Mamba state has one slot per request.
+* **Context parallelism (vLLM 0.33's rule).** An engine has ``tp * pcp`` ranks per PP stage; the
+  second index of a rank ``(pp_rank, r)`` is ``r = pcp_rank * tp + tp_rank`` (vLLM's PP x PCP x TP
+  order), so ``tp_rank = r % tp`` gives its heads. With ``dcp > 1`` the per-token groups are sharded
+  along the token axis: token ``t`` is stored by DCP rank ``(t // interleave) % dcp`` only (a
+  :class:`CyclicShare`), one block of a request's block list (a *scheduler block*) spans
+  ``block_size * dcp`` tokens and every DCP rank keeps its share of it in the same block id, at local
+  offset ``(o // (dcp * interleave)) * interleave + o % interleave`` (``o = t % (block_size * dcp)``).
+  DCP ranks come from vLLM's group construction: ``tp_rank % dcp`` when ``pcp == 1`` (DCP reuses TP
+  ranks, heads stay TP-sharded), ``pcp_rank`` when ``dcp == pcp``, ``tp_rank * pcp + pcp_rank`` when
+  ``dcp == tp * pcp``. PCP alone (``dcp == 1``) replicates the whole cache on every PCP rank. Mamba
+  state is never token-sharded (replicated over DCP ranks).
 * **Memory.** Each rank registers one buffer; each group occupies a contiguous region of it. Inside a
   per-token group's region the axes are ordered by :class:`MemoryLayout` (outer to inner, e.g.
   ``"LKBTHD"``: layer, K/V, block, token, head, dim). Mamba regions are ``[layer, slot, state]``
@@ -36,6 +47,56 @@ DTYPE_SIZES: dict[str, int] = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
     "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
+
+
+class ContextParallelError(LayoutError):
+    """A context-parallel setting (pcp, dcp, interleave) that vLLM cannot express or that leaves tokens
+    held by no rank."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class CyclicShare:
+    """The tokens ``t`` with ``(t // interleave) % size == rank``: one DCP rank's share of a token axis
+    dealt round robin in chunks of ``interleave`` tokens."""
+
+    interleave: int
+    rank: int
+    size: int
+
+    def holds(self, t):
+        """Whether token(s) ``t`` (an int or an int64 array) are in the share."""
+        return (t // self.interleave) % self.size == self.rank
+
+    def count(self, t0: int, t1: int) -> int:
+        """Tokens of ``[t0, t1)`` in the share (arithmetic)."""
+        def upto(t: int) -> int:
+            per = self.interleave * self.size
+            q, r = divmod(t, per)
+            return q * self.interleave + min(max(r - self.rank * self.interleave, 0), self.interleave)
+        return max(0, upto(t1) - upto(t0)) if t1 > t0 else 0
+
+    @property
+    def period(self) -> int:
+        return self.interleave * self.size
+
+    def __str__(self) -> str:
+        return f"{self.rank}/{self.size}x{self.interleave}"
+
+
+def shares_intersect(shares) -> bool:
+    """Whether some token lies in every share (checked over one common period)."""
+    shares = tuple(shares)
+    if not shares:
+        return True
+    import math
+
+    import numpy as np
+    period = math.lcm(*(s.period for s in shares))
+    t = np.arange(period, dtype=np.int64)
+    m = np.ones(period, dtype=bool)
+    for s in shares:
+        m &= s.holds(t)
+    return bool(m.any())
 
 
 def dtype_size(dtype: str) -> int:
@@ -310,6 +371,9 @@ class EngineLayout:
     num_blocks: int = 64
     role: str = "engine"
     group_block_sizes: tuple[tuple[str, int], ...] = ()
+    pcp: int = 1
+    dcp: int = 1
+    cp_interleave: int = 1
 
     def block_size_of(self, group: "str | CacheGroup") -> int:
         """Tokens per block of one group: ``group_block_sizes`` where given (vLLM's hybrid allocator gives
@@ -349,13 +413,101 @@ class EngineLayout:
                                   f"({sorted(names)}) with a block size >= 1")
         if self.mamba_blocks_per_request is not None and self.mamba_blocks_per_request < 1:
             raise LayoutError(f"{where}: mamba_blocks_per_request must be >= 1")
+        self._check_cp(where)
+
+    def _check_cp(self, where: str) -> None:
+        """vLLM 0.33's context-parallel rules (config/parallel.py, kv_cache_coordinator.py,
+        kv_cache_interface.py, config/model.py), and that every (unit, token) is held by some rank."""
+        tp, pcp, dcp, il = self.tp, self.pcp, self.dcp, self.cp_interleave
+        if pcp < 1 or dcp < 1 or il < 1:
+            raise ContextParallelError(f"{where}: prefill_context_parallel_size={pcp}, decode_context_parallel_size="
+                                       f"{dcp} and cp_kv_cache_interleave_size={il} must all be >= 1")
+        if dcp == 1 and il != 1:
+            object.__setattr__(self, "cp_interleave", 1)  # no token sharding: the interleave means nothing
+            il = 1
+        if pcp == 1 and tp % dcp:
+            raise ContextParallelError(
+                f"{where}: decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (without PCP "
+                f"vLLM carves DCP groups out of the TP ranks); use dcp in {[d for d in range(1, tp + 1) if tp % d == 0]}")
+        if pcp > 1 and dcp not in (1, pcp, tp * pcp):
+            raise ContextParallelError(
+                f"{where}: with prefill_context_parallel_size={pcp}, decode_context_parallel_size={dcp} must be "
+                f"1, pcp={pcp} or tp*pcp={tp * pcp} (vLLM: DCP disabled, spanning the PCP axis or TP x PCP)")
+        for g in self.model.groups:
+            if pcp > 1 and g.kind not in ("full_attention", "mla"):
+                raise ContextParallelError(
+                    f"{where}: group {g.name!r} is {g.kind}; vLLM's prefill_context_parallel_size={pcp} supports "
+                    f"only full attention and MLA groups; set pcp=1 for this model")
+            if dcp > 1 and g.kind == "sliding_window":
+                raise ContextParallelError(
+                    f"{where}: group {g.name!r} is sliding_window; vLLM does not shard sliding-window caches over "
+                    f"decode_context_parallel_size={dcp}; set dcp=1 for this model")
+            if dcp > 1 and g.per_token and self.block_size_of(g) % il:
+                raise ContextParallelError(
+                    f"{where}: group {g.name!r} has block_size {self.block_size_of(g)}, which "
+                    f"cp_kv_cache_interleave_size={il} does not divide; use an interleave that divides every "
+                    f"block size (vLLM's NIXL P/D uses the block size)")
+        if dcp > 1:
+            # every (unit, DCP rank) pair must be held by some rank, else those tokens are lost
+            for g in self.model.groups:
+                if not g.per_token:
+                    continue
+                for c in g.components:
+                    seen = {(u, self.dcp_rank(r)) for r in range(tp * pcp)
+                            for u in range(*c.unit_range(tp, r % tp))}
+                    if len(seen) != c.num_units * dcp:
+                        raise ContextParallelError(
+                            f"{where}: group {g.name!r} component {c.name!r}: with {c.num_units} KV heads on tp={tp}, "
+                            f"decode_context_parallel_size={dcp} leaves tokens of some head on no rank (vLLM: DCP for "
+                            f"GQA needs tp > KV heads and dcp <= tp // KV heads = {max(1, tp // c.num_units)})")
+
+    # ---- context parallelism ----------------------------------------------------------------------
+    @property
+    def ranks_per_stage(self) -> int:
+        """Ranks per PP stage: ``tp * pcp`` (rank index ``r = pcp_rank * tp + tp_rank``)."""
+        return self.tp * self.pcp
+
+    def tp_rank(self, r: int) -> int:
+        return r % self.tp
+
+    def pcp_rank(self, r: int) -> int:
+        return r // self.tp
+
+    def dcp_rank(self, r: int) -> int:
+        """The DCP rank of stage rank ``r`` (vLLM's DCP groups: TP ranks, the PCP axis, or TP x PCP)."""
+        if self.dcp == 1:
+            return 0
+        if self.pcp == 1:
+            return (r % self.tp) % self.dcp
+        if self.dcp == self.pcp:
+            return r // self.tp
+        return (r % self.tp) * self.pcp + r // self.tp
+
+    def token_sharded(self, group: "str | CacheGroup") -> bool:
+        g = self.model.group(group) if isinstance(group, str) else group
+        return self.dcp > 1 and g.per_token
+
+    def token_share(self, group: "str | CacheGroup", r: int) -> "CyclicShare | None":
+        """The tokens of ``group`` that stage rank ``r`` stores (None: all of them)."""
+        if not self.token_sharded(group):
+            return None
+        return CyclicShare(self.cp_interleave, self.dcp_rank(r), self.dcp)
+
+    def scheduler_block_size(self, group: "str | CacheGroup") -> int:
+        """Tokens per entry of a request's block list: ``block_size * dcp`` for token-sharded groups."""
+        return self.block_size_of(group) * (self.dcp if self.token_sharded(group) else 1)
+
+    def contiguous_tokens(self, group: "str | CacheGroup") -> int:
+        """Aligned runs of this many tokens are contiguous in one rank's memory: the interleave when
+        token-sharded, else the block size."""
+        return self.cp_interleave if self.token_sharded(group) else self.block_size_of(group)
 
     @property
     def num_ranks(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.pcp
 
     def ranks(self) -> list[tuple[int, int]]:
-        return [(p, t) for p in range(self.pp) for t in range(self.tp)]
+        return [(p, t) for p in range(self.pp) for t in range(self.tp * self.pcp)]
 
     def stage_of_layer(self, layer: int) -> int:
         for i, (s, e) in enumerate(self.pp_layers):  # type: ignore[union-attr]
@@ -369,7 +521,9 @@ class EngineLayout:
 
     def __str__(self) -> str:
         bs = str(self.block_size) + "".join(f",{n}:{b}" for n, b in self.group_block_sizes)
-        return f"{self.model.name}[tp={self.tp},pp={self.pp},bs={bs},{self.memory}]"
+        cp = (f",pcp={self.pcp}" if self.pcp > 1 else "") + (f",dcp={self.dcp}x{self.cp_interleave}"
+                                                               if self.dcp > 1 else "")
+        return f"{self.model.name}[tp={self.tp}{cp},pp={self.pp},bs={bs},{self.memory}]"
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -377,6 +531,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
+    "CyclicShare", "ContextParallelError", "shares_intersect",
     "Component", "MambaSpec", "CacheGroup", "ModelSpec", "MemoryLayout", "EngineLayout",
     "LAYOUT_PRESETS", "default_pp_layers", "dtype_size", "valid_tps", "ceil_div", "engine_to_dict", "engine_from_dict",
 ]
@@ -395,7 +550,8 @@ def engine_to_dict(e: EngineLayout) -> dict:
     return {"model": {"name": e.model.name, "num_layers": e.model.num_layers, "groups": [group(g) for g in e.model.groups]},
             "tp": e.tp, "pp": e.pp, "block_size": e.block_size, "memory": e.memory.order,
             "pp_layers": [list(x) for x in e.pp_layers], "mamba_blocks_per_request": e.mamba_blocks_per_request,
-            "num_blocks": e.num_blocks, "role": e.role, "group_block_sizes": [list(x) for x in e.group_block_sizes]}
+            "num_blocks": e.num_blocks, "role": e.role, "group_block_sizes": [list(x) for x in e.group_block_sizes],
+            "pcp": e.pcp, "dcp": e.dcp, "cp_interleave": e.cp_interleave}
 
 
 def engine_from_dict(d: dict) -> EngineLayout:
@@ -412,6 +568,8 @@ def engine_from_dict(d: dict) -> EngineLayout:
                             pp_layers=tuple(tuple(x) for x in d["pp_layers"]),
                             mamba_blocks_per_request=d["mamba_blocks_per_request"], num_blocks=d["num_blocks"],
                             role=d.get("role", "engine"),
-                            group_block_sizes=tuple((str(n), int(b)) for n, b in d.get("group_block_sizes", ())))
+                            group_block_sizes=tuple((str(n), int(b)) for n, b in d.get("group_block_sizes", ())),
+                            pcp=int(d.get("pcp", 1)), dcp=int(d.get("dcp", 1)),
+                            cp_interleave=int(d.get("cp_interleave", 1)))
     except (KeyError, TypeError) as e:
         raise LayoutError(f"malformed engine layout description: {e!r}") from e

@@ -10,6 +10,11 @@ different block sizes are handled by finer descriptors, never by a branch.
 Per request (:meth:`LoweredPlan.descriptors`) only integer array arithmetic runs: chunk positions
 from the block ids, broadcast against the templates, then adjacent descriptors (contiguous on both
 sides, e.g. consecutive blocks) are merged. No Python loop over blocks or layers.
+
+Context parallelism: on a token-sharded side an aligned run of ``interleave`` tokens is contiguous
+(one DCP rank, one block), so the chunk is ``gcd`` of each side's contiguous run (the interleave, or
+the block size); per request the chunk starts are masked by the read's token shares
+(:attr:`~kvbridge.plan.Read.tokens`) and located with vLLM's slot rule (:func:`locate`), all in numpy.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RequestError
-from .layout import EngineLayout, ceil_div
+from .layout import CyclicShare, EngineLayout, ceil_div
 from .memory import rank_memory
 from .plan import Rank, Read, TransferPlan
 
@@ -55,6 +60,34 @@ class GroupBlocks:
     def locate(self, tokens, block_size: int):
         """(block id, offset in the block) of token position(s) ``tokens`` (an int or an int64 array)."""
         return self.block_ids[tokens // block_size - self.first_block], tokens % block_size
+
+
+def locate(blocks: GroupBlocks, tokens, block_size: int, cp: tuple[int, int] | None = None):
+    """(block id, offset in the block) of token position(s) ``tokens`` on one rank. ``cp = (interleave,
+    dcp)`` for a token-sharded group: the block list has one entry per ``block_size * dcp`` tokens and
+    the rank stores its share at local offset ``(o // (dcp * interleave)) * interleave + o % interleave``
+    (vLLM's slot mapping); the caller passes only tokens of the rank's share."""
+    if cp is None:
+        return blocks.locate(tokens, block_size)
+    il, n = cp
+    vbs = block_size * n
+    vb = tokens // vbs
+    o = tokens - vb * vbs
+    return blocks.block_ids[vb - blocks.first_block], (o // (n * il)) * il + o % il
+
+
+def chunk_starts(low: "_ReadLowering", t0: int, t1: int):
+    """First tokens of the full chunks of ``[t0, t1)`` this read moves (int64 array), and the start of
+    the partial last chunk (None if there is none or the read does not move it)."""
+    g = low.chunk
+    n_full, tail = divmod(t1 - t0, g)
+    cs = t0 + np.arange(n_full, dtype=np.int64) * g
+    last = t0 + n_full * g if tail else None
+    for sh in low.shares:
+        cs = cs[sh.holds(cs)]
+        if last is not None and not sh.holds(last):
+            last = None
+    return cs, last
 
 
 class _Outer:
@@ -317,7 +350,7 @@ def build_template(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int)
     # chunks smaller than a block: consecutive chunks also cross block boundaries, with another step
     # than the sample's; let the per-request check (_merge_chunks, exact and O(chunks)) decide
     mergeable = (min(merged_run, merged_chunk) < 2 * src.size or ntok < pr.tokens_per_block
-                 or ntok < dr.tokens_per_block)
+                 or ntok < dr.tokens_per_block or bool(read.tokens))
     uniform = lens.size > 0 and bool(np.all(lens == lens[0]))
     return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk), uniform)
 
@@ -329,9 +362,17 @@ class _ReadLowering:
     per_token: bool
     layers: tuple[int, ...]
     templates: dict  # ntok -> ChunkTemplate
-    chunk: int = 1   # tokens per chunk: gcd of the group's block sizes on both sides (1 for a state slot)
-    bsp: int = 1     # the group's block size on the prefill side
+    chunk: int = 1   # tokens per chunk: gcd of the group's contiguous runs on both sides (1 for a state slot)
+    bsp: int = 1     # the group's block size on the prefill side (tokens per block on one rank)
     bsd: int = 1     # ... and on the decode side
+    p_cp: tuple[int, int] | None = None  # (interleave, dcp) where the prefill shards the group's tokens
+    d_cp: tuple[int, int] | None = None
+    shares: tuple[CyclicShare, ...] = ()  # the read's token shares (Read.tokens)
+
+    @property
+    def plain(self) -> bool:
+        """No context parallelism on either side: chunk i of a request is chunk i of its blocks."""
+        return self.p_cp is None and self.d_cp is None
 
 
 class LoweredPlan:
@@ -356,7 +397,7 @@ class LoweredPlan:
         self.decode_base = decode_base
         # tokens per chunk of each per-token group (groups may have their own block sizes, vLLM's hybrid
         # allocator); ``chunk_tokens`` is their gcd, the unit the cost model counts in
-        self.group_chunks = {g.name: math.gcd(self.prefill.block_size_of(g), self.decode.block_size_of(g))
+        self.group_chunks = {g.name: math.gcd(self.prefill.contiguous_tokens(g), self.decode.contiguous_tokens(g))
                              for g in self.prefill.model.groups if g.per_token}
         self.chunk_tokens = math.gcd(*self.group_chunks.values()) if self.group_chunks else 1
         groups = [g.name for g in self.prefill.model.groups]
@@ -365,14 +406,16 @@ class LoweredPlan:
             g = self.prefill.model.group(read.group)
             low = _ReadLowering(read, groups.index(read.group), g.per_token, plan.group_layers(read), {},
                                 self.group_chunks.get(g.name, 1), self.prefill.block_size_of(g),
-                                self.decode.block_size_of(g))
+                                self.decode.block_size_of(g), _cp(self.prefill, g), _cp(self.decode, g), read.tokens)
             self.template(low, low.chunk)
             self.by_prefill[read.prefill].append(low)
         read = {l.read.group for lows in self.by_prefill.values() for l in lows}
         # (group name, per-token, prefill and decode block size, sliding window) of every group this decode
         # rank reads, in model order: what :meth:`validate` needs per request, looked up once
-        self._read_groups = tuple((g.name, g.per_token, self.prefill.block_size_of(g), self.decode.block_size_of(g),
-                                   _window(g)) for g in self.prefill.model.groups if g.name in read)
+        # (block sizes here: tokens per entry of the request's block list, block_size * dcp when token-sharded)
+        self._read_groups = tuple((g.name, g.per_token, self.prefill.scheduler_block_size(g),
+                                   self.decode.scheduler_block_size(g), _window(g))
+                                  for g in self.prefill.model.groups if g.name in read)
 
     def template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
         """The chunk template of ``ntok`` tokens of one read (built and cached on first use)."""
@@ -393,7 +436,7 @@ class LoweredPlan:
     def token_range(self, group_index: int, num_tokens: int, prefill: GroupBlocks, decode: GroupBlocks):
         """Validated token range [t0, t1) the decode side needs for a per-token group."""
         gname = self.prefill.model.groups[group_index].name
-        bsp, bsd = self.prefill.block_size_of(gname), self.decode.block_size_of(gname)
+        bsp, bsd = self.prefill.scheduler_block_size(gname), self.decode.scheduler_block_size(gname)
         window = _window(self.prefill.model.groups[group_index])
         r = _token_range(num_tokens, bsp, bsd, prefill.first_block, prefill.block_ids.size, decode.first_block,
                          decode.block_ids.size, window)
@@ -498,16 +541,19 @@ class LoweredPlan:
         g, bsp, bsd = low.chunk, low.bsp, low.bsd
         pr = self.p_mem(low.read.prefill).region(low.read.group)
         dr = self.d_mem.region(low.read.group)
-        n_full = (t1 - t0) // g
-        tail = (t1 - t0) - n_full * g
+        if low.plain:
+            n_full, tail = divmod(t1 - t0, g)
+            full = t0 + np.arange(n_full, dtype=np.int64) * g
+            last = t0 + n_full * g if tail else None
+        else:
+            full, last = chunk_starts(low, t0, t1)
         parts = []
-        for start, count, ntok in ((t0, n_full, g), (t0 + n_full * g, 1 if tail else 0, tail)):
-            if not count:
+        for cs, ntok in ((full, g), (None if last is None else np.array([last], np.int64), t1 - (last or 0))):
+            if cs is None or not cs.size:
                 continue
             tpl = self.template(low, ntok)
-            cs = start + np.arange(count, dtype=np.int64) * g
-            pblk, poff = pb.locate(cs, bsp)
-            dblk, doff = db.locate(cs, bsd)
+            pblk, poff = locate(pb, cs, bsp, low.p_cp)
+            dblk, doff = locate(db, cs, bsd, low.d_cp)
             s_chunk = pblk * pr.block_stride + poff * pr.token_stride + base_s
             d_chunk = dblk * dr.block_stride + doff * dr.token_stride + base_d
             parts.append(_merge_chunks(_Outer(s_chunk, d_chunk, tpl), tpl.mergeable))
@@ -522,7 +568,9 @@ class LoweredPlan:
                 continue
             t0, t1 = ranges[g.name]
             layers = self.decode.stage_layers(g, self.decode_rank[0])
-            total += (t1 - t0) * len(layers) * g.bytes_per_rank(self.decode.tp)
+            share = self.decode.token_share(g, self.decode_rank[1])
+            n = share.count(t0, t1) if share is not None else t1 - t0
+            total += n * len(layers) * g.bytes_per_rank(self.decode.tp)
         return total
 
 
@@ -533,6 +581,11 @@ def ids_in_range(ids: np.ndarray, n: int) -> bool:
     if not ids.size:
         return True
     return ids.item(ids.argmax()) < n and ids.item(ids.argmin()) >= 0
+
+
+def _cp(engine: EngineLayout, g) -> tuple[int, int] | None:
+    """(interleave, dcp) if ``engine`` shards group ``g``'s tokens, else None."""
+    return (engine.cp_interleave, engine.dcp) if engine.token_sharded(g) else None
 
 
 def _window(g) -> int | None:

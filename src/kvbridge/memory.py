@@ -130,7 +130,10 @@ def _mamba_region(engine: EngineLayout, g: CacheGroup, layers: tuple[int, ...], 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Byte layout of rank ``(pp_rank, tp_rank)`` of ``engine``: one region per group with layers here."""
+    """Byte layout of rank ``(pp_rank, tp_rank)`` of ``engine``: one region per group with layers here.
+    ``tp_rank`` is the rank's index in its PP stage (``pcp_rank * tp + tp_rank`` with PCP); its heads are
+    those of TP rank ``tp_rank % tp``. Context parallelism does not change a rank's memory shape: a
+    token-sharded rank keeps ``block_size`` tokens of its share per block."""
 
     engine: EngineLayout
     pp_rank: int
@@ -144,7 +147,7 @@ class RankMemory:
             if not layers:
                 continue
             build = _per_token_region if g.per_token else _mamba_region
-            r = build(self.engine, g, layers, self.tp_rank, offset)
+            r = build(self.engine, g, layers, self.engine.tp_rank(self.tp_rank), offset)
             regions[g.name] = r
             offset += ceil_div(r.size, ALIGN) * ALIGN
         object.__setattr__(self, "regions", regions)

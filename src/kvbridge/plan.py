@@ -18,16 +18,32 @@ Decode rank 0 holds sliding heads [0, 8) and full heads [0, 2). Needed pieces as
 intervals: sliding [0,0],[1,1],[2,2],[3,3]; full [0,1] (head 0), [2,3] (head 1). Stabbing picks
 ranks 0, 1, 2, 3: four reads (0: sliding 0:2 + full 0:1, 1: sliding 2:4, 2: sliding 4:6 + full
 1:2, 3: sliding 6:8). Decode rank 1 reads ranks 4..7 the same way. No element is read twice.
+
+Context parallelism adds a token axis to the box (:class:`~kvbridge.layout.CyclicShare`). A prefill
+with ``dcp > 1`` splits each token-sharded group into *classes*, one per prefill DCP rank ``k`` (the
+tokens that DCP rank stores); the ranks of class ``k`` hold distinct TP ranks, so the holders of a unit
+piece are again an interval of them and the stabbing above runs per class (exact: classes have
+disjoint holders). A class whose tokens miss the decode rank's own share is skipped. PCP without DCP
+replicates the cache: the decode rank reads one PCP copy (its natural partner's), so decode ranks
+spread over the copies. A read carries the token shares it is restricted to (``Read.tokens``: the
+decode rank's and the prefill class's). Mamba state (never token-sharded) next to a DCP prefill: a
+class's stabbing prefers ranks that also hold pending state pieces, which then take them (a preference,
+not a proof of minimality; brute force finds it minimal on every small MLA + Mamba topology,
+``tests/test_cp.py``).
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import cache
 
-from .errors import IncompatibleLayoutsError
-from .layout import CacheGroup, EngineLayout
+import numpy as np
 
-Rank = tuple[int, int]  # (pp_rank, tp_rank)
+from .errors import IncompatibleLayoutsError, LayoutError
+from .layout import CacheGroup, CyclicShare, EngineLayout, shares_intersect
+
+Rank = tuple[int, int]  # (pp_rank, stage rank = pcp_rank * tp + tp_rank)
 Span = tuple[int, int]  # half-open [start, stop)
 
 
@@ -42,11 +58,26 @@ class Read:
     group: str
     layers: Span
     units: tuple[Span, ...]
+    tokens: tuple[CyclicShare, ...] = ()  # the read moves only tokens in every one of these (none: all)
 
     def __str__(self) -> str:
         u = ",".join(f"{a}:{b}" for a, b in self.units)
+        t = (" t[" + "&".join(str(s) for s in self.tokens) + "]") if self.tokens else ""
         return (f"D[pp{self.decode[0]},tp{self.decode[1]}] <- P[pp{self.prefill[0]},tp{self.prefill[1]}] "
-                f"{self.group} L{self.layers[0]}:{self.layers[1]} u[{u}]")
+                f"{self.group} L{self.layers[0]}:{self.layers[1]} u[{u}]{t}")
+
+
+def share_fraction(shares) -> float:
+    """Fraction of all tokens that lie in every share (1.0 for none)."""
+    shares = tuple(shares)
+    if not shares:
+        return 1.0
+    period = math.lcm(*(s.period for s in shares))
+    t = np.arange(period, dtype=np.int64)
+    m = np.ones(period, dtype=bool)
+    for s in shares:
+        m &= s.holds(t)
+    return float(m.sum()) / period
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +108,8 @@ class TransferPlan:
             return readers
         ppp, ptp = prefill_rank
         first_layer = self.prefill.pp_layers[ppp][0]  # type: ignore[index]
-        return ((self.decode.stage_of_layer(first_layer), ptp * self.decode.tp // self.prefill.tp),)
+        return ((self.decode.stage_of_layer(first_layer),
+                 ptp * self.decode.ranks_per_stage // self.prefill.ranks_per_stage),)
 
     def ranks_to_notify(self, decode_rank: Rank) -> tuple[Rank, ...]:
         """Prefill ranks ``decode_rank`` handshakes with and notifies: those it reads, plus unread ones
@@ -89,7 +121,7 @@ class TransferPlan:
         return tuple(l for l in g.layers if read.layers[0] <= l < read.layers[1])
 
     def read_bytes(self, read: Read) -> int:
-        """Bytes of ``read`` per token (per-token groups) or per request (Mamba)."""
+        """Bytes of ``read`` per token it moves (per-token groups; see ``read.tokens``) or per request (Mamba)."""
         g = self.prefill.model.group(read.group)
         per_layer = sum((b - a) * c.unit_bytes for (a, b), c in zip(read.units, g.components))
         return per_layer * len(self.group_layers(read))
@@ -117,11 +149,12 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
                 f"group {name!r} differs between prefill ({a!r}) and decode ({b!r}); serve the same model")
 
 
-def _stab(intervals: list[tuple[int, int]], natural: int, rot: int) -> list[int]:
+def _stab(intervals: list[tuple[int, int]], natural: int, rot: int, score=None) -> list[int]:
     """Minimum set of points hitting every closed interval ``[lo, hi]`` (greedy by right end).
 
     At each step any point in ``[L, e]`` hits the same intervals as ``e`` (L = largest left end of the
-    remaining intervals that start by e), so we pick ``natural`` if it is there, else rotate by ``rot``.
+    remaining intervals that start by e), so we pick ``natural`` if it is there, else rotate by ``rot``;
+    with ``score`` (point -> int, called once per pick), the highest-scoring point of ``[L, e]`` first.
     """
     remaining = sorted(set(intervals), key=lambda iv: (iv[1], iv[0]))
     points: list[int] = []
@@ -130,6 +163,8 @@ def _stab(intervals: list[tuple[int, int]], natural: int, rot: int) -> list[int]
         hit = [iv for iv in remaining if iv[0] <= e]
         lo = max(iv[0] for iv in hit)
         x = natural if lo <= natural <= e else lo + rot % (e - lo + 1)
+        if score is not None:
+            x = max(range(lo, e + 1), key=lambda p: (score(p), p == x))
         points.append(x)
         remaining = [iv for iv in remaining if not (iv[0] <= x <= iv[1])]
     return points
@@ -149,14 +184,28 @@ def _pieces(g: CacheGroup, prefill_tp: int, decode_tp: int, decode_tp_rank: int)
                 yield ci, (u, u + 1), (u * reps, u * reps + reps - 1)
 
 
+def _space(prefill: EngineLayout, k: int | None, natural: int) -> tuple[int, ...]:
+    """Stage ranks that may supply class ``k`` (a prefill DCP rank; None: a group stored whole), in TP
+    order, each TP rank at most once: for ``None`` the PCP copy of the natural partner."""
+    tp = prefill.tp
+    if k is None:
+        c = prefill.pcp_rank(natural)
+        return tuple(c * tp + t for t in range(tp))
+    ranks = sorted((r for r in range(prefill.ranks_per_stage) if prefill.dcp_rank(r) == k), key=prefill.tp_rank)
+    assert len({prefill.tp_rank(r) for r in ranks}) == len(ranks), "one TP rank per DCP class"
+    return tuple(ranks)
+
+
 @cache
 def plan_transfer(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
     """Compute the reads of every decode rank. Pure and cached on the (hashable) layouts."""
     check_compatible(prefill, decode)
     reads: list[Read] = []
     load: dict[Rank, int] = {}
-    for dpp, dtp in decode.ranks():
+    for dpp, dr in decode.ranks():
+        dtp = decode.tp_rank(dr)
         ds, de = decode.pp_layers[dpp]  # type: ignore[index]
+        natural = dr * prefill.ranks_per_stage // decode.ranks_per_stage
         for ppp, (ps, pe) in enumerate(prefill.pp_layers):  # type: ignore[arg-type]
             lo_l, hi_l = max(ds, ps), min(de, pe)
             if lo_l >= hi_l:
@@ -164,24 +213,64 @@ def plan_transfer(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
             groups = [g for g in prefill.model.groups if any(lo_l <= l < hi_l for l in g.layers)]
             if not groups:
                 continue
-            pieces = [(g, ci, span, iv) for g in groups for ci, span, iv in _pieces(g, prefill.tp, decode.tp, dtp)]
-            natural = dtp * prefill.tp // decode.tp
-            points = _stab([iv for *_, iv in pieces], natural, dtp + ppp)
-            chosen: dict[tuple[int, str], list[Span]] = {}
-            picked: dict[tuple[str, int, int], int] = {}
-            for g, ci, span, (lo, hi) in pieces:
+            # pieces per class: (group, component, unit span, class, token shares, [lo, hi] in the class's space)
+            spaces: dict = {}
+            pieces = []
+            for g in groups:
+                d_share = decode.token_share(g, dr)
+                classes = ([(k, CyclicShare(prefill.cp_interleave, k, prefill.dcp)) for k in range(prefill.dcp)]
+                           if prefill.token_sharded(g) else [(None, None)])
+                for k, p_share in classes:
+                    shares = tuple(sorted({s for s in (d_share, p_share) if s is not None}))
+                    if not shares_intersect(shares):
+                        continue
+                    space = spaces.setdefault(k, _space(prefill, k, natural))
+                    ts = [prefill.tp_rank(r) for r in space]
+                    for ci, span, (lo, hi) in _pieces(g, prefill.tp, decode.tp, dtp):
+                        a, b = bisect_left(ts, lo), bisect_right(ts, hi) - 1
+                        if a > b:  # excluded by EngineLayout's coverage check
+                            raise LayoutError(f"{prefill}: no rank of DCP class {k} holds units {span} of group "
+                                              f"{g.name!r}")
+                        pieces.append((g, ci, span, k, shares, (a, b)))
+            chosen_ranks: list[int] = []
+            points: dict = {}
+            nat_t = prefill.tp_rank(natural)
+            # state pieces next to token classes (Mamba in a DCP prefill): the holders (stage ranks) of each;
+            # a class's stabbing prefers ranks that also hold pending state pieces, which then take them
+            pending = ([{spaces[None][i] for i in range(a, b + 1)} for *_, kk, _s, (a, b) in pieces if kk is None]
+                       if None in spaces and len(spaces) > 1 else [])
+            for k in sorted(spaces, key=lambda k: (k is None, k if k is not None else 0)):
+                space = spaces[k]
+                ivs = [iv for *_, kk, _s, iv in pieces if kk == k]
+                have = [i for i, r in enumerate(space) if r in chosen_ranks]
+                todo = [iv for iv in ivs if not any(lo <= i <= hi for i in have for lo, hi in [iv])]
+                nat = min(bisect_left([prefill.tp_rank(r) for r in space], nat_t), len(space) - 1)
+
+                def score(i, space=space):
+                    return sum(space[i] in h for h in pending)
+                new_pts = _stab(todo, nat, dr + ppp, score if pending and k is not None else None) if todo else []
+                pts = have + [p for p in new_pts if p not in have]
+                points[k] = pts
+                chosen_ranks += [space[i] for i in pts if space[i] not in chosen_ranks]
+                pending = [h for h in pending if not h.intersection(chosen_ranks)]
+            chosen: dict[tuple[int, str], list] = {}
+            picked: dict[tuple, int] = {}
+            for g, ci, span, k, shares, (lo, hi) in pieces:
                 # several chosen ranks may hold a replicated piece: give it to the least loaded one,
                 # the same one for every component of the group (K next to V)
-                x = picked.get((g.name, lo, hi))
+                space = spaces[k]
+                x = picked.get((g.name, k, lo, hi))
                 if x is None:
-                    holders = [x for x in points if lo <= x <= hi]
-                    x = picked[(g.name, lo, hi)] = min(holders, key=lambda t: (load.get((ppp, t), 0), t))
+                    holders = [space[i] for i in points[k] if lo <= i <= hi]
+                    x = picked[(g.name, k, lo, hi)] = min(holders, key=lambda t: (load.get((ppp, t), 0), t))
                 load[(ppp, x)] = load.get((ppp, x), 0) + (span[1] - span[0]) * g.components[ci].unit_bytes
-                units = chosen.setdefault((x, g.name), [(0, 0)] * len(g.components))
-                assert units[ci] == (0, 0), "a prefill rank holds one piece per component"
-                units[ci] = span
-            for (x, gname), units in sorted(chosen.items(), key=lambda kv: (kv[0][0], [g.name for g in groups].index(kv[0][1]))):
-                reads.append(Read((dpp, dtp), (ppp, x), gname, (lo_l, hi_l), tuple(units)))
+                entry = chosen.setdefault((x, g.name), [[(0, 0)] * len(g.components), shares])
+                assert entry[1] == shares, "a prefill rank is in one DCP class"
+                assert entry[0][ci] == (0, 0), "a prefill rank holds one piece per component"
+                entry[0][ci] = span
+            order = [g.name for g in groups]
+            for (x, gname), (units, shares) in sorted(chosen.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+                reads.append(Read((dpp, dr), (ppp, x), gname, (lo_l, hi_l), tuple(units), shares))
     return TransferPlan(prefill, decode, tuple(reads))
 
 
@@ -192,10 +281,11 @@ def plan_to_json(plan: TransferPlan) -> dict:
         "model": model.name,
         "groups": [{"name": g.name, "kind": g.kind, "layers": list(g.layers),
                     "num_heads": g.num_heads} for g in model.groups],
-        "prefill": {"tp": plan.prefill.tp, "pp": plan.prefill.pp, "pp_layers": [list(x) for x in plan.prefill.pp_layers]},
-        "decode": {"tp": plan.decode.tp, "pp": plan.decode.pp, "pp_layers": [list(x) for x in plan.decode.pp_layers]},
+        "prefill": _engine_json(plan.prefill),
+        "decode": _engine_json(plan.decode),
         "reads": [],
     }
+    cp = any(e.pcp > 1 or e.dcp > 1 for e in (plan.prefill, plan.decode))
     for r in plan.reads:
         g = model.group(r.group)
         hc = g.head_component
@@ -211,4 +301,20 @@ def plan_to_json(plan: TransferPlan) -> dict:
             "bytes_per_token": b if g.per_token else None,
             "bytes_per_request": None if g.per_token else b,
         })
+        if cp:  # context parallelism on either side: the token share each read moves
+            out["reads"][-1] |= {"tokens": [{"interleave": t.interleave, "rank": t.rank, "size": t.size}
+                                            for t in r.tokens],
+                                 "token_fraction": share_fraction(r.tokens)}
     return out
+
+
+def _engine_json(e: EngineLayout) -> dict:
+    """One engine in the plan's JSON: TP/PP, and with context parallelism each rank's token share."""
+    d = {"tp": e.tp, "pp": e.pp, "pp_layers": [list(x) for x in e.pp_layers]}
+    if e.pcp > 1 or e.dcp > 1:
+        d |= {"pcp": e.pcp, "dcp": e.dcp, "cp_interleave": e.cp_interleave,
+              "ranks": [{"pp": p, "rank": r, "tp_rank": e.tp_rank(r), "pcp_rank": e.pcp_rank(r),
+                         "dcp_rank": e.dcp_rank(r),
+                         "tokens": None if e.dcp == 1 else {"interleave": e.cp_interleave, "rank": e.dcp_rank(r),
+                                                            "size": e.dcp}} for p, r in e.ranks()]}
+    return d

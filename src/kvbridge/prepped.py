@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .lower import LoweredPlan
+from .lower import LoweredPlan, chunk_starts, locate
 
 INT32_MAX = (1 << 31) - 1
 # chunk sizes up to this many tokens get every partial-chunk template built at handshake (g - 1 of them)
@@ -361,7 +361,10 @@ class PreparedGeometry:
                           (pre.d_off + np.arange(pre.runs, dtype=np.int64) * (pre.d_k * pre.d_nb)).astype(dt))
                          for _, pre, _ in self.reads]
         # reads_any: the token-range groups of this rank's reads; a state read always moves its slot
-        self._token_groups = tuple(dict.fromkeys(low.read.group for low, pre, _ in self.reads if pre.per_token))
+        self._token_groups = tuple(dict.fromkeys(low.read.group for low, pre, _ in self.reads
+                                                 if pre.per_token and low.plain))
+        # context parallelism: a read restricted to token shares may miss a short range entirely
+        self._cp_reads = tuple(low for low, pre, _ in self.reads if pre.per_token and not low.plain)
         self._has_state = any(not pre.per_token for _, pre, _ in self.reads)
 
     # ---- per request -------------------------------------------------------------------------
@@ -377,6 +380,12 @@ class PreparedGeometry:
             t0, t1 = ranges[g]
             if t1 > t0:
                 return True
+        for low in self._cp_reads:
+            t0, t1 = ranges[low.read.group]
+            if t1 > t0:
+                full, last = chunk_starts(low, t0, t1)
+                if full.size or last is not None:
+                    return True
         return False
 
     def size(self, ranges) -> tuple[int, int]:
@@ -389,7 +398,11 @@ class PreparedGeometry:
                 count += pre.runs
                 nbytes += pre.run_bytes
                 continue
-            n_full, tail = divmod(max(0, t1 - t0), g)
+            if low.plain:
+                n_full, tail = divmod(max(0, t1 - t0), g)
+            else:  # context parallelism: only the chunks in the read's token shares
+                full, last = chunk_starts(low, t0, t1) if t1 > t0 else (np.empty(0, np.int64), None)
+                n_full, tail = full.size, (0 if last is None else t1 - last)
             count += n_full * pre.runs
             nbytes += n_full * pre.run_bytes
             if tail:
@@ -416,16 +429,21 @@ class PreparedGeometry:
             t0, t1 = ranges[gname]
             if t1 <= t0:
                 continue
-            n_full, tail = divmod(t1 - t0, g)
+            if low.plain:
+                n_full, tail = divmod(t1 - t0, g)
+                full, last = None, (t0 + n_full * g if tail else None)
+            else:  # context parallelism: only the chunks in the read's token shares
+                full, last = chunk_starts(low, t0, t1)
+                n_full, tail = full.size, (0 if last is None else t1 - last)
             if n_full:
-                if g == bsp == bsd and t0 % g == 0:  # a chunk is a whole block on both sides: a slice
+                if full is None and g == bsp == bsd and t0 % g == 0:  # a chunk is a whole block on both sides
                     i0 = t0 // g
                     pos_r = pb.block_ids[i0 - pb.first_block:i0 - pb.first_block + n_full]
                     pos_l = db.block_ids[i0 - db.first_block:i0 - db.first_block + n_full]
                 else:
-                    cs = t0 + np.arange(n_full, dtype=np.int64) * g
-                    pblk, poff = pb.locate(cs, bsp)
-                    dblk, doff = db.locate(cs, bsd)
+                    cs = t0 + np.arange(n_full, dtype=np.int64) * g if full is None else full
+                    pblk, poff = locate(pb, cs, bsp, low.p_cp)
+                    dblk, doff = locate(db, cs, bsd, low.d_cp)
                     pos_r = (poff // g) * pre.p_nb + pblk
                     pos_l = (doff // g) * pre.d_nb + dblk
                 pieces = None
@@ -454,8 +472,8 @@ class PreparedGeometry:
                 t = lo.template(low, tail)
                 pr = lo.p_mem(low.read.prefill).region(gname)
                 dr = lo.d_mem.region(gname)
-                c = t0 + n_full * g
-                (pblk, poff), (dblk, doff) = pb.locate(c, bsp), db.locate(c, bsd)
+                c = last
+                (pblk, poff), (dblk, doff) = locate(pb, c, bsp, low.p_cp), locate(db, c, bsd, low.d_cp)
                 s = int(pblk) * pr.block_stride + poff * pr.token_stride
                 d = int(dblk) * dr.block_stride + doff * dr.token_stride
                 tails.append((t.src_rel + (s + base_s), t.dst_rel + (d + base_d), t.nbytes))

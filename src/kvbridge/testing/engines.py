@@ -21,6 +21,7 @@ import numpy as np
 
 from ..describe import LayerKV, LayerState
 from ..layout import CacheGroup, EngineLayout
+from ..lower import GroupBlocks
 
 FORMS = ("vllm-LBNHC", "vllm-LBHNC", "vllm-BLNHC", "flash_attn", "flashinfer", "split", "hnd", "padded",
          "scattered", "separate")
@@ -209,15 +210,18 @@ def write_request(cache: RankCache, eng: EngineLayout, rank, req: int, num_token
                 v = cache.logical[(layer, ci)]
                 u = _UINT[c.itemsize]
                 if g.per_token:
+                    # context parallelism through the oracle's own map (vLLM's DCP groups and slot kernel)
+                    from .oracle import vllm_dcp_rank, vllm_slots
                     bs = eng.block_size_of(g)
-                    t0 = fb * bs
-                    t1 = min((fb + ids.size) * bs, num_tokens)
+                    t0 = fb * bs * eng.dcp
+                    t1 = min((fb + ids.size) * bs * eng.dcp, num_tokens)
                     if t1 <= t0:
                         continue
                     tok = np.arange(t0, t1)
-                    b = ids[tok // bs - fb]
-                    off = tok % bs
-                    units = _global_units(c, eng.tp, rank[1], v.shape[2])
+                    local, b, off = vllm_slots(tok, GroupBlocks(ids, fb), bs, eng.dcp,
+                                               vllm_dcp_rank(eng.tp, eng.pcp, eng.dcp, rank[1]), eng.cp_interleave)
+                    tok, b, off = tok[local], b[local], off[local]
+                    units = _global_units(c, eng.tp, rank[1] % eng.tp, v.shape[2])
                     want = value(req, layer, ci, tok[:, None, None], units[None, :, None],
                                  np.arange(v.shape[3])[None, None, :], c.itemsize)
                     view = v.view(u)
@@ -226,7 +230,7 @@ def write_request(cache: RankCache, eng: EngineLayout, rank, req: int, num_token
                     else:
                         view[b, off] = want
                 else:
-                    units = _global_units(c, eng.tp, rank[1], v.shape[1])
+                    units = _global_units(c, eng.tp, rank[1] % eng.tp, v.shape[1])
                     want = value(req, layer, ci, 0, units[:, None], np.arange(v.shape[2])[None, :], c.itemsize)
                     view = v.view(u) if v.dtype.itemsize == c.itemsize else v
                     if check:

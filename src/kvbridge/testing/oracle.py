@@ -4,6 +4,10 @@ The value of an element is a hash of its global coordinates (request, group, glo
 component, global unit, element), truncated to the element size. :func:`expected_decode` builds the
 exact buffer a decode rank must hold after a request: untouched sentinel bytes everywhere except the
 request's transferred cells, so both missing and stray writes show up as mismatched bytes.
+
+Context parallelism is mapped here on its own, not through :mod:`kvbridge.layout` or the planner:
+:func:`vllm_dcp_rank` rebuilds vLLM's DCP groups the way ``initialize_model_parallel`` does and
+:func:`vllm_slots` is vLLM's slot-mapping kernel (``block_table.py``) line by line, in numpy.
 """
 from __future__ import annotations
 
@@ -31,6 +35,27 @@ def element_values(req: int, group_idx: int, layers, tokens, comp: int, units, e
     return x.astype(np.dtype(f"u{itemsize}"))
 
 
+def vllm_dcp_rank(tp: int, pcp: int, dcp: int, stage_rank: int) -> int:
+    """DCP rank of the worker at ``stage_rank`` (= pcp_rank * tp + tp_rank) of one PP stage, as vLLM 0.33
+    builds the groups: ranks laid out ``[pcp, tp]``, ``transpose(-1, -2).reshape(-1, dcp)``."""
+    if dcp == 1:
+        return 0
+    groups = np.arange(pcp * tp).reshape(pcp, tp).T.reshape(-1, dcp)
+    return int(np.argwhere(groups == stage_rank)[0][1])
+
+
+def vllm_slots(positions: np.ndarray, block_table: GroupBlocks, block_size: int, dcp: int, dcp_rank: int,
+               interleave: int):
+    """vLLM's ``ComputeSlotMappingKernel`` for one request: (is_local, block number, offset in block)."""
+    virtual_block_size = block_size * dcp
+    virtual_block_indices = positions // virtual_block_size
+    virtual_block_offsets = positions - virtual_block_indices * virtual_block_size
+    is_local = (virtual_block_offsets // interleave) % dcp == dcp_rank
+    local_block_offsets = (virtual_block_offsets // (dcp * interleave)) * interleave + (virtual_block_offsets % interleave)
+    block_numbers = block_table.block_ids[virtual_block_indices - block_table.first_block]
+    return is_local, block_numbers, local_block_offsets
+
+
 def _cells(mem: RankMemory, group: str, comp: int, req: int, blocks: GroupBlocks, t0: int, t1: int):
     """(view, index tuple, values) for the cells of tokens [t0, t1) of one component (Mamba: t0=t1-1=0)."""
     engine = mem.engine
@@ -44,8 +69,11 @@ def _cells(mem: RankMemory, group: str, comp: int, req: int, blocks: GroupBlocks
     if g.per_token:
         tok = np.arange(t0, t1)
         bs = engine.block_size_of(group)
-        blk = blocks.block_ids[tok // bs - blocks.first_block]
-        idx = (slice(None), blk, tok % bs)
+        dcp = engine.dcp  # vLLM shards every attention group over DCP (Mamba state is replicated)
+        local, blk, off = vllm_slots(tok, blocks, bs, dcp, vllm_dcp_rank(engine.tp, engine.pcp, dcp, mem.tp_rank),
+                                     engine.cp_interleave)
+        tok, blk, off = tok[local], blk[local], off[local]
+        idx = (slice(None), blk, off)
         values = element_values(req, gi, layers, tok[None, :, None, None], comp, units, elems, v.itemsize)
     else:
         idx = (slice(None), int(blocks.block_ids[0]), 0)
@@ -57,7 +85,7 @@ def fill_prefill(buf: np.ndarray, mem: RankMemory, req: int, num_tokens: int, bl
     """Write the global-coordinate values of request ``req`` into a prefill rank's buffer."""
     for gname, r in mem.regions.items():
         b = blocks[gname]
-        bs = mem.engine.block_size_of(gname)
+        bs = mem.engine.block_size_of(gname) * (mem.engine.dcp if r.group.per_token else 1)
         t0 = b.first_block * bs
         t1 = min((b.first_block + b.block_ids.size) * bs, num_tokens)
         for ci in range(len(r.components)):
@@ -97,4 +125,5 @@ def copy_runs_reference(dst_buf: np.ndarray, dst, src_buf: np.ndarray, src, nbyt
         d[a:a + n] = s[b:b + n]
 
 
-__all__ = ["fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values", "copy_runs_reference"]
+__all__ = ["vllm_dcp_rank", "vllm_slots",
+           "fill_prefill", "write_expected", "new_buffer", "count_mismatches", "element_values", "copy_runs_reference"]

@@ -11,6 +11,11 @@ mode (the default, used by the tests and ``kvbridge verify --sweep``) has 8 TP p
 one PP pair; the full mode takes every TP pair of ``{1,2,4,8}^2`` with every PP pair. Memory layouts
 and block sizes are cycled so that every ordered pair of distinct layout presets occurs.
 
+:func:`cp_sweep_cases` adds context parallelism (issue 21): every preset over a grid of prefill
+TP x PCP x DCP -> decode TP x PCP x DCP pairs (:data:`CP_TOPOLOGIES`), cycling block sizes,
+interleaves and layouts; settings vLLM refuses for a model (SWA or Mamba with CP, GQA with too few TP
+ranks per head) are skipped. ``kvbridge verify --sweep`` runs both.
+
 Measured on the 2-core development machine: quick mode (104 cases) runs through
 ``verify(..., num_requests=3)`` in about 8 s; full mode (832 cases) in about 52 s.
 """
@@ -96,4 +101,43 @@ def sweep_cases(quick: bool = True) -> list[tuple[EngineLayout, EngineLayout]]:
     return cases
 
 
-__all__ = ["shrink", "sweep_cases", "pad_mamba", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]
+# ((tp, pcp, dcp), (tp, pcp, dcp)) prefill -> decode; block sizes and interleaves cycle below
+CP_TOPOLOGIES: tuple = (
+    ((4, 1, 1), (4, 1, 4)),   # MLA TP4 -> TP4 x DCP4 (vLLM NIXL's DCP = transfer TP)
+    ((1, 2, 1), (2, 1, 2)),   # PCP2 (replicated) -> DCP2
+    ((2, 1, 2), (3, 1, 3)),   # DCP sizes that do not divide each other
+    ((1, 2, 2), (2, 1, 1)),   # PCP x DCP (TP1) -> plain TP2
+    ((2, 2, 4), (4, 1, 2)),   # DCP over TP x PCP -> DCP2
+    ((8, 1, 1), (8, 1, 8)),   # GQA with heads replicated 8/heads times -> DCP8 where it fits
+    ((8, 1, 4), (2, 2, 2)),   # DCP4 -> PCP x DCP
+    ((2, 1, 1), (8, 1, 2)),
+    ((16, 1, 2), (4, 1, 1)),  # GQA models with 8 KV heads: DCP needs TP > heads
+    ((4, 1, 1), (16, 1, 2)),
+)
+CP_BLOCKS: tuple = ((16, 16, 16, 16), (16, 4, 8, 8), (8, 2, 32, 1), (4, 4, 12, 3), (32, 8, 16, 2))  # bs_p, il_p, bs_d, il_d
+
+
+def cp_sweep_cases() -> list[tuple[EngineLayout, EngineLayout]]:
+    """``(prefill, decode)`` pairs with context parallelism on either side or both, over every preset
+    (shrunk); pairs a side refuses (vLLM's CP rules, TP sharding) are skipped."""
+    cases: list[tuple[EngineLayout, EngineLayout]] = []
+    i = 0
+    for name in PRESETS:
+        model = shrink(preset(name))
+        for (tp_p, pcp_p, dcp_p), (tp_d, pcp_d, dcp_d) in CP_TOPOLOGIES:
+            bs_p, il_p, bs_d, il_d = CP_BLOCKS[i % len(CP_BLOCKS)]
+            lay_p, lay_d = LAYOUTS[i % len(LAYOUTS)], LAYOUTS[(i * 5 + 3) % len(LAYOUTS)]
+            i += 1
+            try:
+                prefill = EngineLayout(model, tp=tp_p, pcp=pcp_p, dcp=dcp_p, cp_interleave=il_p, block_size=bs_p,
+                                       memory=MemoryLayout.parse(lay_p), num_blocks=NUM_BLOCKS, role="prefill")
+                decode = EngineLayout(model, tp=tp_d, pcp=pcp_d, dcp=dcp_d, cp_interleave=il_d, block_size=bs_d,
+                                      memory=MemoryLayout.parse(lay_d), num_blocks=NUM_BLOCKS, role="decode")
+            except LayoutError:
+                continue
+            cases.append((prefill, decode))
+    return cases
+
+
+__all__ = ["shrink", "sweep_cases", "cp_sweep_cases", "CP_TOPOLOGIES",
+           "pad_mamba", "QUICK_TP_PAIRS", "PP_PAIRS", "BLOCK_SIZES", "LAYOUTS", "NUM_BLOCKS"]

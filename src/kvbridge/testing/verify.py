@@ -50,7 +50,8 @@ def make_request(req_id: int, num_tokens: int, prefill: EngineLayout, decode: En
     """
     pb, db = {}, {}
     for g in prefill.model.groups:
-        bsp, bsd = prefill.block_size_of(g), decode.block_size_of(g)
+        # entries of the block list hold block_size * dcp tokens where the engine shards tokens (vLLM)
+        bsp, bsd = prefill.scheduler_block_size(g), decode.scheduler_block_size(g)
         if not g.per_token:
             pb[g.name] = GroupBlocks(p_pool.take(g.name, 1))
             db[g.name] = GroupBlocks(d_pool.take(g.name, 1))
@@ -105,7 +106,8 @@ def verify(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 4, s
     p_pool, d_pool = BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled)
     # every request must fit in whole blocks on both sides (n tokens take ceil(n / block_size) blocks)
     per_req = max(1, num_requests)
-    cap_tokens = min((prefill.num_blocks // per_req) * prefill.block_size, (decode.num_blocks // per_req) * decode.block_size)
+    cap_tokens = min((prefill.num_blocks // per_req) * min(prefill.scheduler_block_size(g) for g in prefill.model.groups),
+                     (decode.num_blocks // per_req) * min(decode.scheduler_block_size(g) for g in decode.model.groups))
     max_tokens = max(1, min(max_tokens or cap_tokens, cap_tokens))
     for i in range(num_requests):
         n = int(rng.integers(1, max_tokens + 1))
