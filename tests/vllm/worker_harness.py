@@ -233,16 +233,30 @@ def plan_and_allocate(cfg, model: Model, side: Side, rank: tuple[int, int]):
     return kvc, allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
 
 
+def as_dp_rank(cfg, dp: tuple[int, int] | None) -> None:
+    """What vLLM's engine core does to the config of data-parallel rank ``dp = (size, index)`` before it
+    builds the connector (vllm/v1/engine/core.py): ``engine_id`` + ``_dp{index}``, ``data_parallel_index``."""
+    if dp is None:
+        return
+    size, index = dp
+    pc = cfg.parallel_config
+    pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_index = size, index, index
+    if size > 1:
+        cfg.kv_transfer_config.engine_id = f"{cfg.kv_transfer_config.engine_id}_dp{index}"
+
+
 def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, engine_id: str, port: int, tmp: str,
-                 extra: dict | None = None):
-    """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them."""
-    cfg = make_vllm_config(os.path.join(tmp, engine_id), model.hf, block_size=side.block_size,
+                 extra: dict | None = None, dp: tuple[int, int] | None = None):
+    """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them (for
+    data-parallel rank ``dp = (size, index)`` when given)."""
+    cfg = make_vllm_config(os.path.join(tmp, f"{engine_id}-{dp}"), model.hf, block_size=side.block_size,
                            kv_cache_layout=side.layout, max_model_len=512, kv_transfer_config=dict(
                                kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
                                kv_role=role, engine_id=engine_id,
                                kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port,
                                                           "staging_bytes": 4 << 20, "lease_s": 20.0,
                                                           "kv_content": side.content, **(extra or {})}))
+    as_dp_rank(cfg, dp)
     kvc, kv = plan_and_allocate(cfg, model, side, rank)
     conn = KVBridgeConnector(cfg, KVConnectorRole.WORKER, kvc)
     conn.register_kv_caches(kv)
@@ -343,9 +357,9 @@ def _group_of(kvc, layer: int) -> int:
     return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(int(n.split(".")[2]) == layer for n in g.layer_names))
 
 
-def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp, dp=dp)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
         for rid, (no, n, ids, _) in reqs.items():
@@ -382,9 +396,9 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
         conn_pipe.send(("error", traceback.format_exc()))
 
 
-def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp, dp=dp)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reads = conn_pipe.recv()  # {rid: (req no, RecvReq)}
         conn.bind_connector_metadata(KVBridgeConnectorMetadata(recv={r: x[1] for r, x in reads.items()}))
@@ -576,3 +590,119 @@ def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
     return [(model.layers[int(g.layer_names[0].split(".")[2])][0], g.kv_cache_spec.block_size)
             for g in kvc.kv_cache_groups]
+
+
+# ---------------------------------------------------------------------- data-parallel engines
+def prefill_params(model: Model, side: Side, dp: tuple[int, int], engine_id: str, port: int, rid: str,
+                   num_tokens: int, block_ids: list[list[int]], tmp: str) -> dict:
+    """The kv_transfer_params the scheduler side of prefill DP rank ``dp`` returns for a finished request
+    (``KVBridgeConnector.request_finished_all_groups`` of a connector built in the scheduler role, on the
+    config vLLM's engine core gives that DP rank)."""
+    from vllm.v1.request import RequestStatus
+
+    cfg = make_vllm_config(os.path.join(tmp, f"{engine_id}-sched-{dp}"), model.hf, block_size=side.block_size,
+                           kv_cache_layout=side.layout, max_model_len=512, kv_transfer_config=dict(
+                               kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
+                               kv_role="kv_producer", engine_id=engine_id,
+                               kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port}))
+    as_dp_rank(cfg, dp)
+    kvc, _ = plan_and_allocate(cfg, model, side, (0, 0))
+    conn = KVBridgeConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+    class _Req:
+        request_id = rid
+        status = RequestStatus.FINISHED_LENGTH_CAPPED
+        num_computed_tokens = num_tokens
+        kv_transfer_params = {"do_remote_decode": True}
+
+    delay, params = conn.request_finished_all_groups(_Req(), tuple(block_ids))
+    assert delay is True
+    return params
+
+
+@dataclass
+class DPResult:
+    done: dict       # decode DP rank -> request ids every one of its ranks read
+    failed: list
+    sent: dict       # prefill DP rank -> request ids it freed (every reader's Done)
+    bad: int
+    checked: int
+    untouched_bad: int
+    params: dict     # request id -> the kv_transfer_params its prefill DP rank produced
+
+
+def run_dp(model: Model, P: Side, D: Side, p_dp: int, d_dp: int, requests: list[tuple[int, int, int]],
+           seed: int = 0) -> DPResult:
+    """A prefill engine with ``p_dp`` data-parallel ranks and a decode engine with ``d_dp`` on this host,
+    one process per (DP rank, pp, tp): every prefill DP rank uses the same extra config (one
+    ``side_channel_port``), as one ``vllm serve --data-parallel-size`` does. ``requests``: (tokens, prefill
+    DP rank, decode DP rank) each. The kv_transfer_params come from each prefill DP rank's scheduler side;
+    the decode ranks find the prefill's endpoints from them alone."""
+    import random
+
+    ctx = mp.get_context("fork")
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="kvb-dp-")
+    base = free_port_base(p_dp * P.tp * P.pp)
+    procs, pipes_p, pipes_d = [], {}, {}
+    try:
+        for dp in range(p_dp):
+            for pp in range(P.pp):
+                for tp in range(P.tp):
+                    a, b = ctx.Pipe()
+                    pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp,
+                                                                (p_dp, dp)), daemon=True)
+                    pr.start()
+                    procs.append(pr)
+                    pipes_p[(dp, pp, tp)] = a
+        for dp in range(d_dp):
+            for pp in range(D.pp):
+                for tp in range(D.tp):
+                    a, b = ctx.Pipe()
+                    pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp,
+                                                               (d_dp, dp)), daemon=True)
+                    pr.start()
+                    procs.append(pr)
+                    pipes_d[(dp, pp, tp)] = a
+        ready_p = {r: _recv(p, "ready") for r, p in pipes_p.items()}
+        ready_d = {r: _recv(p, "ready") for r, p in pipes_d.items()}
+        nb_p = next(iter(ready_p.values()))[1]
+        nb_d = next(iter(ready_d.values()))[1]
+        (kind, bp), = _group_block_sizes(model, P)
+        (_, bd), = _group_block_sizes(model, D)
+        assert kind == "full", "run_dp moves single-group attention models"
+        free_p = {dp: rng.sample(range(1, nb_p), nb_p - 1) for dp in range(p_dp)}
+        free_d = {dp: rng.sample(range(1, nb_d), nb_d - 1) for dp in range(d_dp)}
+        send = {dp: {} for dp in range(p_dp)}
+        recv = {dp: {} for dp in range(d_dp)}
+        params_of = {}
+        for no, (n, pdp, ddp) in enumerate(requests, start=1):
+            rid = f"req-{no}"
+            p_ids = [[free_p[pdp].pop() for _ in range(-(-n // bp))]]
+            d_ids = [[free_d[ddp].pop() for _ in range(-(-n // bd))]]
+            params = prefill_params(model, P, (p_dp, pdp), "prefill-e", base, rid, n, p_ids, tmp)
+            params_of[rid] = params
+            send[pdp][rid] = (no, n, p_ids, params["remote_attempt"])
+            recv[ddp][f"dec-{rid}"] = (no, RecvReq(f"dec-{rid}", d_ids, [0], dict(params, _remote_block_sizes=[bp])))
+        for (dp, _, _), p in pipes_p.items():
+            p.send(("send", send[dp]))
+        for p in pipes_p.values():
+            _recv(p, "loaded")
+        for (dp, _, _), p in pipes_d.items():
+            p.send(("recv", recv[dp]))
+        res_d = {r: _recv(p, "checked", 180) for r, p in pipes_d.items()}
+        res_p = {r: _recv(p, "sent", 180) for r, p in pipes_p.items()}
+        for p in list(pipes_p.values()) + list(pipes_d.values()):
+            p.send(("exit",))
+        done = {dp: sorted(set.intersection(*(set(v[1]) for r, v in res_d.items() if r[0] == dp)))
+                for dp in range(d_dp)}
+        sent = {dp: sorted(set.intersection(*(set(v[1]) for r, v in res_p.items() if r[0] == dp)))
+                for dp in range(p_dp)}
+        failed = sorted(set().union(*(set(v[2]) for v in res_d.values())))
+        return DPResult(done, failed, sent, sum(v[3] for v in res_d.values()), sum(v[4] for v in res_d.values()),
+                        sum(v[5] for v in res_d.values()), params_of)
+    finally:
+        for pr in procs:
+            pr.join(timeout=20)
+            if pr.is_alive():
+                pr.kill()
