@@ -24,7 +24,8 @@ The embedding API (what an engine imports)::
 Names: :func:`load_model`, :class:`EngineLayout`, :func:`describe_memory` (+ :class:`LayerKV`,
 :class:`LayerState`, :class:`RawRegion`), :class:`KVMemory`, :class:`PrefillEndpoint`,
 :class:`DecodeEndpoint`, :class:`ReadRequest`, :class:`GroupBlocks`, :class:`MemoryLayout`,
-:class:`PrefillServer` (serves a prefill endpoint from a thread and the engine's loop), for engine
+:class:`PrefillServer` (serves a prefill endpoint from a thread and the engine's loop),
+:func:`nixl_transport` (an endpoint's transport with chosen NIXL backends and threads), for engine
 integrations :func:`from_hf_config`, :class:`CacheGroup`, :class:`MambaSpec`, :func:`dtype_size`, and the
 typed errors (:class:`KVBridgeError` and subclasses). Runtime classes load on first use: ``import
 kvbridge`` pulls in neither ZMQ, NIXL, torch nor rich.
@@ -46,6 +47,7 @@ _LAZY = {
     "DecodeEndpoint": ("kvbridge.runtime.decode", "DecodeRank"),
     "ReadRequest": ("kvbridge.runtime.decode", "ReadRequest"),
     "PrefillServer": ("kvbridge.runtime.server", "PrefillServer"),
+    "nixl_transport": ("kvbridge.runtime.server", "nixl_transport"),
 }
 
 
@@ -65,6 +67,6 @@ __all__ = ["load_model", "ModelSpec", "EngineLayout", "MemoryLayout", "describe_
            "TransferError", "TransportUnavailableError", "ConfigImportError",
            # engine integrations (kvbridge.integrations.*): the config importer, group builders, the
            # read-failure types DecodeEndpoint.poll reports, and the serving thread for a prefill endpoint
-           "from_hf_config", "CacheGroup", "MambaSpec", "dtype_size", "PrefillServer",
+           "from_hf_config", "CacheGroup", "MambaSpec", "dtype_size", "PrefillServer", "nixl_transport",
            "ReadFailure", "LeaseExpired", "PeerDisconnected", "PeerRestarted", "TransferTimeout", "Aborted",
            "RemoteError", "TransferFailed"]

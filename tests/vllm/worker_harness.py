@@ -357,9 +357,9 @@ def _group_of(kvc, layer: int) -> int:
     return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(int(n.split(".")[2]) == layer for n in g.layer_names))
 
 
-def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None):
+def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, extra=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp, dp=dp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp, extra=extra, dp=dp)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
         for rid, (no, n, ids, _) in reqs.items():
@@ -396,9 +396,9 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None):
         conn_pipe.send(("error", traceback.format_exc()))
 
 
-def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None):
+def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, extra=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp, dp=dp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp, extra=extra, dp=dp)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reads = conn_pipe.recv()  # {rid: (req no, RecvReq)}
         conn.bind_connector_metadata(KVBridgeConnectorMetadata(recv={r: x[1] for r, x in reads.items()}))
@@ -480,9 +480,10 @@ def _recv(pipe, what: str, timeout: float = 120.0):
 
 
 def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (300, 0)), seed: int = 0,
-             corrupt_attempt: bool = False, kill_prefill: bool = False) -> PairResult:
+             corrupt_attempt: bool = False, kill_prefill: bool = False, extra: dict | None = None) -> PairResult:
     """Prefill engine ``P`` and decode engine ``D`` (one process per rank) move ``requests`` ((tokens,
-    decode prefix-hit blocks) each); returns what the decode ranks saw."""
+    decode prefix-hit blocks) each); returns what the decode ranks saw. ``extra``: more
+    kv_connector_extra_config for both engines."""
     import random
 
     ctx = mp.get_context("fork")
@@ -494,14 +495,16 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
         for pp in range(P.pp):
             for tp in range(P.tp):
                 a, b = ctx.Pipe()
-                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp), daemon=True)
+                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp, None, extra),
+                                 daemon=True)
                 pr.start()
                 procs.append(pr)
                 pipes_p[(pp, tp)] = a
         for pp in range(D.pp):
             for tp in range(D.tp):
                 a, b = ctx.Pipe()
-                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp), daemon=True)
+                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp, None, extra),
+                                 daemon=True)
                 pr.start()
                 procs.append(pr)
                 pipes_d[(pp, tp)] = a
@@ -561,12 +564,9 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
         failed = sorted(set().union(*(set(r[2]) for r in res_d)))
         sent = sorted(set.intersection(*(set(r[1]) for r in res_p))) if res_p else []
         stats: dict = {}
-        for r in res_d:
-            for k, v in r[7].items():
-                stats[k] = stats.get(k, 0) + v
-        for r in res_p:
-            for k, v in r[2].items():
-                stats[k] = stats.get(k, 0) + v
+        for data in [r[7] for r in res_d] + [r[2] for r in res_p]:
+            for k, v in data.items():
+                stats[k] = stats.get(k, []) + v if isinstance(v, list) else stats.get(k, 0) + v
         return PairResult(done, failed, sent, sum(r[3] for r in res_d), sum(r[4] for r in res_d),
                           sum(r[5] for r in res_d), max(r[6] for r in res_d), stats)
     finally:

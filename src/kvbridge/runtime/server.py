@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +26,12 @@ class PrefillServer:
     blocks may be given back to the engine with :meth:`take_finished` (freed by every reader's Done, or
     expired)."""
 
-    def __init__(self, endpoint, poll_s: float = 0.002, stats_every_s: float = 0.5):
-        self.ep, self.poll_s, self.stats_every_s = endpoint, poll_s, stats_every_s
+    def __init__(self, endpoint, poll_s: float = 0.002):
+        self.ep, self.poll_s = endpoint, poll_s
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._serve = threading.Lock()
         self._lock = threading.Lock()
         self._finished: set[str] = set()
-        self._stats: dict = {}
-        self._next_stats = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
@@ -51,10 +48,9 @@ class PrefillServer:
         return out
 
     def stats(self) -> dict:
-        """The endpoint's ``stats()`` as of the last serving turn that refreshed them (every
-        ``stats_every_s``)."""
-        with self._lock:
-            return dict(self._stats)
+        """The endpoint's ``stats()`` now (waits for a serving turn in progress to end)."""
+        with self._serve:
+            return self.ep.stats()
 
     def pump(self) -> bool:
         """Serve the side channel now from the caller's thread, unless the background thread is at it.
@@ -78,15 +74,9 @@ class PrefillServer:
             pass
         self.ep.serve_once()
         freed = self.ep.take_freed()
-        now = time.monotonic()
-        stats = None
-        if now >= self._next_stats:
-            stats, self._next_stats = self.ep.stats(), now + self.stats_every_s
         with self._lock:
             self._finished.update(freed["freed"])
             self._finished.update(freed["expired"])
-            if stats is not None:
-                self._stats = stats
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -104,3 +94,17 @@ class PrefillServer:
         self._thread.join(timeout=5)
         with self._serve:
             self.ep.close()
+
+
+def nixl_transport(memory, agent_name: str, *, initiator: bool, backends=("UCX",), num_threads: int = 0,
+                   post_threads: int = 1):
+    """A NIXL transport for an endpoint over ``memory`` (a :class:`~kvbridge.KVMemory`) with the given NIXL
+    backends (``["UCX"]``, ``["LIBFABRIC"]`` for EFA, ...) and backend threads, to pass as
+    ``PrefillEndpoint(..., transport=)`` (``initiator=False``) or ``DecodeEndpoint(..., transport=)``
+    (``initiator=True``). A backend this host's NIXL lacks raises :class:`~kvbridge.TransportUnavailableError`
+    naming it."""
+    from ..transport.nixl import NixlTransport
+    from .memhost import transport_device
+
+    return NixlTransport(agent_name, backends=tuple(backends), num_threads=int(num_threads or 0),
+                         multi_threaded=initiator, post_threads=post_threads, **transport_device(memory))

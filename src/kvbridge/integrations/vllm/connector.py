@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import ConnectorConfig
 from .scheduler import ConnectorScheduler, KVBridgeConnectorMetadata
-from .stats import KVBridgeStats, StatsDelta
+from .stats import KVBridgePromMetrics, KVBridgeStats, StatsDelta
 from .worker import ConnectorWorker
 
 
@@ -83,11 +83,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         leases freed/expired): vLLM aggregates them across workers and logs them."""
         if self.worker is None:  # vLLM's scheduler asks its connector too: the counters live on the workers
             return None
-        return self._stats_delta(self.worker.counters())
+        return self._stats_delta(self.worker.counters(), self.worker.take_read_seconds())
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):
         return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """kvbridge's counters and read-latency histogram on vLLM's ``/metrics`` (``vllm:kvbridge_*``)."""
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: sleep mode frees and re-allocates the KV memory kvbridge registered with NIXL, and peers would
+        keep reading the old registration; vLLM refuses ``--enable-sleep-mode`` with this connector."""
+        return False
 
     def wait_for_layer_load(self, layer_name):
         pass

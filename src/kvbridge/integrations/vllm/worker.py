@@ -56,6 +56,7 @@ class ConnectorWorker:
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_error_blocks: set[int] = set()
+        self._read_seconds: list[float] = []  # finished reads' latency (first try -> done), not yet reported
 
     # ---- setup ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
@@ -70,10 +71,23 @@ class ConnectorWorker:
         if is_producer:
             host, port = cfg.endpoint(rank)
             ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, host=host, port=port,
-                                          lease_s=cfg.lease_s, staging_bytes=cfg.staging_bytes)
+                                          lease_s=cfg.lease_s, staging_bytes=cfg.staging_bytes,
+                                          transport=self._transport(memory, f"{cfg.engine_id}-p{rank[0]}t{rank[1]}",
+                                                                    initiator=False))
             self.server = kvbridge.PrefillServer(ep)
         if is_consumer:
-            self.decode = kvbridge.DecodeEndpoint(engine, rank, cfg.engine_id, memory=memory, **cfg.decode_options)
+            self.decode = kvbridge.DecodeEndpoint(
+                engine, rank, cfg.engine_id, memory=memory, **cfg.decode_options,
+                transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
+
+    def _transport(self, memory, agent_name: str, initiator: bool):
+        """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
+        default (UCX, the plugin's thread count); None: the endpoint builds its default one."""
+        cfg = self.cfg
+        if cfg.backends == ("UCX",) and not cfg.num_threads:
+            return None
+        return kvbridge.nixl_transport(memory, agent_name, initiator=initiator, backends=cfg.backends,
+                                       num_threads=cfg.num_threads or 0)
 
     def blocks(self, ids_per_group, first_per_group=None) -> dict:
         """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
@@ -156,12 +170,14 @@ class ConnectorWorker:
         if self.decode is not None:
             self._retry_reads()
             done, failed = self.decode.poll()
+            now = time.monotonic()
             for remote_id in done:
                 rid = self._local_id.pop(remote_id, remote_id)
-                self._inflight.pop(rid, None)
+                got = self._inflight.pop(rid, None)
+                if got is not None and len(self._read_seconds) < 100_000:
+                    self._read_seconds.append(now - got[1])
                 self._done_recv.add(rid)
                 self.received += 1
-            now = time.monotonic()
             for remote_id, why in failed.items():
                 rid = self._local_id.pop(remote_id, remote_id)
                 got = self._inflight.pop(rid, None)
@@ -184,14 +200,20 @@ class ConnectorWorker:
         return out
 
     def counters(self) -> dict:
-        """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics)."""
+        """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics). Quantiles
+        the endpoints compute (``*_p50``, ``*_p90``) are left out: they do not add up over workers or
+        intervals (latencies travel as observations, :meth:`take_read_seconds`)."""
         now = {"reads_done": self.received, **{f"reads_failed_{k}": v for k, v in self.failures.items()}}
         for side, ep in (("decode", self.decode), ("prefill", self.server)):
             if ep is not None:
                 for k, v in ep.stats().get("metrics", {}).items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(("_p50", "_p90")):
                         now[f"{side}_{k}"] = v
         return now
+
+    def take_read_seconds(self) -> list[float]:
+        out, self._read_seconds = self._read_seconds, []
+        return out
 
     def shutdown(self) -> None:
         if self.server is not None:
