@@ -369,6 +369,8 @@ def test_mamba_hybrid_decode_refuses_a_state_after_the_whole_prompt(tmp_path):
               "remote_num_tokens": len(prompt), "remote_tp_size": 1, "remote_pp_size": 1}
     req, so = _decode_add(D, params, prompt=prompt, max_tokens=1)
     assert so.num_scheduled_tokens == {"req-D": len(prompt)} and so.kv_connector_metadata.recv == {}
+    # the prefill's blocks are not needed: released at once (not held for the lease)
+    assert list(so.kv_connector_metadata.release) == ["req-D"]
     _run_to_end(D, "req-D")
     step(D)
     assert_scheduler_empty(D)

@@ -25,9 +25,10 @@ from .connector import KVBridgeConnector
 from .scheduler import KVBridgeConnectorMetadata, RecvReq
 from .stats import KVBridgeStats
 from .translate import (REFUSED_SPECS, SPEC_KINDS, VLLMConfigError, engine_from_vllm, kv_content_form, layer_index,
-                        layout_fingerprint)
+                        layout_fingerprint, speculative_fingerprint)
+from .worker import SpeculativeConfigMismatch
 
 __all__ = ["KVBridgeConnector", "KVBridgeConnectorMetadata", "KVBridgeStats", "RecvReq", "VLLMConfigError",
            "ContextParallelUnsupported", "ConnectorConfig", "engine_from_vllm", "kv_content_form", "layer_index",
            "layout_fingerprint", "rank_port", "dp_port_base", "dp_engine_id", "engine_endpoints", "SPEC_KINDS",
-           "REFUSED_SPECS"]
+           "REFUSED_SPECS", "speculative_fingerprint", "SpeculativeConfigMismatch"]

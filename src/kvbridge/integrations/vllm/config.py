@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .translate import VLLMConfigError
+from .translate import VLLMConfigError, speculative_fingerprint
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5600
@@ -116,6 +116,7 @@ class ConnectorConfig:
     backends: tuple[str, ...] = DEFAULT_BACKENDS
     num_threads: int | None = None
     decode_options: dict = field(default_factory=dict)
+    speculative: str | None = None  # fingerprint of the draft model's settings (None: no draft KV)
 
     @classmethod
     def from_vllm(cls, vllm_config, environ=os.environ) -> "ConnectorConfig":
@@ -143,6 +144,7 @@ class ConnectorConfig:
             decode_options={k: type_(extra[k]) for k, type_ in (
                 ("handshake_timeout_s", float), ("stage_timeout_s", float), ("transfer_timeout_s", float),
                 ("transfer_mode", str)) if k in extra},
+            speculative=speculative_fingerprint(vllm_config),
         )
 
     def endpoint(self, rank: tuple[int, int]) -> tuple[str, int]:

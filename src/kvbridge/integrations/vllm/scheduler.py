@@ -7,7 +7,8 @@ endpoint, no I/O). Tested against vLLM's real Scheduler (``tests/vllm/test_conne
   ``do_remote_prefill``, ``remote_engine_id`` (the DP rank's, ``_dp{rank}``), ``remote_host`` /
   ``remote_port`` (the DP rank's side-channel base, see :mod:`.config`), ``remote_block_ids`` (one list
   per KV-cache group), ``remote_request_id``, ``remote_num_tokens``, ``remote_tp_size``,
-  ``remote_pp_size``, ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_attempt``.
+  ``remote_pp_size``, ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_speculative`` (the
+  draft model's settings, :func:`.translate.speculative_fingerprint`), ``remote_attempt``.
 * decode (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` returns
   ``(num_prompt_tokens - num_computed_tokens, True)`` like vLLM's NixlConnector (the scheduler then
   recomputes the last prompt token itself); ``update_state_after_alloc`` records, per group, the blocks
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .config import ConnectorConfig
-from .translate import layout_fingerprint, state_groups
+from .translate import layout_fingerprint, prefill_backoff, state_groups
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
     send: dict[str, tuple] = field(default_factory=dict)  # prefill: req id -> (held block ids per group, attempt)
+    # decode: requests that finished (any status) or need nothing without reading: req id -> remote params
+    release: dict[str, dict] = field(default_factory=dict)
+    # decode: requests still queued here, whose prefill leases must not run out: req id -> remote params
+    heartbeat: dict[str, dict] = field(default_factory=dict)
 
 
 class ConnectorScheduler:
@@ -62,10 +68,14 @@ class ConnectorScheduler:
         # per vLLM KV-cache group: None (attention), or the speculative scratch slots of a Mamba group
         self.state_groups = state_groups(kv_cache_config)
         # trailing prompt tokens the prefill leaves to the decode: vLLM's decode always recomputes the last
-        # prompt token after a load; a Mamba state must then be the state *before* it
-        self.backoff = 1 if any(x is not None for x in self.state_groups) else 0
+        # prompt token after a load; a Mamba state must then be the state *before* it; a multi-module MTP
+        # drafter's lookahead window stays off the prefill
+        self.backoff = prefill_backoff(vllm_config, kv_cache_config)
         self._pending_recv: dict[str, RecvReq] = {}
         self._pending_send: dict[str, tuple] = {}
+        self._pending_release: dict[str, dict] = {}
+        self._queued: dict[str, dict] = {}  # decode: requests seen, not allocated yet -> remote params
+        self._next_heartbeat = 0.0
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
 
     # ---- decode -----------------------------------------------------------------------------------
@@ -100,12 +110,15 @@ class ConnectorScheduler:
             want = self.remote_token_count(len(request.prompt_token_ids or []))
             remote = p.get("remote_num_tokens")
             if self.backoff and remote is not None and int(remote) != want:
-                # a Mamba state after more (or fewer) tokens than the decode resumes from would be wrong
-                log.warning("kvbridge: %s: the prefill computed %s prompt tokens, a Mamba hybrid decode resumes "
-                            "after %d; computing the prompt locally", request.request_id, remote, want)
+                # a Mamba state (or MTP draft KV) after more or fewer tokens than the decode resumes from
+                # would be wrong
+                log.warning("kvbridge: %s: the prefill computed %s prompt tokens, this decode resumes after %d "
+                            "(Mamba state / MTP lookahead); computing the prompt locally", request.request_id,
+                            remote, want)
                 return 0, False
             count = want - num_computed_tokens
             if count > 0:
+                self._queued[request.request_id] = _remote(p)
                 return count, True
         return 0, False
 
@@ -129,6 +142,11 @@ class ConnectorScheduler:
         p = request.kv_transfer_params
         if not p or not p.get("do_remote_prefill"):
             return
+        self._queued.pop(request.request_id, None)
+        if num_external_tokens <= 0 and _readable(p):
+            # nothing to read (the local prefix cache holds it all, or the params do not fit this engine):
+            # the prefill may free its blocks now
+            self._pending_release[request.request_id] = _remote(p)
         if num_external_tokens > 0:
             local, first = [], []
             for g, group in enumerate(blocks.blocks):
@@ -139,14 +157,18 @@ class ConnectorScheduler:
                 hit = sum(1 for b in group if b.block_hash is not None and not b.is_null)
                 first.append(hit)
                 local.append([b.block_id for b in group[hit:]])
-            remote = {k: v for k, v in p.items() if not k.startswith("_")}
-            self._pending_recv[request.request_id] = RecvReq(request.request_id, local, first, remote)
+            self._pending_recv[request.request_id] = RecvReq(request.request_id, local, first, _remote(p))
         # only one read per request
         p["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeConnectorMetadata:
-        meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send)
-        self._pending_recv, self._pending_send = {}, {}
+        meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send,
+                                         release=self._pending_release)
+        self._pending_recv, self._pending_send, self._pending_release = {}, {}, {}
+        now = time.monotonic()
+        if self._queued and now >= self._next_heartbeat:  # vLLM's NixlConnector beats every lease / 6
+            meta.heartbeat = dict(self._queued)
+            self._next_heartbeat = now + self.cfg.lease_s / 6
         return meta
 
     # ---- prefill ----------------------------------------------------------------------------------
@@ -154,6 +176,13 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         p = request.kv_transfer_params
+        self._queued.pop(request.request_id, None)
+        if p and p.get("do_remote_prefill") and _readable(p):
+            # a decode request that finished (aborted, rejected, errored, any status) before its read was
+            # set up: tell the prefill at once instead of holding its blocks for the lease
+            self._pending_release[request.request_id] = _remote(p)
+            p["do_remote_prefill"] = False
+            return False, None
         if not p or not p.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -182,6 +211,7 @@ class ConnectorScheduler:
             "remote_pp_size": cfg.pp,
             "remote_dp_rank": cfg.dp_index,
             "remote_layout": self.fingerprint,
+            "remote_speculative": cfg.speculative,
             "remote_attempt": attempt,
         }
 
@@ -192,3 +222,12 @@ class ConnectorScheduler:
     def held_requests(self) -> list[str]:
         """Prefill: requests whose blocks vLLM still holds for a remote read."""
         return sorted(self._held)
+
+
+def _remote(p: dict) -> dict:
+    """The prefill's kv_transfer_params as the workers get them (without the connector's own ``_`` keys)."""
+    return {k: v for k, v in p.items() if not k.startswith("_")}
+
+
+def _readable(p: dict) -> bool:
+    return p.get("remote_block_ids") is not None and p.get("remote_engine_id") is not None

@@ -89,6 +89,35 @@ def state_groups(kv_cache_config) -> list[int | None]:
             for g in (getattr(kv_cache_config, "kv_cache_groups", None) or [])]
 
 
+def speculative_fingerprint(vllm_config) -> str | None:
+    """A short hash of the speculative-decoding settings that decide which draft KV a request carries
+    (method, draft model and revision, parallel drafting, draft KV dtype), as vLLM's NixlConnector hashes
+    them; None without a draft model (no speculative decoding, or n-gram / suffix drafting: no draft KV).
+    A decode reads a prefill's KV only when both fingerprints are equal."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(sc, "draft_model_config", None) if sc is not None else None
+    if draft is None:
+        return None
+    d = {"method": getattr(sc, "method", None), "model": getattr(draft, "model", None),
+         "revision": getattr(draft, "revision", None), "code_revision": getattr(draft, "code_revision", None),
+         "parallel_drafting": getattr(sc, "parallel_drafting", None),
+         "kv_cache_dtype": str(getattr(sc, "kv_cache_dtype", None) or vllm_config.cache_config.cache_dtype)}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prefill_backoff(vllm_config, kv_cache_config) -> int:
+    """Trailing prompt tokens the prefill leaves to the decode (as vLLM's NixlConnector): 1 for a Mamba
+    hybrid (the decode recomputes the last prompt token, a state must not take it twice); a multi-module
+    MTP drafter's lookahead window less one (``num_prefill_lookahead_tokens - 1``: unverified drafts must not
+    be embedded in the MTP layers' KV); else 0."""
+    mamba = 1 if any(x is not None for x in state_groups(kv_cache_config)) else 0
+    try:
+        lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    except Exception:  # noqa: BLE001 - a partial speculative config (tests, older vLLM)
+        lookahead = 0
+    return max(mamba, lookahead - 1)
+
+
 def layout_fingerprint(vllm_config, kv_cache_config) -> str:
     """A short hash of what both sides must agree on to read each other's blocks (model, parallelism,
     block sizes, group specs, KV-cache layout). Informational: kvbridge's handshake checks the real
@@ -141,6 +170,7 @@ class _Ctx:
     content: str
     vgroups: list
     cache_config: Any
+    speculative: bool = False  # the engine has a draft model: layers past the config's are its layers
 
 
 @dataclass
@@ -167,11 +197,19 @@ def _model_layers(ctx: _Ctx, vg, kind: str, where: str):
     """(layers of the kvbridge group, the model group they belong to): this group's layers (PP 1) or
     the whole model group's (PP > 1: a worker sees its stage's layers only)."""
     local = sorted({layer_index(n) for n in vg.layer_names})
-    if any(x not in ctx.kind_of for x in local):
-        raise VLLMConfigError(f"{where}: layers {local} are not all cached layers of the model's config "
-                              f"({ctx.hf_model.num_layers} layers); draft-model (speculative decoding) layers are "
-                              "not moved by kvbridge")
-    hgs = sorted({ctx.kind_of[x].name for x in local})
+    drafts = _draft_layers(ctx, local, where)
+    if drafts and len(drafts) == len(local):
+        return tuple(local), _draft_only_group(ctx, vg, kind, local, where)
+    local_target = [x for x in local if x not in drafts]
+    hgs = sorted({ctx.kind_of[x].name for x in local_target})
+    hg = _model_group(ctx, hgs, kind, local, where)
+    if ctx.pp == 1:
+        return tuple(local), hg  # draft layers with the target's spec travel in the target's group
+    return _whole_model_group(ctx, hgs, hg, where), hg
+
+
+def _model_group(ctx: _Ctx, hgs: list[str], kind: str, local: list[int], where: str):
+    """The model-config group the vLLM group's layers belong to, checked against vLLM's spec kind."""
     hg = ctx.hf_model.group(hgs[0])
     if len(hgs) > 1:  # HMA off: vLLM caches sliding-window layers as full attention, in one group
         shapes = {(ctx.hf_model.group(n).num_heads, ctx.hf_model.group(n).head_dim) for n in hgs}
@@ -179,15 +217,51 @@ def _model_layers(ctx: _Ctx, vg, kind: str, where: str):
             raise VLLMConfigError(f"{where}: layers {local} span model groups {hgs} of different shapes {shapes}")
     if kind != hg.kind and not (kind == "full_attention" and hg.kind in ("sliding_window", "full_attention")):
         raise VLLMConfigError(f"{where}: vLLM says {kind}, the model's config says {hg.kind} for layers {local}")
-    if ctx.pp == 1:
-        return tuple(local), hg
+    return hg
+
+
+def _whole_model_group(ctx: _Ctx, hgs: list[str], hg, where: str) -> tuple:
+    """PP > 1: a worker sees its stage's layers only; the kvbridge group takes the whole model group(s),
+    if vLLM kept them in one group."""
     same = [v for v in ctx.vgroups if v.layer_names and ctx.kind_of.get(layer_index(v.layer_names[0])) is not None
             and ctx.kind_of[layer_index(v.layer_names[0])].name in hgs]
     if len(same) != 1:
         raise VLLMConfigError(f"{where}: with pipeline parallelism kvbridge needs one vLLM group per kind of "
                               f"layer, but {len(same)} groups hold {hg.kind} layers; use pipeline "
                               "parallelism 1 for this model")
-    return tuple(sorted(x for n in hgs for x in ctx.hf_model.group(n).layers)), hg
+    return tuple(sorted(x for n in hgs for x in ctx.hf_model.group(n).layers))
+
+
+def _draft_layers(ctx: _Ctx, local: list[int], where: str) -> list[int]:
+    """The layers of ``local`` past the model config's: a draft model's (EAGLE / MTP register theirs after
+    the target's, ``model.layers.{num_hidden_layers + i}``), moved with the target's (PP 1 only)."""
+    extra = [x for x in local if x not in ctx.kind_of]
+    if not extra:
+        return []
+    if not ctx.speculative or any(x < ctx.hf_model.num_layers for x in extra):
+        raise VLLMConfigError(f"{where}: layers {extra} are not cached layers of the model's config "
+                              f"({ctx.hf_model.num_layers} layers) and the engine has no speculative_config")
+    if ctx.pp > 1:
+        raise VLLMConfigError(f"{where}: draft-model layers {extra} with pipeline parallelism: kvbridge moves "
+                              "draft KV with pipeline_parallel_size 1 only (or drop the speculative_config)")
+    return extra
+
+
+def _draft_only_group(ctx: _Ctx, vg, kind: str, layers: list[int], where: str):
+    """A vLLM group holding draft layers only: its shape from vLLM's spec (MLA: the latent; attention: KV
+    heads per rank x TP, when that is not ambiguous)."""
+    spec = layer_spec(vg)
+    dtype = _torch_dtype_name(spec.dtype)
+    if kind == "mla":
+        return kvbridge.CacheGroup("draft", "mla", tuple(layers), dtype, None, int(spec.head_size))
+    if kind not in ("full_attention", "sliding_window"):
+        raise VLLMConfigError(f"{where}: draft-model layers cached as {kind}: not supported")
+    per_rank = int(spec.num_kv_heads)
+    if per_rank == 1 and ctx.tp > 1:
+        raise VLLMConfigError(f"{where}: the draft model's layers hold 1 KV head per rank at tp={ctx.tp}: split "
+                              "or replicated cannot be told from vLLM's spec; kvbridge cannot move them")
+    return kvbridge.CacheGroup("draft", kind, tuple(layers), dtype, per_rank * ctx.tp, int(spec.head_size), None,
+                               getattr(spec, "sliding_window", None) if kind == "sliding_window" else None)
 
 
 def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where: str) -> _Built:
@@ -365,6 +439,12 @@ def _layer_memory(built: list[_Built], vgroups, engine, kv_caches: dict, rank) -
     return layers
 
 
+def _check_block_granular(ctx: _Ctx) -> None:
+    sizes = {int(layer_spec(vg).block_size) for vg in ctx.vgroups if not is_mamba(vg)}
+    if ctx.content == "kv_blocks" and len(sizes) > 1:
+        raise VLLMConfigError("the CPU backend form moves whole blocks: all KV-cache groups need one block size")
+
+
 def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[int, int]):
     """kvbridge's :class:`~kvbridge.EngineLayout`, group names and per-layer memory description of one vLLM
     worker, from what vLLM gives a connector: the model's Hugging Face config (kvbridge's importer), TP/PP,
@@ -380,14 +460,16 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
     hf_model = kvbridge.from_hf_config(_hf_dict(mc.hf_config))
     vgroups = list(kv_cache_config.kv_cache_groups)
     ctx = _Ctx(hf_model, {x: g for g in hf_model.groups for x in g.layers}, pc.tensor_parallel_size,
-               pc.pipeline_parallel_size, kv_content_form(vllm_config), vgroups, cc)
+               pc.pipeline_parallel_size, kv_content_form(vllm_config), vgroups, cc,
+               speculative=speculative_fingerprint(vllm_config) is not None)
     built = [_translate_group(ctx, i, vg) for i, vg in enumerate(vgroups)]
-    if ctx.content == "kv_blocks" and len({int(layer_spec(vg).block_size) for vg in vgroups if not is_mamba(vg)}) > 1:
-        raise VLLMConfigError("the CPU backend form moves whole blocks: all KV-cache groups need one block size")
-    model = kvbridge.ModelSpec(hf_model.name, hf_model.num_layers, tuple(b.group for b in built))
+    _check_block_granular(ctx)
+    # draft-model layers (speculative decoding) extend the model past the config's layers (PP 1)
+    num_layers = max([hf_model.num_layers] + [x + 1 for b in built for x in b.group.layers])
+    model = kvbridge.ModelSpec(hf_model.name, num_layers, tuple(b.group for b in built))
     engine = kvbridge.EngineLayout(model, tp=ctx.tp, pp=ctx.pp, block_size=int(cc.block_size),
                                    memory=_memory_layout(cc, kv_cache_config),
-                                   pp_layers=_pp_layers(hf_model.num_layers, ctx.pp),
+                                   pp_layers=_pp_layers(hf_model.num_layers, ctx.pp) if ctx.pp > 1 else None,
                                    num_blocks=int(kv_cache_config.num_blocks),
                                    group_block_sizes={b.group.name: b.block_size for b in built})
     return engine, [b.group.name for b in built], _layer_memory(built, vgroups, engine, kv_caches, rank)
