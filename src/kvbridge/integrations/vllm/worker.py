@@ -201,6 +201,8 @@ class ConnectorWorker:
                          local_id, eid)
                 return
             req = self._read_request(rp, local_id)
+            if _read_key(req) in self._local_id:
+                return  # (a runtime without read ids) another child's read holds the key: its Done settles it
             if hasattr(self.decode, "release"):  # the lease runtime (issue 20): a decline bound to this reader
                 self.decode.release(req)
             else:  # today's runtime: a failed Done to every prefill rank this rank notifies
