@@ -99,6 +99,22 @@ def test_requests_queued_on_the_decode_heartbeat_their_leases(tmp_path):
     assert list(so.kv_connector_metadata.recv) == ["req-D"] and so.kv_connector_metadata.heartbeat == {}
 
 
+@pytest.mark.parametrize("status", [s for s in FINISHED if s not in (RequestStatus.FINISHED_STOPPED,
+                                                                      RequestStatus.FINISHED_LENGTH_CAPPED)],
+                         ids=lambda s: s.name)
+def test_a_prefill_request_that_ends_abnormally_frees_its_blocks_at_once(tmp_path, status):
+    """Prefill side: any finish other than a normal stop (aborted, ignored, error, repetition) hands no
+    params out and holds nothing: the blocks go back to vLLM at once, no lease is registered."""
+    P = _engine(tmp_path, "p")
+    req = make_request("ab", PROMPT, max_tokens=4, kv_transfer_params={"do_remote_decode": True}, block_size=BLOCK)
+    P.add_request(req)
+    step(P)
+    P.finish_requests("ab", status)
+    so, _ = step(P)
+    assert P.connector.held_requests() == [] and so.kv_connector_metadata.send == {}
+    assert_scheduler_empty(P)
+
+
 # ---------------------------------------------------------------------- worker side, over NIXL
 def test_an_unread_request_released_frees_the_prefill_lease_without_expiry():
     """req-2 finishes on the decode before its read: the decode worker tells the prefill, which frees the
