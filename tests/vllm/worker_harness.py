@@ -477,6 +477,10 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ext
         deadline = time.monotonic() + 60
         while done | failed != set(reads) and time.monotonic() < deadline:
             out = conn.get_transfer_results(set())
+            # a failed read is reported in finished_recving too: only that releases the request from
+            # WAITING_FOR_REMOTE_KVS in vLLM's scheduler
+            assert (out.failed_recving or set()) <= (out.finished_recving or set()), (out.failed_recving,
+                                                                                      out.finished_recving)
             failed |= out.failed_recving or set()
             done |= (out.finished_recving or set()) - failed
             time.sleep(0.002)
