@@ -86,12 +86,18 @@ class ConnectorScheduler:
         return num_prompt_tokens - b if b and num_prompt_tokens > b else num_prompt_tokens
 
     def on_new_request(self, request) -> None:
-        """Prefill of a Mamba hybrid: drop the last prompt token before scheduling, as vLLM's NixlConnector
+        """Decode: track the request for heartbeats until its read is set up.
+
+        Prefill of a Mamba hybrid: drop the last prompt token before scheduling, as vLLM's NixlConnector
         does. vLLM's decode recomputes the last prompt token after any load (``_update_waiting_for_remote_kv``
         sets ``num_computed_tokens = num_tokens - 1``); attention K/V of that token is rewritten with the
         same values, but a Mamba state would take the token twice. So the prefill stops one token short and
         its final state is the one the decode's recompute starts from."""
         p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and _readable(p):
+            # decode: the prefill's lease must not run out while the request waits here (heartbeats, as vLLM's
+            # NixlConnector tracks them from on_new_request; get_num_new_matched_tokens has no side effects)
+            self._queued[request.request_id] = _remote(p)
         b = self.backoff
         if (not b or not p or not p.get("do_remote_decode") or p.get("_kvbridge_truncated")
                 or request.num_prompt_tokens <= b or request.prompt_token_ids is None):
@@ -118,7 +124,6 @@ class ConnectorScheduler:
                 return 0, False
             count = want - num_computed_tokens
             if count > 0:
-                self._queued[request.request_id] = _remote(p)
                 return count, True
         return 0, False
 
