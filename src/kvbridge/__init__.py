@@ -23,25 +23,31 @@ The embedding API (what an engine imports)::
 
 Names: :func:`load_model`, :class:`EngineLayout`, :func:`describe_memory` (+ :class:`LayerKV`,
 :class:`LayerState`, :class:`RawRegion`), :class:`KVMemory`, :class:`PrefillEndpoint`,
-:class:`DecodeEndpoint`, :class:`ReadRequest`, :class:`GroupBlocks`, :class:`MemoryLayout`, and the
+:class:`DecodeEndpoint`, :class:`ReadRequest`, :class:`GroupBlocks`, :class:`MemoryLayout`,
+:class:`PrefillServer` (serves a prefill endpoint from a thread and the engine's loop),
+:func:`nixl_transport` (an endpoint's transport with chosen NIXL backends and threads), for engine
+integrations :func:`from_hf_config`, :class:`CacheGroup`, :class:`MambaSpec`, :func:`dtype_size`, and the
 typed errors (:class:`KVBridgeError` and subclasses). Runtime classes load on first use: ``import
 kvbridge`` pulls in neither ZMQ, NIXL, torch nor rich.
 """
 from __future__ import annotations
 
 from .describe import LayerKV, LayerState, describe_memory
-from .errors import (ConfigImportError, HandshakeError, IncompatibleLayoutsError, KVBridgeError, LayoutError,
-                     RequestError, TransferError, TransportUnavailableError)
-from .layout import EngineLayout, MemoryLayout, ModelSpec
+from .errors import (Aborted, ConfigImportError, HandshakeError, IncompatibleLayoutsError, KVBridgeError, LayoutError,
+                     LeaseExpired, PeerDisconnected, PeerRestarted, ReadFailure, RemoteError, RequestError,
+                     TransferError, TransferFailed, TransferTimeout, TransportUnavailableError)
+from .layout import CacheGroup, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, dtype_size
 from .lower import GroupBlocks
 from .memory import KVMemory
-from .models import load_model
+from .models import from_hf_config, load_model
 from .tensors import RawRegion
 
 _LAZY = {
     "PrefillEndpoint": ("kvbridge.runtime.prefill", "PrefillRank"),
     "DecodeEndpoint": ("kvbridge.runtime.decode", "DecodeRank"),
     "ReadRequest": ("kvbridge.runtime.decode", "ReadRequest"),
+    "PrefillServer": ("kvbridge.runtime.server", "PrefillServer"),
+    "nixl_transport": ("kvbridge.runtime.server", "nixl_transport"),
 }
 
 
@@ -58,4 +64,9 @@ def __getattr__(name: str):
 __all__ = ["load_model", "ModelSpec", "EngineLayout", "MemoryLayout", "describe_memory", "LayerKV", "LayerState",
            "RawRegion", "KVMemory", "PrefillEndpoint", "DecodeEndpoint", "ReadRequest", "GroupBlocks",
            "KVBridgeError", "LayoutError", "RequestError", "HandshakeError", "IncompatibleLayoutsError",
-           "TransferError", "TransportUnavailableError", "ConfigImportError"]
+           "TransferError", "TransportUnavailableError", "ConfigImportError",
+           # engine integrations (kvbridge.integrations.*): the config importer, group builders, the
+           # read-failure types DecodeEndpoint.poll reports, and the serving thread for a prefill endpoint
+           "from_hf_config", "CacheGroup", "MambaSpec", "dtype_size", "PrefillServer", "nixl_transport",
+           "ReadFailure", "LeaseExpired", "PeerDisconnected", "PeerRestarted", "TransferTimeout", "Aborted",
+           "RemoteError", "TransferFailed"]

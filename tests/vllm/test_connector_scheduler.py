@@ -318,7 +318,7 @@ def test_mamba_hybrid_prefill_stops_one_token_short_and_state_slots_travel(tmp_p
     to the one slot holding the request's state, on both sides."""
     P, bs = _hybrid_engine(tmp_path, "p", prefix_caching)
     D, _ = _hybrid_engine(tmp_path, "d", prefix_caching)
-    assert P.connector._backoff == 1
+    assert P.connector.scheduler.backoff == 1
     prompt = list(range(3, 3 + 2 * bs + 5))  # 2 blocks and a bit
     n = len(prompt)
     req = make_request("req-P", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, block_size=bs)
@@ -369,6 +369,8 @@ def test_mamba_hybrid_decode_refuses_a_state_after_the_whole_prompt(tmp_path):
               "remote_num_tokens": len(prompt), "remote_tp_size": 1, "remote_pp_size": 1}
     req, so = _decode_add(D, params, prompt=prompt, max_tokens=1)
     assert so.num_scheduled_tokens == {"req-D": len(prompt)} and so.kv_connector_metadata.recv == {}
+    # the prefill's blocks are not needed: released at once (not held for the lease)
+    assert list(so.kv_connector_metadata.release) == ["req-D"]
     _run_to_end(D, "req-D")
     step(D)
     assert_scheduler_empty(D)

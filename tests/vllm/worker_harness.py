@@ -15,6 +15,7 @@ import costs ~30 s of CPU here); each child creates its own NIXL agent, ZMQ cont
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -62,10 +63,52 @@ class Model:
     window: int | None = None
     # Mamba-2 layers: heads, head_dim, d_state, n_groups, conv_kernel (as the HF config says)
     mamba: dict | None = None
+    # draft-model layers (speculative decoding: EAGLE / MTP register theirs after the target's), e.g.
+    # {2: ("full", 2, 64)} on a 2-layer model, also in ``layers`` (with_draft_layers); the engines get a
+    # speculative config (DraftConfig)
+    drafts: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
         return self.hf["num_hidden_layers"]
+
+
+@dataclass
+class DraftConfig:
+    """The fields of vLLM's ``SpeculativeConfig`` the connector and ``VllmConfig`` read (a draft model
+    with its own KV layers), set as ``vllm_config.speculative_config`` (building vLLM's own needs the draft
+    model's weights directory and a GPU platform)."""
+
+    method: str = "eagle"
+    model: str = "draft-a"
+    num_speculative_tokens: int = 1
+    multi_module_mtp: bool = False
+    parallel_drafting: bool = False
+    kv_cache_dtype: str | None = None
+    revision: str | None = None
+    code_revision: str | None = None
+
+    @property
+    def draft_model_config(self):
+        return self
+
+    def use_eagle(self) -> bool:
+        return True
+
+    def use_multi_module_mtp(self) -> bool:
+        return self.multi_module_mtp
+
+    def use_dflash(self) -> bool:
+        return False
+
+    def use_dspark(self) -> bool:
+        return False
+
+    def uses_draft_model(self) -> bool:
+        return False
+
+    def use_eagle_block_drop(self) -> bool:  # the scheduler's prefix-cache tail drop, not the connector's
+        return False
 
 
 def llama(num_kv_heads: int, num_layers: int = 2, head_dim: int = 64) -> Model:
@@ -75,6 +118,18 @@ def llama(num_kv_heads: int, num_layers: int = 2, head_dim: int = 64) -> Model:
           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
     return Model(hf, {i: ("full", num_kv_heads, head_dim) for i in range(num_layers)})
+
+
+def with_draft_layers(model: Model, n: int = 1) -> Model:
+    """``model`` served with a draft model of ``n`` layers shaped like its layer 0 (EAGLE / MTP: vLLM names
+    them ``model.layers.{num_hidden_layers + i}``; same spec as the target's, so in the target's group)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    for i in range(n):
+        m.drafts[m.num_layers + i] = m.layers[min(m.layers)]
+    m.layers.update(m.drafts)
+    return m
 
 
 def gemma_like(window: int = 48) -> Model:
@@ -190,16 +245,24 @@ def _configure_hybrid(cfg, model: Model, side: Side) -> None:
 
 def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16, cfg=None) -> dict:
     s, e = get_pp_indices(model.num_layers, stage, side.pp)
+    if stage == side.pp - 1:
+        e += len(model.drafts)  # the draft model's layers live with the last stage
+    out = _specs_of_layers(model, side, range(s, e), dtype, cfg)
+    for name in out:
+        if int(name.split(".")[2]) in model.drafts:  # as vLLM's model runner marks a drafter's layers
+            out[name] = dataclasses.replace(out[name], is_draft=True)
+    return out
+
+
+def _specs_of_layers(model: Model, side: Side, layers, dtype, cfg) -> dict:
     out = {}
-    for i in range(s, e):
+    for i in layers:
         if i not in model.layers:
             continue  # an MLP layer: no cache
         kind, heads, hs = model.layers[i]
         per_rank = max(1, heads // side.tp)
         block_size = cfg.cache_config.block_size if cfg is not None and model.mamba else side.block_size
         if kind == "mamba":
-            import dataclasses
-
             from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
             shapes, dtypes = _mamba_state(cfg, model, side)
             cc = cfg.cache_config
@@ -233,16 +296,32 @@ def plan_and_allocate(cfg, model: Model, side: Side, rank: tuple[int, int]):
     return kvc, allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[side.layout])
 
 
+def as_dp_rank(cfg, dp: tuple[int, int] | None) -> None:
+    """What vLLM's engine core does to the config of data-parallel rank ``dp = (size, index)`` before it
+    builds the connector (vllm/v1/engine/core.py): ``engine_id`` + ``_dp{index}``, ``data_parallel_index``."""
+    if dp is None:
+        return
+    size, index = dp
+    pc = cfg.parallel_config
+    pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_index = size, index, index
+    if size > 1:
+        cfg.kv_transfer_config.engine_id = f"{cfg.kv_transfer_config.engine_id}_dp{index}"
+
+
 def build_worker(model: Model, side: Side, rank: tuple[int, int], role: str, engine_id: str, port: int, tmp: str,
-                 extra: dict | None = None):
-    """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them."""
-    cfg = make_vllm_config(os.path.join(tmp, engine_id), model.hf, block_size=side.block_size,
+                 extra: dict | None = None, dp: tuple[int, int] | None = None, spec: DraftConfig | None = None):
+    """(connector, kv_caches, kv_cache_config, vllm_config) of one vLLM worker, as vLLM builds them (for
+    data-parallel rank ``dp = (size, index)``, with speculative config ``spec`` when given)."""
+    cfg = make_vllm_config(os.path.join(tmp, f"{engine_id}-{dp}"), model.hf, block_size=side.block_size,
                            kv_cache_layout=side.layout, max_model_len=512, kv_transfer_config=dict(
                                kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
                                kv_role=role, engine_id=engine_id,
                                kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port,
                                                           "staging_bytes": 4 << 20, "lease_s": 20.0,
                                                           "kv_content": side.content, **(extra or {})}))
+    as_dp_rank(cfg, dp)
+    if spec is not None:
+        cfg.speculative_config = spec
     kvc, kv = plan_and_allocate(cfg, model, side, rank)
     conn = KVBridgeConnector(cfg, KVConnectorRole.WORKER, kvc)
     conn.register_kv_caches(kv)
@@ -343,9 +422,10 @@ def _group_of(kvc, layer: int) -> int:
     return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(int(n.split(".")[2]) == layer for n in g.layer_names))
 
 
-def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, extra=None, spec=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_producer", engine_id, port, tmp, extra=extra, dp=dp,
+                                        spec=spec)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
         for rid, (no, n, ids, _) in reqs.items():
@@ -382,12 +462,14 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp):
         conn_pipe.send(("error", traceback.format_exc()))
 
 
-def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
+def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, extra=None, spec=None):
     try:
-        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp)
+        conn, kv, kvc, _ = build_worker(model, side, rank, "kv_consumer", engine_id, port, tmp, extra=extra, dp=dp,
+                                        spec=spec)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
-        cmd, reads = conn_pipe.recv()  # {rid: (req no, RecvReq)}
-        conn.bind_connector_metadata(KVBridgeConnectorMetadata(recv={r: x[1] for r, x in reads.items()}))
+        cmd, reads, *rest = conn_pipe.recv()  # {rid: (req no, RecvReq)}[, {rid: params released unread}]
+        conn.bind_connector_metadata(KVBridgeConnectorMetadata(recv={r: x[1] for r, x in reads.items()},
+                                                               release=rest[0] if rest else {}))
         t_start = time.monotonic()
         conn.start_load_kv(None)
         conn.clear_connector_metadata()
@@ -395,6 +477,10 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp):
         deadline = time.monotonic() + 60
         while done | failed != set(reads) and time.monotonic() < deadline:
             out = conn.get_transfer_results(set())
+            # a failed read is reported in finished_recving too: only that releases the request from
+            # WAITING_FOR_REMOTE_KVS in vLLM's scheduler
+            assert (out.failed_recving or set()) <= (out.finished_recving or set()), (out.failed_recving,
+                                                                                      out.finished_recving)
             failed |= out.failed_recving or set()
             done |= (out.finished_recving or set()) - failed
             time.sleep(0.002)
@@ -466,9 +552,14 @@ def _recv(pipe, what: str, timeout: float = 120.0):
 
 
 def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (300, 0)), seed: int = 0,
-             corrupt_attempt: bool = False, kill_prefill: bool = False) -> PairResult:
+             corrupt_attempt: bool = False, kill_prefill: bool = False, extra: dict | None = None,
+             specs: tuple = (None, None), unread: tuple = (), children: int = 1) -> PairResult:
     """Prefill engine ``P`` and decode engine ``D`` (one process per rank) move ``requests`` ((tokens,
-    decode prefix-hit blocks) each); returns what the decode ranks saw."""
+    decode prefix-hit blocks) each); returns what the decode ranks saw. ``extra``: more
+    kv_connector_extra_config for both engines; ``specs``: the (prefill, decode) speculative configs;
+    ``unread``: prefill request ids the decode releases without reading (finished there first);
+    ``children``: decode requests per prefill request (vLLM ``n``), each into its own blocks."""
+    from kvbridge.integrations.vllm import speculative_fingerprint
     import random
 
     ctx = mp.get_context("fork")
@@ -480,14 +571,16 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
         for pp in range(P.pp):
             for tp in range(P.tp):
                 a, b = ctx.Pipe()
-                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp), daemon=True)
+                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp, None, extra, specs[0]),
+                                 daemon=True)
                 pr.start()
                 procs.append(pr)
                 pipes_p[(pp, tp)] = a
         for pp in range(D.pp):
             for tp in range(D.tp):
                 a, b = ctx.Pipe()
-                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp), daemon=True)
+                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp, None, extra, specs[1]),
+                                 daemon=True)
                 pr.start()
                 procs.append(pr)
                 pipes_d[(pp, tp)] = a
@@ -502,7 +595,7 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
         free_d = list(range(1, nb_d))
         rng.shuffle(free_p)
         rng.shuffle(free_d)
-        send, recv = {}, {}
+        send, recv, release = {}, {}, {}
         for no, (n, hit) in enumerate(requests, start=1):
             rid = f"req-{no}"
             attempt = rng.getrandbits(52) | 1
@@ -526,9 +619,16 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
             params = {"do_remote_prefill": True, "remote_engine_id": "prefill-e", "remote_host": "127.0.0.1",
                       "remote_port": base, "remote_block_ids": p_ids, "remote_request_id": rid, "remote_num_tokens": n,
                       "remote_tp_size": P.tp, "remote_pp_size": P.pp,
-                      "remote_attempt": (attempt ^ 2) if corrupt_attempt else attempt, "_remote_block_sizes": p_bs}
+                      "remote_attempt": (attempt ^ 2) if corrupt_attempt else attempt, "_remote_block_sizes": p_bs,
+                      "remote_speculative": speculative_fingerprint(_SpecOnly(specs[0]))}
             # vLLM gives the decode engine's copy of the request its own id
+            if rid in unread:  # finished on the decode before any read: released, never read
+                release[f"dec-{rid}"] = {k: v for k, v in params.items() if not k.startswith("_")}
+                continue
             recv[f"dec-{rid}"] = (no, RecvReq(f"dec-{rid}", d_ids, d_first, params))
+            for c in range(1, children):  # vLLM n > 1: more decode children of the same prefill request
+                ids_c = [[free_d.pop() for _ in g] for g in d_ids]
+                recv[f"dec-{rid}-c{c}"] = (no, RecvReq(f"dec-{rid}-c{c}", ids_c, d_first, params))
         for p in pipes_p.values():
             p.send(("send", send))
         for p in pipes_p.values():
@@ -538,7 +638,7 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
                 pr.kill()
                 pr.join(10)
         for p in pipes_d.values():
-            p.send(("recv", recv))
+            p.send(("recv", recv, release))
         res_d = [_recv(p, "checked", 180) for p in pipes_d.values()]
         res_p = [] if kill_prefill else [_recv(p, "sent", 180) for p in pipes_p.values()]
         for p in (list(pipes_p.values()) if not kill_prefill else []) + list(pipes_d.values()):
@@ -547,12 +647,9 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
         failed = sorted(set().union(*(set(r[2]) for r in res_d)))
         sent = sorted(set.intersection(*(set(r[1]) for r in res_p))) if res_p else []
         stats: dict = {}
-        for r in res_d:
-            for k, v in r[7].items():
-                stats[k] = stats.get(k, 0) + v
-        for r in res_p:
-            for k, v in r[2].items():
-                stats[k] = stats.get(k, 0) + v
+        for data in [r[7] for r in res_d] + [r[2] for r in res_p]:
+            for k, v in data.items():
+                stats[k] = stats.get(k, []) + v if isinstance(v, list) else stats.get(k, 0) + v
         return PairResult(done, failed, sent, sum(r[3] for r in res_d), sum(r[4] for r in res_d),
                           sum(r[5] for r in res_d), max(r[6] for r in res_d), stats)
     finally:
@@ -576,3 +673,130 @@ def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
     return [(model.layers[int(g.layer_names[0].split(".")[2])][0], g.kv_cache_spec.block_size)
             for g in kvc.kv_cache_groups]
+
+
+# ---------------------------------------------------------------------- data-parallel engines
+def prefill_params(model: Model, side: Side, dp: tuple[int, int], engine_id: str, port: int, rid: str,
+                   num_tokens: int, block_ids: list[list[int]], tmp: str) -> dict:
+    """The kv_transfer_params the scheduler side of prefill DP rank ``dp`` returns for a finished request
+    (``KVBridgeConnector.request_finished_all_groups`` of a connector built in the scheduler role, on the
+    config vLLM's engine core gives that DP rank)."""
+    from vllm.v1.request import RequestStatus
+
+    cfg = make_vllm_config(os.path.join(tmp, f"{engine_id}-sched-{dp}"), model.hf, block_size=side.block_size,
+                           kv_cache_layout=side.layout, max_model_len=512, kv_transfer_config=dict(
+                               kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
+                               kv_role="kv_producer", engine_id=engine_id,
+                               kv_connector_extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": port}))
+    as_dp_rank(cfg, dp)
+    kvc, _ = plan_and_allocate(cfg, model, side, (0, 0))
+    conn = KVBridgeConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+    class _Req:
+        request_id = rid
+        status = RequestStatus.FINISHED_LENGTH_CAPPED
+        num_computed_tokens = num_tokens
+        kv_transfer_params = {"do_remote_decode": True}
+
+    delay, params = conn.request_finished_all_groups(_Req(), tuple(block_ids))
+    assert delay is True
+    return params
+
+
+@dataclass
+class DPResult:
+    done: dict       # decode DP rank -> request ids every one of its ranks read
+    failed: list
+    sent: dict       # prefill DP rank -> request ids it freed (every reader's Done)
+    bad: int
+    checked: int
+    untouched_bad: int
+    params: dict     # request id -> the kv_transfer_params its prefill DP rank produced
+
+
+def run_dp(model: Model, P: Side, D: Side, p_dp: int, d_dp: int, requests: list[tuple[int, int, int]],
+           seed: int = 0) -> DPResult:
+    """A prefill engine with ``p_dp`` data-parallel ranks and a decode engine with ``d_dp`` on this host,
+    one process per (DP rank, pp, tp): every prefill DP rank uses the same extra config (one
+    ``side_channel_port``), as one ``vllm serve --data-parallel-size`` does. ``requests``: (tokens, prefill
+    DP rank, decode DP rank) each. The kv_transfer_params come from each prefill DP rank's scheduler side;
+    the decode ranks find the prefill's endpoints from them alone."""
+    import random
+
+    ctx = mp.get_context("fork")
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="kvb-dp-")
+    base = free_port_base(p_dp * P.tp * P.pp)
+    procs, pipes_p, pipes_d = [], {}, {}
+    try:
+        for dp in range(p_dp):
+            for pp in range(P.pp):
+                for tp in range(P.tp):
+                    a, b = ctx.Pipe()
+                    pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp,
+                                                                (p_dp, dp)), daemon=True)
+                    pr.start()
+                    procs.append(pr)
+                    pipes_p[(dp, pp, tp)] = a
+        for dp in range(d_dp):
+            for pp in range(D.pp):
+                for tp in range(D.tp):
+                    a, b = ctx.Pipe()
+                    pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp,
+                                                               (d_dp, dp)), daemon=True)
+                    pr.start()
+                    procs.append(pr)
+                    pipes_d[(dp, pp, tp)] = a
+        ready_p = {r: _recv(p, "ready") for r, p in pipes_p.items()}
+        ready_d = {r: _recv(p, "ready") for r, p in pipes_d.items()}
+        nb_p = next(iter(ready_p.values()))[1]
+        nb_d = next(iter(ready_d.values()))[1]
+        (kind, bp), = _group_block_sizes(model, P)
+        (_, bd), = _group_block_sizes(model, D)
+        assert kind == "full", "run_dp moves single-group attention models"
+        free_p = {dp: rng.sample(range(1, nb_p), nb_p - 1) for dp in range(p_dp)}
+        free_d = {dp: rng.sample(range(1, nb_d), nb_d - 1) for dp in range(d_dp)}
+        send = {dp: {} for dp in range(p_dp)}
+        recv = {dp: {} for dp in range(d_dp)}
+        params_of = {}
+        for no, (n, pdp, ddp) in enumerate(requests, start=1):
+            rid = f"req-{no}"
+            p_ids = [[free_p[pdp].pop() for _ in range(-(-n // bp))]]
+            d_ids = [[free_d[ddp].pop() for _ in range(-(-n // bd))]]
+            params = prefill_params(model, P, (p_dp, pdp), "prefill-e", base, rid, n, p_ids, tmp)
+            params_of[rid] = params
+            send[pdp][rid] = (no, n, p_ids, params["remote_attempt"])
+            recv[ddp][f"dec-{rid}"] = (no, RecvReq(f"dec-{rid}", d_ids, [0], dict(params, _remote_block_sizes=[bp])))
+        for (dp, _, _), p in pipes_p.items():
+            p.send(("send", send[dp]))
+        for p in pipes_p.values():
+            _recv(p, "loaded")
+        for (dp, _, _), p in pipes_d.items():
+            p.send(("recv", recv[dp]))
+        res_d = {r: _recv(p, "checked", 180) for r, p in pipes_d.items()}
+        res_p = {r: _recv(p, "sent", 180) for r, p in pipes_p.items()}
+        for p in list(pipes_p.values()) + list(pipes_d.values()):
+            p.send(("exit",))
+        done = {dp: sorted(set.intersection(*(set(v[1]) for r, v in res_d.items() if r[0] == dp)))
+                for dp in range(d_dp)}
+        sent = {dp: sorted(set.intersection(*(set(v[1]) for r, v in res_p.items() if r[0] == dp)))
+                for dp in range(p_dp)}
+        failed = sorted(set().union(*(set(v[2]) for v in res_d.values())))
+        return DPResult(done, failed, sent, sum(v[3] for v in res_d.values()), sum(v[4] for v in res_d.values()),
+                        sum(v[5] for v in res_d.values()), params_of)
+    finally:
+        for pr in procs:
+            pr.join(timeout=20)
+            if pr.is_alive():
+                pr.kill()
+
+
+@dataclass
+class _SpecOnly:
+    """What speculative_fingerprint reads of a VllmConfig."""
+
+    speculative_config: DraftConfig | None
+
+    @property
+    def cache_config(self):
+        return type("C", (), {"cache_dtype": "auto"})()

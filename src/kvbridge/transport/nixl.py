@@ -91,7 +91,8 @@ class NixlTransport:
 
     def __init__(self, agent_name: str, mem_type: str = "DRAM", device_id: int = 0,
                  ucx_params: dict[str, str] | None = None, telemetry: bool = False, post_threads: int = 1,
-                 multi_threaded: bool = True, copy_threads: int = 1):
+                 multi_threaded: bool = True, copy_threads: int = 1, backends: tuple[str, ...] | list[str] = ("UCX",),
+                 num_threads: int = 0):
         api = load_nixl_api()
         self.api = api
         self.agent_name = agent_name
@@ -100,8 +101,10 @@ class NixlTransport:
         # an initiator uses the agent from the caller's thread (poll, notify) and the post threads: RW
         # sync; a target (prefill) only calls it from its event loop: no locking
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if multi_threaded else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
-        conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else ["UCX"],
-                                     capture_telemetry=telemetry, sync_mode=sync)
+        # backends: NIXL plugins to create (UCX; LIBFABRIC for EFA, GDS, ...); num_threads: their worker
+        # threads (0: the plugin's default)
+        conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else list(backends),
+                                     capture_telemetry=telemetry, sync_mode=sync, num_threads=int(num_threads))
         try:
             self.agent = _make_agent(api, agent_name, conf, PROGRESS_DELAY_US)
             if ucx_params:
@@ -109,6 +112,12 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             raise TransportUnavailableError(f"cannot create a NIXL agent with the UCX backend: {e!r}; "
                                             "check UCX_TLS (it must include tcp) and the nixl install") from e
+        # NIXL skips a backend whose plugin is missing (a warning); an agent without it cannot move anything
+        missing = [] if ucx_params else [b for b in backends if b not in (self.agent.plugin_list or [])]
+        if missing:
+            raise TransportUnavailableError(f"NIXL backend(s) {missing} are not available here (plugins found: "
+                                            f"{sorted(self.agent.plugin_list or [])}); choose backends among "
+                                            "those, or install the plugin")
         self._regs: dict[int, object] = {}
         self._peers: set[str] = set()
         self._live: set[int] = set()

@@ -1,0 +1,238 @@
+"""The connector's scheduler side (runs in vLLM's engine core, next to its Scheduler; no kvbridge
+endpoint, no I/O). Tested against vLLM's real Scheduler (``tests/vllm/test_connector_scheduler.py``).
+
+* prefill (request has ``do_remote_decode``): ``request_finished_all_groups`` returns ``(True, params)``
+  so vLLM holds the blocks (``delay_free``) until the worker reports the request in ``finished_sending``
+  (the decode's Done, or the lease expiring on the prefill worker). ``params`` (all JSON):
+  ``do_remote_prefill``, ``remote_engine_id`` (the DP rank's, ``_dp{rank}``), ``remote_host`` /
+  ``remote_port`` (the DP rank's side-channel base, see :mod:`.config`), ``remote_block_ids`` (one list
+  per KV-cache group), ``remote_request_id``, ``remote_num_tokens``, ``remote_tp_size``,
+  ``remote_pp_size``, ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_speculative`` (the
+  draft model's settings, :func:`.translate.speculative_fingerprint`), ``remote_attempt``.
+* decode (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` returns
+  ``(num_prompt_tokens - num_computed_tokens, True)`` like vLLM's NixlConnector (the scheduler then
+  recomputes the last prompt token itself); ``update_state_after_alloc`` records, per group, the blocks
+  to fill: the newly allocated ones after the local prefix-cache hit (``first_block`` = number of hit
+  blocks, so only the tail is read); ``build_connector_meta`` hands them with the remote params to the
+  workers in :class:`KVBridgeConnectorMetadata`.
+
+**Mamba hybrids**: the decode recomputes the last prompt token after a load, so a prefill of a Mamba model
+computes all but the last prompt token (:meth:`ConnectorScheduler.on_new_request`, as vLLM's NixlConnector)
+and the decode loads that state and ``N - 1`` tokens; each Mamba group travels as the one block holding
+the request's running state (:meth:`ConnectorScheduler.state_slot`).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .config import ConnectorConfig
+from .translate import layout_fingerprint, prefill_backoff, state_groups
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecvReq:
+    """One read a decode worker must do."""
+
+    req_id: str
+    local_block_ids: list[list[int]]  # per group: the blocks to fill (tail after the prefix hit)
+    local_first_block: list[int]       # per group: number of locally cached (hit) blocks before them
+    remote: dict[str, Any]             # the prefill's kv_transfer_params
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    recv: dict[str, RecvReq] = field(default_factory=dict)
+    send: dict[str, tuple] = field(default_factory=dict)  # prefill: req id -> (held block ids per group, attempt)
+    # decode: requests that finished (any status) or need nothing without reading: req id -> remote params
+    release: dict[str, dict] = field(default_factory=dict)
+    # decode: requests still queued here, whose prefill leases must not run out: req id -> remote params
+    heartbeat: dict[str, dict] = field(default_factory=dict)
+
+
+class ConnectorScheduler:
+    """Scheduler-side state of one engine (DP rank): reads to start, leases to register, blocks held."""
+
+    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+        self.cfg = cfg
+        self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
+        # per vLLM KV-cache group: None (attention), or the speculative scratch slots of a Mamba group
+        self.state_groups = state_groups(kv_cache_config)
+        # trailing prompt tokens the prefill leaves to the decode: vLLM's decode always recomputes the last
+        # prompt token after a load; a Mamba state must then be the state *before* it; a multi-module MTP
+        # drafter's lookahead window stays off the prefill
+        self.backoff = prefill_backoff(vllm_config, kv_cache_config)
+        self._pending_recv: dict[str, RecvReq] = {}
+        self._pending_send: dict[str, tuple] = {}
+        self._pending_release: dict[str, dict] = {}
+        self._queued: dict[str, dict] = {}  # decode: requests seen, not allocated yet -> remote params
+        self._next_heartbeat = 0.0
+        self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def remote_token_count(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens a decode loads: all of them, or (Mamba models) all but the last ``backoff``,
+        which the prefill did not compute (:meth:`on_new_request`) and the decode computes itself."""
+        b = self.backoff
+        return num_prompt_tokens - b if b and num_prompt_tokens > b else num_prompt_tokens
+
+    def on_new_request(self, request) -> None:
+        """Decode: track the request for heartbeats until its read is set up.
+
+        Prefill of a Mamba hybrid: drop the last prompt token before scheduling, as vLLM's NixlConnector
+        does. vLLM's decode recomputes the last prompt token after any load (``_update_waiting_for_remote_kv``
+        sets ``num_computed_tokens = num_tokens - 1``); attention K/V of that token is rewritten with the
+        same values, but a Mamba state would take the token twice. So the prefill stops one token short and
+        its final state is the one the decode's recompute starts from."""
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and _readable(p):
+            # decode: the prefill's lease must not run out while the request waits here (heartbeats, as vLLM's
+            # NixlConnector tracks them from on_new_request; get_num_new_matched_tokens has no side effects)
+            self._queued[request.request_id] = _remote(p)
+        b = self.backoff
+        if (not b or not p or not p.get("do_remote_decode") or p.get("_kvbridge_truncated")
+                or request.num_prompt_tokens <= b or request.prompt_token_ids is None):
+            return
+        if hasattr(request, "get_skip_reading_prefix_cache") and request.get_skip_reading_prefix_cache():
+            return  # prompt logprobs: the decode recomputes the whole prompt (nothing loaded)
+        del request.prompt_token_ids[-b:]
+        del request._all_token_ids[-b:]
+        request.num_prompt_tokens -= b
+        request.max_tokens = 1
+        p["_kvbridge_truncated"] = True
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_block_ids") is not None:
+            want = self.remote_token_count(len(request.prompt_token_ids or []))
+            remote = p.get("remote_num_tokens")
+            if self.backoff and remote is not None and int(remote) != want:
+                # a Mamba state (or MTP draft KV) after more or fewer tokens than the decode resumes from
+                # would be wrong
+                log.warning("kvbridge: %s: the prefill computed %s prompt tokens, this decode resumes after %d "
+                            "(Mamba state / MTP lookahead); computing the prompt locally", request.request_id,
+                            remote, want)
+                return 0, False
+            count = want - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def state_slot(self, g: int, ids: list[int]) -> list[int]:
+        """The one block of Mamba group ``g`` holding the request's running state: the last one before the
+        speculative scratch slots (vLLM's ``clip_ssm_state_blocks``). In mode "none" a request has that
+        block only (plus scratch); in mode "align" its list is positional (null blocks, checkpoint
+        blocks, then the state at block ``cdiv(num_computed_tokens, block_size) - 1``)."""
+        ids = list(ids)
+        n_spec = self.state_groups[g] or 0
+        if not ids:
+            return ids
+        if n := min(n_spec, len(ids) - 1):
+            ids = ids[:-n]
+        return ids[-1:]
+
+    def is_state_group(self, g: int) -> bool:
+        return g < len(self.state_groups) and self.state_groups[g] is not None
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return
+        self._queued.pop(request.request_id, None)
+        if num_external_tokens <= 0 and _readable(p):
+            # nothing to read (the local prefix cache holds it all, or the params do not fit this engine):
+            # the prefill may free its blocks now
+            self._pending_release[request.request_id] = _remote(p)
+        if num_external_tokens > 0:
+            local, first = [], []
+            for g, group in enumerate(blocks.blocks):
+                if self.is_state_group(g):  # the state slot the decode resumes from; no token offset
+                    first.append(0)
+                    local.append(self.state_slot(g, [b.block_id for b in group]))
+                    continue
+                hit = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+                first.append(hit)
+                local.append([b.block_id for b in group[hit:]])
+            self._pending_recv[request.request_id] = RecvReq(request.request_id, local, first, _remote(p))
+        # only one read per request
+        p["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output) -> KVBridgeConnectorMetadata:
+        meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send,
+                                         release=self._pending_release)
+        self._pending_recv, self._pending_send, self._pending_release = {}, {}, {}
+        now = time.monotonic()
+        if self._queued and now >= self._next_heartbeat:  # vLLM's NixlConnector beats every lease / 6
+            meta.heartbeat = dict(self._queued)
+            self._next_heartbeat = now + self.cfg.lease_s / 6
+        return meta
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def request_finished_all_groups(self, request, block_ids):
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        self._queued.pop(request.request_id, None)
+        if p and p.get("do_remote_prefill") and _readable(p):
+            # a decode request that finished (aborted, rejected, errored, any status) before its read was
+            # set up: tell the prefill at once instead of holding its blocks for the lease
+            self._pending_release[request.request_id] = _remote(p)
+            p["do_remote_prefill"] = False
+            return False, None
+        if not p or not p.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted/errored prefill: free now
+        ids = [list(map(int, g)) for g in block_ids]
+        if not any(ids):
+            return False, None
+        # a Mamba group's list -> its state slot (vLLM still holds every block of the request until
+        # finished_sending; only that one is read)
+        ids = [self.state_slot(g, x) if self.is_state_group(g) else x for g, x in enumerate(ids)]
+        # one lease attempt id for every prefill rank, carried to the decode (53 bits: exact in any JSON)
+        attempt = secrets.randbits(53) | 1
+        self._held[request.request_id] = ids
+        self._pending_send[request.request_id] = (ids, attempt)
+        cfg = self.cfg
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": cfg.engine_id,
+            "remote_host": cfg.host,
+            "remote_port": cfg.port,
+            "remote_block_ids": ids,
+            "remote_request_id": request.request_id,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_tp_size": cfg.tp,
+            "remote_pp_size": cfg.pp,
+            "remote_dp_rank": cfg.dp_index,
+            "remote_layout": self.fingerprint,
+            "remote_speculative": cfg.speculative,
+            "remote_attempt": attempt,
+        }
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._held.pop(rid, None)
+
+    def held_requests(self) -> list[str]:
+        """Prefill: requests whose blocks vLLM still holds for a remote read."""
+        return sorted(self._held)
+
+
+def _remote(p: dict) -> dict:
+    """The prefill's kv_transfer_params as the workers get them (without the connector's own ``_`` keys)."""
+    return {k: v for k, v in p.items() if not k.startswith("_")}
+
+
+def _readable(p: dict) -> bool:
+    return p.get("remote_block_ids") is not None and p.get("remote_engine_id") is not None

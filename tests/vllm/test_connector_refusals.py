@@ -1,0 +1,117 @@
+"""What the connector refuses, by name, instead of mis-moving KV: context-parallel engines, sleep mode,
+unavailable NIXL backends, KV-cache spec kinds it does not move, a decode whose speculative config differs
+from the prefill's."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvbridge.integrations.vllm import (  # noqa: E402
+    ConnectorConfig,
+    ContextParallelUnsupported,
+    KVBridgeConnector,
+    VLLMConfigError,
+)
+from sched_utils import TINY_LLAMA, make_scheduler, make_vllm_config  # noqa: E402
+
+
+def _cfg(extra=None, role="kv_both"):
+    return make_vllm_config(tempfile.mkdtemp(), TINY_LLAMA, block_size=16, kv_transfer_config=dict(
+        kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm", kv_role=role,
+        engine_id="e", kv_connector_extra_config=extra or {}))
+
+
+# ---------------------------------------------------------------------- context parallelism
+@pytest.mark.parametrize("setting", ["prefill_context_parallel_size", "decode_context_parallel_size"])
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_context_parallel_engine_is_refused_naming_the_setting(setting, role):
+    """PCP/DCP shard a request's tokens over ranks; kvbridge's connector does not map that yet, so the
+    engine does not start (instead of mis-mapping blocks), with the setting to change in the message."""
+    cfg = _cfg()
+    setattr(cfg.parallel_config, setting, 2)
+    with pytest.raises(ContextParallelUnsupported, match=f"{setting}=2.*--{setting.replace('_', '-')} 1"):
+        KVBridgeConnector(cfg, role, None)
+    assert issubclass(ContextParallelUnsupported, VLLMConfigError)
+
+
+def test_vllms_scheduler_does_not_start_with_a_dcp_engine():
+    cfg = _cfg()
+    cfg.parallel_config.decode_context_parallel_size = 4
+    with pytest.raises(ContextParallelUnsupported, match="decode_context_parallel_size=4"):
+        make_scheduler(cfg, num_blocks=32)
+    cfg.parallel_config.decode_context_parallel_size = 1
+    assert isinstance(make_scheduler(cfg, num_blocks=32).connector, KVBridgeConnector)
+
+
+# ---------------------------------------------------------------------- sleep mode
+def test_sleep_mode_is_refused():
+    """Sleep mode frees and re-allocates the KV memory kvbridge registered with NIXL: the connector says it
+    does not support it, so vLLM refuses ``--enable-sleep-mode`` with it (vLLM's own check)."""
+    cfg = _cfg()
+    assert KVBridgeConnector.supports_sleep_mode(cfg.kv_transfer_config) is False
+    cfg.model_config.enable_sleep_mode = True  # (the CPU platform refuses it earlier, in ModelConfig)
+    with pytest.raises(ValueError, match="KVBridgeConnector does not support sleep mode"):
+        cfg._verify_kv_transfer_compat()
+
+
+# ---------------------------------------------------------------------- NIXL backends and threads
+def test_backends_and_num_threads_are_read_from_the_extra_config():
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).backends == ("UCX",)
+    c = ConnectorConfig.from_vllm(_cfg({"backends": ["LIBFABRIC"], "num_threads": 8}), environ={})
+    assert (c.backends, c.num_threads) == (("LIBFABRIC",), 8)
+    for bad in ([], [""], 3):
+        with pytest.raises(VLLMConfigError, match="backends"):
+            ConnectorConfig.from_vllm(_cfg({"backends": bad}), environ={})
+    with pytest.raises(VLLMConfigError, match="num_threads"):
+        ConnectorConfig.from_vllm(_cfg({"num_threads": 0}), environ={})
+
+
+def _build_in_child(extra, role):
+    """Build a worker-role connector in a forked child (a NIXL agent in the test process would be inherited
+    by the rank processes other tests fork); returns the child's exception type name and message."""
+    import multiprocessing as mp
+
+    from worker_harness import Side, build_worker, llama
+
+    def child(pipe):
+        try:
+            conn, *_ = build_worker(llama(2), Side(1, 1, 16), (0, 0), role, "e", 0, tempfile.mkdtemp(), extra=extra)
+            conn.shutdown()
+            pipe.send(("ok", ""))
+        except Exception as e:  # noqa: BLE001
+            pipe.send((type(e).__name__, str(e)))
+
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=child, args=(b,), daemon=True)
+    p.start()
+    assert a.poll(120), "the child did not answer"
+    out = a.recv()
+    p.join(20)
+    return out
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_an_unavailable_nixl_backend_is_a_typed_error_naming_it(role):
+    pytest.importorskip("nixl._api")
+    pytest.importorskip("vllm.v1.core.kv_cache_planning")
+    kind, msg = _build_in_child({"backends": ["NO_SUCH_BACKEND"]}, role)
+    assert kind == "TransportUnavailableError" and "NO_SUCH_BACKEND" in msg and "UCX" in msg, (kind, msg)
+
+
+def test_ucx_with_num_threads_moves_kv_byte_exact():
+    """backends ["UCX"] with num_threads 2 on both engines (the transport built from the extra config):
+    a TP2 -> TP1 pair reads byte-exact."""
+    pytest.importorskip("nixl._api")
+    pytest.importorskip("vllm.v1.core.kv_cache_planning")
+    from worker_harness import Side, llama, run_pair
+
+    r = run_pair(llama(2), Side(2, 1, 16), Side(1, 1, 16), requests=((60, 0), (33, 1)),
+                 extra={"backends": ["UCX"], "num_threads": 2})
+    assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2"] and r.sent == ["req-1", "req-2"]
+    assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
