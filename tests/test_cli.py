@@ -89,3 +89,50 @@ def test_verify_cp_flags(capsys):
                  "--decode-cp-interleave", "2", "--requests", "3"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "dcp2x4" in out and "dcp3x2" in out
+
+
+def test_demo_prints_labelled_latency_burst_and_large_request(monkeypatch, capsys):
+    """`kvbridge demo` (real rank processes, NIXL): warm single-request latency with the handshake excluded,
+    the burst's wall time and throughput apart, and one large request's GB/s against memcpy, each labelled;
+    the byte-level verification still decides PASS."""
+    import re
+
+    import pytest
+    from rich.console import Console
+
+    from kvbridge.testing import demo
+    from kvbridge.transport.nixl import nixl_available
+    if not nixl_available():
+        pytest.skip("nixl not installed")
+    monkeypatch.setattr(demo, "console", Console(width=400, force_terminal=False))
+    assert main(["demo", "--model", "tiny-dense", "--prefill-tp", "2", "--decode-tp", "1", "--requests", "4",
+                 "--max-tokens", "64", "--warm-requests", "3", "--large", "--large-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+
+    def row(prefix: str) -> str:
+        hits = [v for k, v in rows.items() if k.startswith(prefix)]
+        assert len(hits) == 1, (prefix, list(rows))
+        return hits[0]
+
+    warm_label = next(k for k in rows if k.startswith("single-request transfer latency, warm"))
+    assert "3 requests of 32 tokens" in warm_label and "handshake and first request excluded" in warm_label
+    med, mn = map(float, re.fullmatch(r"([0-9.]+) / ([0-9.]+) ms", row("single-request transfer latency")).groups())
+    assert 0 < mn <= med
+    burst_label = next(k for k in rows if k.startswith("burst wall time"))
+    longest = re.search(r"4 requests of up to ([0-9]+) tokens started at once", burst_label)
+    assert longest and 1 <= int(longest.group(1)) <= 64 and "not a per-request latency" in burst_label, burst_label
+    assert float(re.fullmatch(r"([0-9.]+) ms", row("burst wall time")).group(1)) > 0
+    reqs, gbps = re.fullmatch(r"([0-9]+) req/s, ([0-9.]+) GB/s", row("burst throughput")).groups()
+    assert int(reqs) > 0
+    assert "large request: 4096 tokens" in next(k for k in rows if k.startswith("large request: "))
+    got, memcpy, ratio = re.fullmatch(r"([0-9.]+) vs ([0-9.]+) GB/s \(([0-9.]+)x of memcpy\)",
+                                      row("large request GB/s vs one-thread numpy memcpy")).groups()
+    assert float(got) > 0 and float(memcpy) > 0 and abs(float(got) / float(memcpy) - float(ratio)) < 0.01 + 0.01 * float(ratio)
+    assert row("requests finished / sent (all phases)") == "9 / 9"  # 1 untimed + 3 warm + 4 burst + 1 large
+    assert row("mismatched bytes") == "0" and row("leaked transfer handles") == "0"
+    assert row("result") == "PASS"

@@ -65,6 +65,19 @@ cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, n
                   num_key_value_heads=2, head_dim=64, vocab_size=512, bos_token_id=1, eos_token_id=2,
                   max_position_embeddings=4096)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+# a word-level tokenizer over the same 512 ids (so that /v1/chat/completions works): id i is the word "t<i>"
+# (ids 0-2 are <unk>/<s>/</s>, 3-5 the chat roles), and a chat template that spells each message as words
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import PreTrainedTokenizerFast
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "system": 3, "user": 4, "assistant": 5}
+vocab.update({f"t{i}": i for i in range(6, 512)})
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               chat_template=("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                                              "{% if add_generation_prompt %}assistant{% endif %}"))
+fast.save_pretrained(sys.argv[1])
 """
 
 
@@ -79,7 +92,7 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.ex
     """Write the random-weight tiny Llama (bf16, ``save_pretrained``) to ``path`` (in a subprocess, so that
     torch and transformers stay out of the test process). Returns the directory."""
     path = Path(path)
-    if not (path / "config.json").exists():
+    if not (path / "tokenizer.json").exists():
         path.mkdir(parents=True, exist_ok=True)
         r = subprocess.run([python, "-c", TINY_LLAMA_SCRIPT, str(path), str(seed)],
                            capture_output=True, text=True, timeout=timeout)
@@ -141,6 +154,7 @@ class EngineSpec:
     dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    tokenizer: bool = False  # load the model's tokenizer (text prompts, /v1/chat/completions); else token ids only
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -172,7 +186,8 @@ class Engine:
     def command(self) -> list[str]:
         s = self.spec
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model,
-               "--skip-tokenizer-init", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+               *([] if s.tokenizer else ["--skip-tokenizer-init"]),
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(s.max_model_len), "--dtype", s.dtype,
                "--tensor-parallel-size", str(s.tp)]
         if s.block_size is not None:
@@ -379,6 +394,122 @@ def pd_generate(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: 
     r2 = decode.complete(prompt, max_tokens, kv_transfer_params=params, timeout=timeout, request_id=request_id)
     t2 = time.monotonic()
     return PDResult(tokens_of(r2), tokens_of(r1), params, t1 - t0, t2 - t1)
+
+
+# ---------------------------------------------------------------------------------------------- vllm-router
+# vllm-router 0.1.17 (PyPI, a Rust P/D load balancer), installed by scripts/install_vllm.sh in its own venv
+ROUTER_BIN = os.environ.get("KVB_ROUTER_BIN") or str(REPO / ".venv-router" / "bin" / "vllm-router")
+
+
+def router_available(binary: str = ROUTER_BIN) -> bool:
+    return os.access(binary, os.X_OK)
+
+
+class Router:
+    """``vllm-router --vllm-pd-disaggregation`` in front of prefill and decode engines (its default nixl mode:
+    the prefill gets NIXL's ``kv_transfer_params`` template with ``max_tokens`` 1, the decode gets the prefill's
+    ``kv_transfer_params`` verbatim; shared/research/routers.md §1). One process group, logs to a file."""
+
+    def __init__(self, prefill: list[Engine], decode: list[Engine], log_dir: str | os.PathLike,
+                 name: str = "router", binary: str = ROUTER_BIN):
+        self.prefill, self.decode, self.binary = list(prefill), list(decode), binary
+        self.names: tuple[str, ...] = ()  # what the caller calls the engines behind it
+        self.port = free_ports(1)
+        self.prom_port = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        cmd = [self.binary, "--vllm-pd-disaggregation"]
+        for p in self.prefill:
+            cmd += ["--prefill", p.url]
+        for d in self.decode:
+            cmd += ["--decode", d.url]
+        return cmd + ["--kv-connector", "nixl", "--policy", "round_robin", "--host", "127.0.0.1",
+                      "--port", str(self.port), "--prometheus-port", str(self.prom_port),
+                      "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
+                      "--log-level", "info"]
+
+    def start(self) -> Router:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.command()) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        """Until ``/readiness`` answers 200 (the router has seen every worker healthy); seconds."""
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + timeout:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EngineError(f"vllm-router exited (rc {self.proc and self.proc.poll()}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/readiness", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise EngineError(f"vllm-router not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def request(self, path: str, body: dict[str, Any], timeout: float = 180.0) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST through the router: the JSON answer, or for ``"stream": true`` the list of SSE ``data:`` events
+        (``[DONE]`` left out)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"router POST {path} answered {e.code}: {e.read()[:2000]!r}") from None
+        if not body.get("stream"):
+            return json.loads(raw)
+        events = []
+        for line in raw.splitlines():
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                if data and data != "[DONE]":
+                    events.append(json.loads(data))
+        return events
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def choice_tokens(resp: dict[str, Any] | list[dict[str, Any]], index: int = 0) -> list[int]:
+    """Generated ids of choice ``index`` of a completions or chat answer (``return_token_ids``), streamed
+    (the ids of every chunk, in order) or not."""
+    chunks = resp if isinstance(resp, list) else [resp]
+    ids: list[int] = []
+    seen = False
+    for c in chunks:
+        for ch in c.get("choices", []):
+            if ch.get("index", 0) == index and ch.get("token_ids") is not None:
+                ids += [int(t) for t in ch["token_ids"]]
+                seen = True
+    if not seen:
+        raise KeyError(f"no token_ids for choice {index} (return_token_ids not honoured?): {json.dumps(resp)[:800]}")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------- a set

