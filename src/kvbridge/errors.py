@@ -105,6 +105,13 @@ class LeaseExpired(ReadFailure):
     code = "lease_expired"
 
 
+class NotRegistered(LeaseExpired):
+    """The prefill had not registered the request's lease (its engine registers a request when its
+    step ends) and still had not when the decode stopped asking (``register_grace_s``)."""
+
+    code = "not_registered"
+
+
 class Aborted(ReadFailure):
     """The request was aborted or its engine forgotten on this decode rank before the read completed."""
 

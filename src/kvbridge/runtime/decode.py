@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected,
-                      PeerRestarted, ReadFailure, RemoteError, RequestError, TransferError, TransferFailed,
-                      TransferTimeout)
+from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, NotRegistered,
+                      PeerDisconnected, PeerRestarted, ReadFailure, RemoteError, RequestError, TransferError,
+                      TransferFailed, TransferTimeout)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -67,6 +69,7 @@ class ReadRequest:
     ``attempt``: the lease's attempt id that ``PrefillRank.add_request`` returned (the same on every
     prefill rank when the engine passes one; or a mapping prefill rank -> attempt). The decode never
     sees a lease time: the prefill alone decides, on its own clock, whether the attempt is still live.
+    ``read_id``: see :attr:`key`.
     """
 
     req_id: str
@@ -75,6 +78,15 @@ class ReadRequest:
     prefill_blocks: dict[str, GroupBlocks]
     decode_blocks: dict[str, GroupBlocks]
     attempt: int | dict = 0
+    read_id: str = ""
+
+    @property
+    def key(self) -> str:
+        """This read's id on the decode side and the prefill's pin: ``read_id`` (the decode engine's own
+        request id, the same on all of its ranks), or ``req_id`` when none is given. Several reads of one
+        prefill request (vLLM ``n > 1``, retries, hedges) need distinct read ids; :meth:`DecodeRank.poll`,
+        :meth:`~DecodeRank.abort` and :meth:`~DecodeRank.release` name a read by this key."""
+        return self.read_id or self.req_id
 
     def attempt_for(self, prefill_rank: Rank) -> int:
         a = self.attempt
@@ -150,6 +162,13 @@ class _RankRead:
     reads: list = field(default_factory=list)
     staging: _Staging | None = None
     notify_at_end: bool = False    # no read carries this rank's Done: send it when the request completes
+    pinned: bool = False           # the prefill granted this rank's pin (only then is a Done sent for it)
+    asked: bool = False            # an acquire/stage request is out, unanswered (a pin may exist by now)
+    first_sent: float = 0.0        # the first acquire/stage request (not-registered retries count from here)
+    retry_at: float | None = None  # not registered yet: ask again at this time
+    stage_msg: object = None       # staged: the Stage request (re-sent on a not-registered refusal)
+    refresh_at: float = float("inf")  # pinned: send a heartbeat (re-arms the pin) at this time
+    refresh_sent: float = 0.0      # when the last heartbeat went out (its answer counts from here)
 
     @property
     def state(self) -> ReadState:
@@ -202,7 +221,8 @@ class DecodeRank:
                  handshake_timeout_s: float = 5.0,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
-                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1):
+                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1,
+                 register_grace_s: float = 2.0):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -222,6 +242,11 @@ class DecodeRank:
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
         self.stage_segment_bytes = int(stage_segment_bytes)
         self.transfer_timeout_s = transfer_timeout_s
+        # an acquire/stage request that finds no lease yet ("not registered": the prefill engine registers
+        # a request when its step ends, the router may be faster) is asked again for this long
+        self.register_grace_s = float(register_grace_s)
+        self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
+        self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()
@@ -238,7 +263,8 @@ class DecodeRank:
         self.failed: dict[str, ReadFailure] = {}
         self.metrics = Metrics()
         self.handshake_timeout_s = handshake_timeout_s
-        self._outbox: dict = {}     # (id(remote), prefill rank) -> (remote, rank, [(req_id, attempt)]): acquires
+        self._outbox: dict = {}     # (id(remote), prefill rank) -> (remote, rank, [(req_id, attempt, key)]): acquires
+        self._heartbeats: dict = {}  # the same, heartbeats (queued requests, and pins of reads in flight)
         self._unsent: list = []     # (socket, frames): side-channel messages ZMQ could not queue yet
         self._dead_agents: set = set()
         self._retired: list = []    # (RemoteEngine, not before): engines dropped after a peer died
@@ -322,7 +348,9 @@ class DecodeRank:
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
                      if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != "direct"}
         socks = {}
-        for prank in plan.prefill_ranks_for(self.rank):  # acquire (direct) or stage requests
+        # acquire (direct), stage and heartbeat requests: to every prefill rank this rank notifies (a rank
+        # with nothing to read here is acquired and released too: only a pin holder's Done counts)
+        for prank in sorted(set(needed) | set(plan.prefill_ranks_for(self.rank))):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             # the side channel's TCP connection closing is the earliest sign of a dead prefill process
@@ -379,10 +407,12 @@ class DecodeRank:
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
         """Validate ``req`` and ask its prefill ranks to pin the lease (direct reads are posted when the
-        pin is granted; staged ranks pack on the stage request, which pins too). Raises
-        RequestError/HandshakeError before anything moves."""
-        if req.req_id in self.inflight:
-            raise RequestError(f"request {req.req_id!r} is already in flight on decode rank {self.rank}")
+        pin is granted; staged ranks pack on the stage request, which pins too; a rank with nothing to
+        read is pinned and released at once). Raises RequestError/HandshakeError before anything moves."""
+        key = req.key
+        if key in self.inflight:
+            raise RequestError(f"read {key!r} is already in flight on decode rank {self.rank}; give each read of "
+                               "one prefill request its own ReadRequest.read_id")
         remote = self.remotes.get(req.engine_id)
         if remote is None:
             raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call handshake() first")
@@ -395,39 +425,88 @@ class DecodeRank:
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
             self.metrics.failed_requests += 1
-            self.failed[req.req_id] = LeaseExpired(
+            self.failed[key] = LeaseExpired(
                 f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
                 f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
                 req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
             return
         f = _InFlight(req, remote, {}, t0)
         now = time.monotonic()
-        for prank, agent in remote.agents.items():
+        for prank in remote.agents:
             if prank in staged:
                 continue
             d = descs.get(prank)
-            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica): notify
-                self._notify(agent, self._done(req, remote, prank))
-                continue
-            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d)
-            self._outbox.setdefault((id(remote), prank), (remote, prank, []))[2].append(
-                (req.req_id, req.attempt_for(prank)))
+            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica)
+                if not req.attempt_for(prank) or prank not in remote.stage_socks:
+                    continue  # nothing to present: the prefill's lease expires on its own
+                d = None  # pinned, then released at once: only a pin holder's Done settles a read
+            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d, first_sent=now)
+            self._queue(self._outbox, remote, prank, req)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self._layout_dict
             for prank in staged:
-                f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now)
-                self._send(remote.stage_socks[prank], pack(Stage(
+                rr = f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now, first_sent=now)
+                rr.stage_msg = Stage(
                     req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
                     self.stage_segment_bytes, req.attempt_for(prank), remote.readers[prank],
-                    remote.digests.get(prank, ""))))
+                    remote.digests.get(prank, ""), key, self.transport.agent_name)
+                self._send(remote.stage_socks[prank], pack(rr.stage_msg))
+                rr.asked = True
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
         if not f.ranks:
-            self.finished.append(req.req_id)
+            self.finished.append(key)
             self.metrics.finished_requests += 1
             return
-        self.inflight[req.req_id] = f
+        self.inflight[key] = f
+
+    @staticmethod
+    def _queue(box: dict, remote: RemoteEngine, prank: Rank, req: ReadRequest) -> None:
+        box.setdefault((id(remote), prank), (remote, prank, []))[2].append(
+            (req.req_id, req.attempt_for(prank), req.key))
+
+    def heartbeat(self, reqs: Iterable[ReadRequest]) -> None:
+        """Tell the prefill ranks that these requests, queued or parked on this engine (not started), will
+        still be read: each prefill rank this rank notifies extends their leases by its ``lease_s`` (never
+        past its ``pin_s`` after registration), bound to the attempt and to this reader; nothing is
+        pinned, and an unknown or ended request is left alone. Call it every ``lease_s / 6`` or so (vLLM
+        0.33 does) for requests waiting longer than a fraction of the lease. Reads in flight need no
+        call: :meth:`poll` refreshes their pins. Never blocks (sent on the next :meth:`poll`/:meth:`flush`)."""
+        for req in reqs:
+            if req.key in self.inflight:
+                continue
+            remote = self.remotes.get(req.engine_id)
+            if remote is None:
+                continue
+            for prank in remote.agents:
+                if req.attempt_for(prank) and prank in remote.stage_socks:
+                    self._queue(self._heartbeats, remote, prank, req)
+        self.flush()
+
+    def release(self, req: ReadRequest) -> None:
+        """Give up ``req`` (the engine aborted or rejected the request): the prefill's blocks are freed as
+        soon as no other reader needs them. Never blocks.
+
+        In flight (``req.key`` started here): as :meth:`abort`: reads cancelled, and every pin this rank
+        holds for it released (``Done``, failed); a pin still being granted is released when its grant
+        arrives. Not started: every prefill rank this rank notifies gets a *decline* (``Done`` with
+        ``decline=True``, failed) for ``req.key``: this rank's part of the read is settled without
+        reading. A prefill rank frees the lease when that leaves no pin held by any reader (another
+        decode engine's read, another read id of this engine, another rank of this engine still
+        reading) and every read of it settled; otherwise the lease stays for the others (and expires on
+        its own if they never come). A decline is ignored if this rank holds the pin (it releases
+        instead) or already settled its part."""
+        if req.key in self.inflight:
+            self.abort(req.key)
+            return
+        self.metrics.aborted_requests += 1
+        remote = self.remotes.get(req.engine_id)
+        if remote is None:
+            return
+        for p, agent in remote.agents.items():
+            if req.attempt_for(p):
+                self._notify(agent, self._done(req, remote, p, ok=False, decline=True))
 
     def _send(self, sock, frames: list) -> None:
         """Queue a side-channel message without blocking; what ZMQ cannot take now is retried on poll
@@ -448,10 +527,23 @@ class DecodeRank:
         if self._outbox:
             out, self._outbox = self._outbox, {}
             for remote, prank, reqs in out.values():
-                live = [(rid, a) for rid, a in reqs if rid in self.inflight]
+                live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
+                for _, _, k in live:
+                    rr = self.inflight[k].ranks.get(prank)
+                    if rr is not None:
+                        rr.asked = True
                 if live and prank in remote.stage_socks:
                     self._send(remote.stage_socks[prank], pack(Acquire(
-                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), live)))
+                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), live,
+                        self.transport.agent_name)))
+        if self._heartbeats:
+            out, self._heartbeats = self._heartbeats, {}
+            for remote, prank, reqs in out.values():
+                if prank in remote.stage_socks:
+                    self.metrics.heartbeats += len(reqs)
+                    self._send(remote.stage_socks[prank], pack(Acquire(
+                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), reqs,
+                        self.transport.agent_name, heartbeat=True)))
 
     def _request_modes(self, remote: RemoteEngine, req: ReadRequest) -> dict:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
@@ -464,9 +556,25 @@ class DecodeRank:
                                lambda p: p in remote.can_stage)
         return {p: staged.get(p, "direct") for p in remote.modes}
 
-    def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
+
+    def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True,
+              decline: bool = False) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
-                                 req.attempt_for(prank)))
+                                 req.attempt_for(prank), req.key, decline))
+
+    def _let_go(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+        """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
+        or answered twice): release that pin once, so it does not hold the blocks until it times out."""
+        key = (read_id, prank, attempt)
+        if key in self._released or prank not in remote.agents:
+            return
+        self._released[key] = True
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)
+        agent = remote.agents[prank]
+        if agent not in self._dead_agents:
+            self._notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+                                                  attempt, read_id)))
 
     def _post_direct(self, f: _InFlight, rr: _RankRead, d) -> None:
         """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
@@ -499,53 +607,96 @@ class DecodeRank:
         if code == "restarted":
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(PeerRestarted, f, rr.prefill, text))
             self._retire(f.remote)  # a later handshake() reaches the new process
+        elif code == "not_registered":
+            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(
+                NotRegistered, f, rr.prefill, f"{text} (asked for {self.register_grace_s:g} s: register_grace_s)"))
         elif code in ("lease_expired", "done"):
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, rr.prefill, text))
         else:
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, rr.prefill, f"[{code}] {text}"))
 
+    def _not_registered(self, f: _InFlight, rr: _RankRead, code: str, text: str, now: float) -> bool:
+        """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
+        No pin exists and nothing is sent meanwhile. True if a retry was scheduled."""
+        if code != "not_registered" or now - rr.first_sent >= self.register_grace_s:
+            return False
+        tries = self.metrics.register_retries
+        self.metrics.register_retries = tries + 1
+        rr.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - rr.first_sent) / 0.02)))
+        rr.progress_at = now
+        return True
+
     def _on_acquired(self, remote: RemoteEngine, prank: Rank, msg: Acquired) -> None:
         now = time.monotonic()
-        for rid, attempt, ttl_s in msg.granted:
-            f, rr = self._rank_read(remote, prank, rid, attempt)
-            if rr is None or rr.state is not ReadState.ACQUIRING:
+        if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
+            for rid, attempt, read_id, ttl_s in msg.granted:
+                f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+                if rr is not None and rr.pinned and not rr.sm.terminal:
+                    rr.pin_deadline = max(rr.pin_deadline, rr.refresh_sent + ttl_s)
+                    rr.refresh_at = rr.refresh_sent + ttl_s / 3
+            return
+        for rid, attempt, read_id, ttl_s in msg.granted:
+            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+            if rr is None or rr.state is not ReadState.ACQUIRING or rr.retry_at is not None:
+                self._let_go(remote, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
+            rr.pinned, rr.asked = True, False
             if ttl_s <= 0:
                 self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank, "the pin was granted "
                                                                         "with no time left"))
                 continue
             rr.sm.fire(ReadEvent.GRANTED)
             rr.pin_deadline, rr.progress_at = rr.sent_at + ttl_s, now
+            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + ttl_s / 3
+            if rr.descs is None:  # nothing to read from this rank: release the pin at once
+                self._notify(remote.agents[prank], self._done(f.req, remote, prank))
+                rr.pinned = False
+                rr.sm.fire(ReadEvent.COMPLETED)
+                continue
             self._post_direct(f, rr, rr.descs)
             rr.descs = None
-        for rid, attempt, code, text in msg.refused:
-            f, rr = self._rank_read(remote, prank, rid, attempt)
-            if rr is not None and rr.state is ReadState.ACQUIRING:
-                self._refused(f, rr, code, text)
+        for rid, attempt, read_id, code, text in msg.refused:
+            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+            if rr is not None and rr.state is ReadState.ACQUIRING and rr.retry_at is None:
+                rr.asked = False
+                if not self._not_registered(f, rr, code, text, now):
+                    self._refused(f, rr, code, text)
 
-    def _rank_read(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int | None = None):
-        f = self.inflight.get(rid)
-        if f is None or f.remote is not remote or (attempt is not None and attempt != f.req.attempt_for(prank)):
+    def _rank_read(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int | None = None,
+                   read_id: str = ""):
+        f = self.inflight.get(read_id or rid)
+        if (f is None or f.remote is not remote or f.req.req_id != rid
+                or (attempt is not None and attempt != f.req.attempt_for(prank))):
             return None, None
         return f, f.ranks.get(prank)
 
     def _on_stage_reply(self, remote: RemoteEngine, prank: Rank, msg: Staged | StageError) -> None:
         from ..staging import offsets
-        f, rr = self._rank_read(remote, prank, msg.req_id)
-        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING):
-            return  # the request failed or was aborted meanwhile, or we fell back to direct reads
+        f, rr = self._rank_read(remote, prank, msg.req_id, msg.attempt or None, msg.read_id)
+        pinned = isinstance(msg, Staged) or msg.code not in _REFUSALS
+        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING) or rr.retry_at is not None:
+            # the request failed or was aborted meanwhile, or we fell back to direct reads: a pin the
+            # prefill made for a read no longer live here is released (once)
+            if pinned and (rr is None or rr.sm.terminal) and msg.attempt:
+                self._let_go(remote, prank, msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+            return
         now = rr.progress_at = time.monotonic()
         req = f.req
+        rr.pinned, rr.asked = rr.pinned or pinned, False
         if isinstance(msg, StageError):
-            if msg.expired or msg.code in ("lease_expired", "restarted", "unknown_reader", "done"):
+            if rr.state is ReadState.STAGE_REQUESTED and self._not_registered(f, rr, msg.code, msg.message, now):
+                return
+            if msg.expired or msg.code in _REFUSALS:
                 self._refused(f, rr, msg.code or "lease_expired", msg.message)
             elif rr.state is ReadState.STAGE_REQUESTED and msg.ttl_s > 0:  # no room: read directly, pinned
                 rr.pin_deadline = rr.sent_at + msg.ttl_s
+                rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + msg.ttl_s / 3
                 self._direct_fallback(f, rr)
             else:
                 self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, prank, msg.message))
             return
         if rr.staging is None and rr.state is ReadState.STAGE_REQUESTED:  # first segment
+            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + max(msg.ttl_s, 0.0) / 3
             if msg.total == 0:
                 rr.notify_at_end = True  # nothing to read: Done goes out when the request completes
                 rr.pin_deadline = now + 1e9  # nothing read: nothing to trust
@@ -562,7 +713,7 @@ class DecodeRank:
                                                                         "staged with no pin time left"))
                 return
             rr.pin_deadline = rr.sent_at + msg.ttl_s
-            off = self.slots.alloc((req.req_id, prank), msg.total)
+            off = self.slots.alloc((req.key, prank), msg.total)
             if off is None:  # our staging is full: read directly (under the pin), ignore the rest
                 self._direct_fallback(f, rr)
                 return
@@ -615,29 +766,39 @@ class DecodeRank:
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
         """Abort a request: tell its prefill ranks to free the blocks (never waits for a read).
 
-        In flight: its reads are cancelled (one still in progress is parked with its memory until it
-        ends) and every live prefill rank it notifies is told. Not started (``readers_of`` given): every
-        prefill rank this rank notifies is told.
+        In flight (``req_id``: the read's key, :attr:`ReadRequest.key`): its reads are cancelled (one
+        still in progress is parked with its memory until it ends) and every pin this rank holds for it
+        is released. Not started (``readers_of`` given): as :meth:`release` (a decline to every prefill
+        rank this rank notifies; the lease is freed only if no other reader holds a pin).
         """
         f = self.inflight.pop(req_id, None)
-        self.metrics.aborted_requests += 1
         if f is not None:
+            self.metrics.aborted_requests += 1
+            unpinned = [p for p, rr in f.ranks.items() if not rr.sm.terminal and not rr.pinned]
             for rr in f.ranks.values():
                 if not rr.sm.terminal:
                     rr.sm.fire(ReadEvent.ABORT)
             self._release_reads(f)
             self._notify_failed(f)
+            # ranks where we know of no pin (acquire not sent or not answered yet, refused): decline too.
+            # If our request was answered meanwhile with a pin (a parked stage request), the release
+            # above ends it and the prefill ignores the decline; if not, the release is ignored and the
+            # decline settles our part (a pin granted after both is let go when its grant arrives)
+            for p in unpinned:
+                agent = f.remote.agents.get(p)
+                if agent is not None and agent not in self._dead_agents and f.req.attempt_for(p):
+                    self._notify(agent, self._done(f.req, f.remote, p, ok=False, decline=True))
             return
-        remote = self.remotes.get(readers_of.engine_id) if readers_of else None
-        if remote is not None:
-            for p, agent in remote.agents.items():
-                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], False,
-                                                      readers_of.attempt_for(p))))
+        if readers_of is not None:  # not started: decline (see release())
+            self.release(readers_of)
+        else:
+            self.metrics.aborted_requests += 1
 
     @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
-        return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent)
+        return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent
+                    or self._heartbeats or time.monotonic() < self._linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call."""
@@ -660,13 +821,28 @@ class DecodeRank:
                 self._complete(rid, f)
         self._reap_zombies()
         self._reap_retired()
+        self.flush()  # retries and heartbeats scheduled above
         out, failed = self.finished, self.failed
         self.finished, self.failed = [], {}
         return out, failed
 
     def _advance(self, f: _InFlight, rr: _RankRead, now: float) -> bool:
-        """Drive one rank's read: completions, scatters, its deadlines. True if the request failed."""
+        """Drive one rank's read: not-registered retries, pin heartbeats, completions, scatters, its
+        deadlines. True if the request failed."""
         prank = rr.prefill
+        if rr.retry_at is not None:  # refused "not registered yet": nothing is held, nothing is sent
+            if now < rr.retry_at:
+                return False
+            rr.retry_at, rr.sent_at = None, now
+            if rr.state is ReadState.ACQUIRING:
+                self._queue(self._outbox, f.remote, prank, f.req)
+            elif rr.stage_msg is not None and prank in f.remote.stage_socks:
+                self._send(f.remote.stage_socks[prank], pack(rr.stage_msg))
+                rr.asked = True
+        if rr.pinned and now >= rr.refresh_at:  # keep our pin alive on the prefill (its idle timeout)
+            rr.refresh_sent = now
+            rr.refresh_at = now + max(0.05, (rr.pin_deadline - now) / 2)  # again then if nobody answers
+            self._queue(self._heartbeats, f.remote, prank, f.req)
         try:
             for r in rr.reads:
                 if not r.done and self.transport.check(r.xfer) == "DONE":
@@ -715,8 +891,9 @@ class DecodeRank:
         self._release_reads(f)
         del self.inflight[rid]
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
-            if rr.notify_at_end:
+            if rr.notify_at_end and rr.pinned:
                 self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
+            rr.pinned = False  # direct reads' Done rode on the read
         self.metrics.observe_transfer(time.perf_counter() - f.started)
         for rr in f.ranks.values():
             for r in rr.reads:
@@ -840,7 +1017,7 @@ class DecodeRank:
                     parked.append(r)
                     continue
                 self.transport.release(r.xfer)
-        slots = [(f.req.req_id, p) for p, rr in f.ranks.items() if rr.staging is not None]
+        slots = [(f.req.key, p) for p, rr in f.ranks.items() if rr.staging is not None]
         if parked:
             self._zombies.append((f.req.req_id, slots, parked))
         else:
@@ -874,12 +1051,21 @@ class DecodeRank:
             self._notify_failed(f)
 
     def _notify_failed(self, f: _InFlight) -> None:
-        """Done(failed) to every prefill rank of the request whose agent is alive (a prefill counts one
-        Done per reader, so a second one for a rank whose read carried it is harmless)."""
+        """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
+        alive: it releases that pin (only the holder's Done can). Nothing is sent for a rank that refused
+        the acquire or was never asked (it holds nothing of ours); a pin granted after this is released
+        when its grant arrives (``_let_go``)."""
         peers = self.transport.peers
-        for p, agent in f.remote.agents.items():
-            if agent not in self._dead_agents and agent in peers:
+        for p, rr in f.ranks.items():
+            agent = f.remote.agents.get(p)
+            if (rr.pinned or rr.asked) and agent is not None and agent not in self._dead_agents and agent in peers:
+                # asked, unanswered: a pin may exist already (the prefill ignores a release of none)
                 self._notify(agent, self._done(f.req, f.remote, p, ok=False))
+                if rr.asked:  # the answer may still come: keep draining replies a while to let it go
+                    self._linger_until = max(self._linger_until, time.monotonic() + self.stage_timeout_s)
+                else:
+                    self._released[(f.req.key, p, f.req.attempt_for(p))] = True
+            rr.pinned = rr.asked = False
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
         """Poll until nothing is in flight (or timeout); returns everything finished/failed meanwhile."""
@@ -897,6 +1083,7 @@ class DecodeRank:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self._zombies),
+                "retired_engines": len(self._retired),
                 "staging_used": self.slots.bytes_used,
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
@@ -917,7 +1104,7 @@ class DecodeRank:
         """Post ``req`` and wait for it here (no RPC in the timing); returns seconds, bytes, descriptors."""
         t0 = time.perf_counter()
         self.start(req)
-        f = self.inflight.get(req.req_id)
+        f = self.inflight.get(req.key)
         # poll every 0.2 ms, like an engine loop between steps: a tighter loop steals a core from the
         # copies on a small machine (reads and scatters run on the post threads, packs in the prefill)
         done, failed = self.wait(timeout_s, sleep_s=2e-4)
@@ -956,6 +1143,10 @@ class DecodeRank:
             return
         for a in self.mem.allocations:
             host_view(a.addr, a.nbytes).fill(value)
+
+
+# refusal codes of an acquire/stage request: no pin was made
+_REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_reader", "done"})
 
 
 def _device_of(remote: RemoteEngine, prank: Rank) -> str:

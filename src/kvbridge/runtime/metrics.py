@@ -29,6 +29,10 @@ class Metrics:
     stale_messages: int = 0
     forged_messages: int = 0
     cancelled_reads: int = 0
+    not_registered: int = 0
+    ignored_notifications: int = 0
+    register_retries: int = 0
+    heartbeats: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
     stage_wait_seconds_sum: float = 0.0
@@ -76,6 +80,11 @@ HELP = {
     "refused_reads": ("counter", "acquire/stage requests the prefill refused (lease gone, other attempt, unknown reader)"),
     "stale_messages": ("counter", "Done/stage/acquire messages for another attempt of a live request (ignored)"),
     "forged_messages": ("counter", "messages from a reader that did not handshake or from another agent (ignored)"),
+    "ignored_notifications": ("counter", "Done notifications with no effect: a pin the sender does not hold, a "
+                                         "decline from a pin holder, a read settled already"),
+    "not_registered": ("counter", "acquire/stage requests refused because the lease was not registered yet (retried)"),
+    "register_retries": ("counter", "acquire/stage requests retried after a not-registered refusal"),
+    "heartbeats": ("counter", "lease heartbeats sent (queued requests and in-flight pins)"),
     "cancelled_reads": ("counter", "reads cancelled before the transport posted them (dead peer, failed request)"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
     "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),
