@@ -81,7 +81,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
                 assert snapshot(t) == snap  # a refused acquire creates no pin, changes nothing
                 lease = t.get(rid)
                 if lease is None or lease.attempt != att:
-                    want = Refusal.LEASE_EXPIRED if (rid, att) in ended else Refusal.NOT_REGISTERED
+                    want = Refusal.LEASE_EXPIRED if (rid, att) in ended or lease else Refusal.NOT_REGISTERED
                     assert got.code is want
             else:
                 assert isinstance(got, Granted) and got.ttl_s > 0
@@ -164,8 +164,9 @@ def test_early_acquire_is_refused_as_not_registered_and_leaves_nothing():
     # the refused reader sends nothing; the registration comes; the retried acquire pins
     t.register("q", None, 3, 0.01)
     assert isinstance(t.acquire("q", 3, ("dA", (0, 0)), "x", 1, 0.02), Granted)
-    # a guessed attempt for a live request is "not registered", an ended one is "expired"
-    assert t.acquire("q", 4, ("dA", (0, 0)), "x", 1, 0.03).code is Refusal.NOT_REGISTERED
+    # another attempt than the live one, or an ended one, is "expired"; an unknown id "not registered"
+    assert t.acquire("q", 4, ("dA", (0, 0)), "x", 1, 0.03).code is Refusal.LEASE_EXPIRED
+    assert t.acquire("p", 4, ("dA", (0, 0)), "x", 1, 0.03).code is Refusal.NOT_REGISTERED
     t.register("q", None, 5, 0.04)  # re-registered: attempt 3 is over
     assert t.acquire("q", 3, ("dA", (0, 0)), "x", 1, 0.05).code is Refusal.LEASE_EXPIRED
 

@@ -1157,7 +1157,7 @@ def test_write_metrics_groups_families_and_escapes(tmp_path):
     assert samples[("kvbridge_transfers_total", (("pp", "0"), ("tp", "0")))] == 3
     assert samples[("kvbridge_transfers_total", (("engine", 'we\\"ird\\\\id'), ("pp", "0"), ("tp", "1")))] == 3
     assert samples[("kvbridge_leases", (("rank", "prefill-x"),))] == 5
-    assert samples[("kvbridge_transfer_seconds_p90", (("pp", "0"), ("tp", "0")))] == 0.25
+    assert 0.2 < samples[("kvbridge_transfer_seconds_p90", (("pp", "0"), ("tp", "0")))] <= 0.5  # 0.25's bucket
     assert samples[("kvbridge_nixl_handles_released_total", (("pp", "0"), ("tp", "0")))] == 3
     assert text.count("# TYPE kvbridge_transfers_total counter") == 1
     data = json.loads((tmp_path / "a" / "m.json").read_text())
@@ -1171,13 +1171,23 @@ def test_metrics_json_roundtrip():
     for s in (0.3, 0.1, 0.2):
         m.observe_transfer(s)
     j = m.to_json()
-    assert j["transfer_seconds_p50"] == 0.2 and j["transfer_seconds_p90"] == 0.3
+    # quantiles from the histogram: within the bucket of the true value (0.2 in (0.1, 0.2], 0.3 in (0.2, 0.5])
+    assert 0.1 < j["transfer_seconds_p50"] <= 0.2 and 0.2 < j["transfer_seconds_p90"] <= 0.5
+    assert j["transfer_seconds_count"] == 3 and j["transfer_seconds_buckets"]["+Inf"] == 0
     assert math.isclose(j["transfer_seconds_sum"], 0.6)
     assert json.loads(json.dumps(j)) == j
     total = Metrics()
     total.merge(j)
     total.merge(j)
-    assert total.transfer_seconds_sum == pytest.approx(1.2) and total.durations == []
+    assert total.transfer_seconds_sum == pytest.approx(1.2) and total.transfer_hist.count == 6
+    # merged buckets give the same quantiles as one rank's (twice the same samples)
+    assert total.to_json()["transfer_seconds_p50"] == j["transfer_seconds_p50"]
+    # a window between two snapshots: subtract bucket counts, never quantiles
+    from kvbridge.runtime.metrics import quantile_from_counts
+    m.observe_transfer(30.0)
+    later = m.to_json()["transfer_seconds_buckets"]
+    window = [later[k] - j["transfer_seconds_buckets"][k] for k in later]
+    assert sum(window) == 1 and 10.0 < quantile_from_counts(window, 0.5) <= 30.0
 
 
 def test_stuck_read_times_out_and_keeps_its_memory_until_it_settles():

@@ -246,7 +246,9 @@ class DecodeRank:
         # a request when its step ends, the router may be faster) is asked again for this long
         self.register_grace_s = float(register_grace_s)
         self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
+        self._failed_keys: OrderedDict = OrderedDict()  # reads that failed (a retry failing again counts once)
         self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
+        self._peer_progress: dict = {}  # prefill agent -> last time a read from it completed
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()
@@ -424,7 +426,7 @@ class DecodeRank:
         missing = [p for p in remote.agents if not req.attempt_for(p) and (
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
-            self.metrics.failed_requests += 1
+            self._count_failed(req)
             self.failed[key] = LeaseExpired(
                 f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
                 f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
@@ -847,6 +849,7 @@ class DecodeRank:
             for r in rr.reads:
                 if not r.done and self.transport.check(r.xfer) == "DONE":
                     r.done, rr.progress_at = True, now
+                    self._peer_progress[f.remote.agents.get(prank)] = now
                     if r.runs is not None:  # staged segment: scatter it as soon as it is read
                         r.scatter = self.transport.submit(self._scatter, r)
                 if r.scatter is not None and r.scatter.done():
@@ -874,7 +877,7 @@ class DecodeRank:
             return False
         waiting = rr.state in AWAITING_REPLY and not (rr.state is ReadState.STAGING and not finished)
         limit = self.stage_timeout_s if waiting else self.transfer_timeout_s
-        if now - rr.progress_at > limit:
+        if now - self._progress_ref(f, rr, now, waiting) > limit:
             what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
                     else "made no progress within transfer_timeout_s")
             self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
@@ -886,6 +889,22 @@ class DecodeRank:
                 LeaseExpired, f, prank, "the lease pin the prefill granted ran out before the read ended"))
             return True
         return False
+
+    def _progress_ref(self, f: _InFlight, rr: _RankRead, now: float, waiting: bool) -> float:
+        """When this rank's read last showed the peer alive: its deadline runs from there. Waiting for an
+        answer: the request or the last answer. Reading: the latest of the last progress, the last read
+        completed from the same prefill agent, and the time the post thread posted each unfinished read;
+        a read still in our own post queue stops the clock (a long local queue is not the peer's fault)."""
+        if waiting:
+            return rr.progress_at
+        ref = max(rr.progress_at, self._peer_progress.get(f.remote.agents.get(rr.prefill), 0.0))
+        for r in rr.reads:
+            if not r.done:
+                posted = getattr(r.xfer, "posted_at", ref)
+                if posted is None:
+                    return now
+                ref = max(ref, posted)
+        return ref
 
     def _complete(self, rid: str, f: _InFlight) -> None:
         self._release_reads(f)
@@ -1036,6 +1055,18 @@ class DecodeRank:
                     self.slots.free(key)
                 self._zombies.remove(item)
 
+    def _count_failed(self, req: ReadRequest) -> None:
+        """One failed request per read (key and attempt): an engine that starts the same read again after
+        a failure (a retry) and fails again is counted in ``retried_failures``, not again."""
+        k = (req.key, req.attempt if isinstance(req.attempt, int) else tuple(sorted(req.attempt.items())))
+        if k in self._failed_keys:
+            self.metrics.retried_failures += 1
+            return
+        self._failed_keys[k] = True
+        while len(self._failed_keys) > 4096:
+            self._failed_keys.popitem(last=False)
+        self.metrics.failed_requests += 1
+
     def _fail(self, rid: str, f: _InFlight, failure: ReadFailure, notify: bool = True) -> None:
         """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
         tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
@@ -1046,7 +1077,7 @@ class DecodeRank:
         self.inflight.pop(rid, None)
         self.failed[rid] = failure
         self.metrics.failed_transfers += max(1, len(incomplete))
-        self.metrics.failed_requests += 1
+        self._count_failed(f.req)
         if notify:
             self._notify_failed(f)
 

@@ -236,6 +236,10 @@ class LeaseTable:
             return Refused(req_id, attempt, read_id, Refusal.LEASE_EXPIRED,
                            f"request {req_id!r} attempt {attempt} ended ({self._ended[(req_id, attempt)].value}); "
                            "its blocks may be reused: do not read them")
+        if lease is not None:  # held under another attempt: a stale or wrong attempt, not a future one
+            return Refused(req_id, attempt, read_id, Refusal.LEASE_EXPIRED,
+                           f"request {req_id!r} is held under another attempt than {attempt} (re-registered, or a "
+                           "wrong attempt id); do not read it")
         return Refused(req_id, attempt, read_id, Refusal.NOT_REGISTERED,
                        f"request {req_id!r} attempt {attempt} is not registered (yet) on this prefill rank; the "
                        "prefill engine registers a request when its step ends: retry briefly")

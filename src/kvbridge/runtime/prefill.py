@@ -288,9 +288,8 @@ class PrefillRank:
         self.metrics.refused_reads += 1
         if r.code is Refusal.NOT_REGISTERED:
             self.metrics.not_registered += 1
-            lease = self.leases.get(r.req_id)
-            if lease is not None:  # a live request under another attempt: stale (or guessed)
-                self.metrics.stale_messages += 1
+        elif r.code is Refusal.LEASE_EXPIRED and r.req_id in self.leases:  # another attempt: stale or guessed
+            self.metrics.stale_messages += 1
 
     def _remember(self, d: OrderedDict, key, value, cap: int) -> None:
         d[key] = value

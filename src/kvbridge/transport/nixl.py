@@ -81,6 +81,7 @@ class NixlXfer:
     released: bool = False
     tail: object = None    # prepped reads: the partial last chunk's transfer, running beside ``handle``
     notif: bytes = b""     # sent once ``handle`` and ``tail`` have both completed (see read_prepped)
+    posted_at: float | None = None  # monotonic time the post thread began posting it (None: still queued)
 
 
 NixlStats = TransportStats  # the counters every transport keeps
@@ -224,6 +225,7 @@ class NixlTransport:
         self.stats.handles_created += 1
 
         def run():
+            x.posted_at = time.monotonic()  # from here on the time is the peer's (and the wire's), not our queue's
             try:
                 return post(x)
             except TransferError:
