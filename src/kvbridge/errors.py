@@ -38,6 +38,12 @@ class TransferError(KVBridgeError, RuntimeError):
         self.peer = peer
 
 
+class PeerGoneError(TransferError):
+    """The transport reports the remote agent disconnected (NIXL ``NIXL_ERR_REMOTE_DISCONNECT``): the
+    peer process died or its network went away. Raised by the transport; the runtime reacts to this
+    class, never to an error's text."""
+
+
 class TransportUnavailableError(KVBridgeError, ImportError):
     """The NIXL Python package is not installed or cannot create an agent."""
 

@@ -19,8 +19,8 @@ import numpy as np
 import zmq
 
 from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, NotRegistered,
-                      PeerDisconnected, PeerRestarted, ReadFailure, RemoteError, RequestError, TransferError,
-                      TransferFailed, TransferTimeout)
+                      PeerDisconnected, PeerGoneError, PeerRestarted, ReadFailure, RemoteError, RequestError,
+                      TransferError, TransferFailed, TransferTimeout)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -857,7 +857,7 @@ class DecodeRank:
         except TransferError as e:
             agent = f.remote.agents.get(prank)
             sock = f.remote.stage_socks.get(prank)
-            if agent is not None and (_is_disconnect(e) or (sock is not None and self._disconnected(sock))):
+            if agent is not None and (isinstance(e, PeerGoneError) or (sock is not None and self._disconnected(sock))):
                 self._peer_died(f.remote, agent, f"NIXL: {e}")
             else:
                 self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
@@ -1183,8 +1183,3 @@ _REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_
 def _device_of(remote: RemoteEngine, prank: Rank) -> str:
     """The device of a prefill rank's KV memory and staging buffer ("cpu" or "cuda:N"), from its handshake."""
     return getattr(remote.lowered.p_mem(prank), "device", "cpu")
-
-
-def _is_disconnect(e: TransferError) -> bool:
-    """The transport's typed text for NIXL_ERR_REMOTE_DISCONNECT (transport/nixl.py ``_wrap``)."""
-    return "REMOTE_DISCONNECT" in str(e) or "disconnect" in str(e).lower()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import HandshakeError, TransferError, TransportUnavailableError
+from ..errors import HandshakeError, PeerGoneError, TransferError, TransportUnavailableError
 from ..lower import Descriptors
 from .base import TransportStats
 
@@ -453,12 +453,18 @@ def _run_into(fut: Future, fn) -> None:
         fut.set_exception(e)
 
 
+def _is_class(e: Exception, name: str) -> bool:
+    """``e`` is NIXL's exception class ``name`` (nixlBind), by class, not by text."""
+    cls = getattr(getattr(_API, "nixlBind", None), name, None)
+    return isinstance(cls, type) and isinstance(e, cls)
+
+
 def _wrap(e: Exception, peer: str) -> TransferError:
     kind = type(e).__name__
-    if "RemoteDisconnect" in kind or "REMOTE_DISCONNECT" in str(e):
-        return TransferError(f"remote agent {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT): the prefill "
+    if _is_class(e, "nixlRemoteDisconnectError"):
+        return PeerGoneError(f"remote agent {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT): the prefill "
                              "process died or its network went away", peer=peer)
-    if "NotFound" in kind:
+    if _is_class(e, "nixlNotFoundError"):
         return TransferError(f"NIXL could not find memory or metadata for {peer!r} ({kind}): descriptors outside "
                              "the registered region, or the remote was removed; re-handshake", peer=peer)
     return TransferError(f"NIXL error talking to {peer!r}: {kind}: {e}", peer=peer)
