@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.errors import LeaseExpired, PeerDisconnected, PeerRestarted, TransferTimeout
+from kvbridge.errors import LeaseExpired, PeerDisconnected, TransferTimeout
 from kvbridge.lower import LoweredPlan
 from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
@@ -303,8 +303,9 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
 # =================================================================================================
 def test_prefill_restarted_on_the_same_port():
     """A prefill rank dies and comes back on the same port with a new NIXL agent: a read started against
-    the cached engine fails typed (never reads the new process's memory as the old one's); a cached
-    handshake() sees the new metadata and handshakes again; then reads are exact."""
+    the cached engine never reads the new process's memory under the old handshake; it is re-queued
+    behind a background re-handshake (the new process answers "restarted", or the decode saw the
+    disconnect) and read exactly there; a cached handshake() sees the new metadata; reads are exact."""
     pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=24)
     jobs.engine("pR", pl)
@@ -323,24 +324,21 @@ def test_prefill_restarted_on_the_same_port():
         assert P2.endpoints() == P.endpoints()
         stale = jobs.make("pR", 2, tag="stale")
         publish(P2, stale)
-        try:
-            start(D, [j.read() for j in stale])  # the cached engine may already be retired (disconnect seen)
-            finished, failed = collect(D, 20)
-            print(f"restart: reads against the old handshake: {sorted(type(f).__name__ for f in failed.values())}")
-            assert not finished and set(failed) == {j.rid for j in stale}
-            assert all(isinstance(f, (PeerDisconnected, PeerRestarted, LeaseExpired)) for f in failed.values())
-        except Exception as e:  # noqa: BLE001 - or start() already refuses: no handshake any more
-            assert "handshake" in str(e), e
-        D.call_all("handshake", "pR", P2.endpoints())
+        D.call_all("connect", "pR", P2.endpoints())  # the engine's usual call before start (no-op if cached)
+        start(D, [j.read() for j in stale])
+        finished, failed = collect(D, 20)
+        print(f"restart: reads started against the old handshake: {len(finished)} read on the new process, "
+              f"failed {sorted(type(f).__name__ for f in failed.values())}; "
+              f"{D.call_all('stats')[(0, 0)]['metrics']['restart_requeues']} re-queued")
+        assert not failed and finished == {j.rid for j in stale}, failed
+        D.call_all("handshake", "pR", P2.endpoints())  # cached and current: nothing to do
         print(f"restart: re-handshaken {time.monotonic() - t0:.2f} s after the kill")
-        for j in stale:  # the failed requests' leases on the new process: the engine aborts them
-            D.call_all("abort", j.rid, readers_of=j.read())
         again = [j.renamed(j.rid + "-again") for j in stale]
         publish(P2, again)
         start(D, [j.read() for j in again])
         finished, failed = collect(D, 20)
         assert not failed and finished == {j.rid for j in again}, failed
-        assert verify(D, first + again)["mismatched_bytes"] == 0
+        assert verify(D, first + stale + again)["mismatched_bytes"] == 0
         no_leaks(D, P2)
 
 
@@ -587,10 +585,9 @@ def test_load_1000_requests_two_prefill_engines(mode):
         alljobs = [j for pair_ in zip(*per.values()) for j in pair_]
         assert len(alljobs) == n and len({j.rid for j in alljobs}) == n
         start(D, [j.read(exp[j.rid]) for j in alljobs])  # everything posted before anyone waits
-        posted = D.call_all("stats")
-        for s in posted.values():  # staged reads are posted when the prefill's stage reply arrives
-            if mode == "direct":
-                assert s["nixl"]["handles_created"] == n  # one read per request per decode rank (tp=2 -> tp=2)
+        if mode == "direct":  # one read per request per decode rank (tp=2 -> tp=2), posted as pins are granted
+            until(lambda: all(s["nixl"]["handles_created"] == n for s in D.call_all("stats").values()), 60,
+                  "every read to be posted")
         t0 = time.monotonic()
         finished, failed = collect(D, 120)
         wall = time.monotonic() - t0

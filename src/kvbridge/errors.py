@@ -118,6 +118,14 @@ class NotRegistered(LeaseExpired):
     code = "not_registered"
 
 
+class HandshakeFailed(PeerDisconnected):
+    """A read waited for a prefill engine's background handshake (``DecodeRank.connect``, or a
+    re-handshake after the engine disconnected or restarted), which failed or did not finish within
+    ``connect_timeout_s`` (the message says which and why): the engine cannot be reached."""
+
+    code = "handshake_failed"
+
+
 class Aborted(ReadFailure):
     """The request was aborted or its engine forgotten on this decode rank before the read completed."""
 

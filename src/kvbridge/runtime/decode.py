@@ -9,18 +9,20 @@ per prefill rank, off this thread. Each (request, prefill rank) read is a :class
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, NotRegistered,
-                      PeerDisconnected, PeerGoneError, PeerRestarted, ReadFailure, RemoteError, RequestError,
-                      TransferError, TransferFailed, TransferTimeout)
+from ..errors import (Aborted, HandshakeError, HandshakeFailed, IncompatibleLayoutsError, KVBridgeError, LayoutError,
+                      LeaseExpired, NotRegistered, PeerDisconnected, PeerGoneError, PeerRestarted, ReadFailure,
+                      RemoteError, RequestError, TransferError, TransferFailed, TransferTimeout)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -93,6 +95,29 @@ class ReadRequest:
         if isinstance(a, dict):
             return int(a.get(tuple(prefill_rank), 0))
         return int(a or 0)
+
+
+class PeerState(enum.Enum):
+    """Lifecycle of a prefill engine on this decode rank: CONNECTING (background handshake) -> LIVE (in
+    ``remotes``) -> LOST (handshake failed or ran past its bound) / RETIRED (dead, restarted, forgotten)."""
+
+    CONNECTING = "connecting"
+    LIVE = "live"
+    LOST = "lost"
+    RETIRED = "retired"
+
+
+@dataclass
+class _Peer:
+    """A prefill engine being connected in the background, with the reads waiting for it."""
+
+    engine_id: str
+    endpoints: dict
+    state: PeerState
+    future: Future
+    started: float
+    pending: list = field(default_factory=list)  # ReadRequests started while connecting
+    why: str = ""  # set when reads were re-queued behind this handshake (a restart or disconnect)
 
 
 class _ReadCancelled(Exception):
@@ -222,7 +247,7 @@ class DecodeRank:
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
                  stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1,
-                 register_grace_s: float = 2.0):
+                 register_grace_s: float = 2.0, connect_timeout_s: float | None = None):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -245,6 +270,15 @@ class DecodeRank:
         # an acquire/stage request that finds no lease yet ("not registered": the prefill engine registers
         # a request when its step ends, the router may be faster) is asked again for this long
         self.register_grace_s = float(register_grace_s)
+        # background handshakes (connect): engine id -> _Peer while connecting; the whole handshake is
+        # bounded by connect_timeout_s (default: 2 x handshake_timeout_s + 5 s)
+        self._peers: dict[str, _Peer] = {}
+        self._endpoints: dict[str, dict] = {}  # engine id -> the endpoints last given (re-handshake on restart)
+        self._hs_pool = None
+        self._abandoned: list = []
+        self._requeued: set = set()  # read keys already re-queued once after a restart
+        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None
+                                       else 2 * handshake_timeout_s + 5.0)
         self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
         self._failed_keys: OrderedDict = OrderedDict()  # reads that failed (a retry failing again counts once)
         self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
@@ -276,6 +310,7 @@ class DecodeRank:
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
         """Contact the prefill engine's ranks this rank needs; cached per engine id."""
         endpoints = {tuple(k): v for k, v in endpoints.items()}
+        self._endpoints[engine_id] = endpoints
         cached = self.remotes.get(engine_id)
         if cached is not None:
             # still the same engine? (same endpoints and the same NIXL agent behind every rank)
@@ -390,6 +425,161 @@ class DecodeRank:
             chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank])}
         return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}
 
+    # ---- background handshakes (issue 20, point 4) -----------------------------------------------
+    def connect(self, engine_id: str, endpoints: dict[Rank, str]) -> None:
+        """Make sure prefill engine ``engine_id`` is (or becomes) live, without blocking: returns at once.
+
+        Live with the same endpoints: nothing to do. Otherwise the handshake (metadata fetch from each
+        prefill rank this rank needs, NIXL ``add_remote_agent``, prepared lists) runs on a background
+        thread, bounded as a whole by ``connect_timeout_s``; :meth:`start` queues reads of a connecting
+        engine and :meth:`poll` starts them once it is live, or fails them (:class:`HandshakeFailed`)
+        if the handshake fails or runs past the bound. Idempotent: call it before every :meth:`start`
+        (vLLM: when the scheduler first sees the request)."""
+        endpoints = {tuple(k): v for k, v in endpoints.items()}
+        self._endpoints[engine_id] = endpoints
+        live = self.remotes.get(engine_id)
+        if live is not None and live.endpoints == endpoints:
+            return
+        peer = self._peers.get(engine_id)
+        if peer is not None and peer.state is PeerState.CONNECTING and peer.endpoints == endpoints:
+            return
+        if live is not None:  # other endpoints: a new engine under this id
+            self.forget(engine_id, "the prefill engine's endpoints changed (connect)")
+        self._connect(engine_id, endpoints, list(peer.pending) if peer is not None else [])
+
+    def _connect(self, engine_id: str, endpoints: dict, pending: list) -> None:
+        if self._hs_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._hs_pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
+        self._reap_retired(engine_id=engine_id)
+        fut = self._hs_pool.submit(self._handshake_bg, engine_id, endpoints)
+        self._peers[engine_id] = _Peer(engine_id, endpoints, PeerState.CONNECTING, fut, time.monotonic(), pending)
+
+    def _handshake_bg(self, engine_id: str, endpoints: dict):
+        """Background thread: the whole handshake; returns (remote, prepared lists). Each endpoint is
+        probed with a plain TCP connect first: a dead process's closed port answers at once (refused),
+        where ZMQ would wait out ``handshake_timeout_s``."""
+        import socket
+        for prank, ep in sorted(endpoints.items()):
+            host, _, port = ep.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=self.handshake_timeout_s).close()
+            except (OSError, ValueError) as e:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
+                                     f"({type(e).__name__}: {e}); is the prefill engine running?") from None
+        remote = self._handshake(engine_id, endpoints)
+        try:
+            prepped = _prepped_hook.prepare(self.transport, remote, None)  # [i14]
+        except BaseException:
+            self._drop_remote(remote)
+            raise
+        return remote, prepped
+
+    def _drop_remote(self, remote: RemoteEngine) -> None:
+        live = {a for r in self.remotes.values() for a in r.agents.values()}
+        for agent in remote.agents.values():
+            if agent not in live:
+                self.transport.remove_peer(agent)
+        for sock in remote.stage_socks.values():
+            self._close_sock(sock)
+
+    def _advance_peers(self, now: float) -> None:
+        """Install engines whose background handshake finished and start their queued reads; fail the
+        queued reads of a handshake that failed or ran past ``connect_timeout_s``."""
+        for eid, peer in list(self._peers.items()):
+            if peer.state is not PeerState.CONNECTING:
+                continue
+            if peer.future.done():
+                del self._peers[eid]
+                try:
+                    remote, prepped = peer.future.result()
+                except (HandshakeError, IncompatibleLayoutsError, TransferError) as e:
+                    self.metrics.failed_handshakes += 1
+                    self._fail_pending(peer, str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001 - a bug in the handshake fails its reads, not the engine
+                    self.metrics.failed_handshakes += 1
+                    self._fail_pending(peer, f"internal error: {type(e).__name__}: {e}")
+                    continue
+                old = self.remotes.get(eid)
+                if old is not None:
+                    self.forget(eid)
+                self.remotes[eid] = remote
+                self._prepped[eid] = prepped
+                self.metrics.handshakes += 1
+                for req in peer.pending:
+                    try:
+                        self.start(req)
+                    except KVBridgeError as e:
+                        self._count_failed(req)
+                        self.failed[req.key] = HandshakeFailed(str(e), req_id=req.req_id, engine_id=eid)
+            elif now - peer.started > self.connect_timeout_s:
+                peer.state = PeerState.LOST
+                del self._peers[eid]
+                self._abandoned.append(peer.future)
+                self.metrics.failed_handshakes += 1
+                self._fail_pending(peer, f"no handshake within connect_timeout_s={self.connect_timeout_s:g} s "
+                                         "(prefill engine dead, frozen or unreachable)")
+        for fut in [f for f in self._abandoned if f.done()]:  # late results of abandoned handshakes: drop
+            self._abandoned.remove(fut)
+            if fut.exception() is None:
+                remote, prepped = fut.result()
+                _prepped_hook.release(self.transport, prepped)
+                self._drop_remote(remote)
+
+    def _fail_pending(self, peer: "_Peer", why: str) -> None:
+        before = f"{peer.why}; re-handshake failed: " if peer.why else ""
+        for req in peer.pending:
+            self._count_failed(req)
+            self.failed[req.key] = HandshakeFailed(
+                f"request {req.req_id!r}: {before}cannot reach prefill engine {peer.engine_id!r}: {why}",
+                req_id=req.req_id, engine_id=peer.engine_id)
+        peer.pending = []
+
+    def _can_requeue(self, f: _InFlight) -> bool:
+        return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
+
+    def _requeue_restarted(self, f: _InFlight) -> bool:
+        """A prefill rank answered "restarted" (same id and ports, a new process): if this read holds no
+        pin anywhere yet, drop it quietly, re-handshake in the background and start it again there (the
+        request that discovered the restart does not fail). True if requeued."""
+        if not self._can_requeue(f):
+            return False
+        self._requeue(f, f"prefill engine {f.remote.engine_id!r} restarted")
+        return True
+
+    def _requeue(self, f: _InFlight, why: str) -> None:
+        """Start ``f`` again behind a background re-handshake of its engine (once per read); it fails
+        :class:`HandshakeFailed` (a :class:`PeerDisconnected`) if the engine cannot be reached. The
+        engine's other reads that hold nothing yet go with it (the old engine is dropped)."""
+        eid = f.remote.engine_id
+        endpoints = self._endpoints.get(eid, f.remote.endpoints)
+        peer = self._peers.get(eid)
+        group = [f]
+        if peer is None or peer.state is not PeerState.CONNECTING:
+            group += [g for g in self.inflight.values() if g.remote is f.remote and g is not f and self._can_requeue(g)]
+        for g in group:
+            self.inflight.pop(g.req.key, None)
+            for rr in g.ranks.values():
+                if not rr.sm.terminal:
+                    rr.sm.fire(ReadEvent.ABORT)
+            self._release_reads(g)
+            self._notify_failed(g)  # a request still out on a live rank may have pinned there: let it go
+            self.metrics.restart_requeues += 1
+            self._requeued.add(g.req.key)
+        if len(self._requeued) > 4096:
+            self._requeued.clear()
+        if peer is None or peer.state is not PeerState.CONNECTING:
+            for rid, g in list(self.inflight.items()):  # the old engine's reads that hold something: failed
+                if g.remote is f.remote:
+                    self._fail(rid, g, self._failure(PeerDisconnected, g, None, f"{why}; its reads in progress "
+                                                                               "cannot continue"))
+            self._retire(f.remote)
+            self._connect(eid, endpoints, [])  # reaps the old engine: its reads that held pins fail
+            peer = self._peers[eid]
+            peer.why = why
+        peer.pending += [g.req for g in group]
+
     def forget(self, engine_id: str, reason: str = "the prefill engine was forgotten (re-handshake)",
                dead: bool = False) -> None:
         """Drop a remote engine (dead or gone): fail its requests in flight, remove its agents; a later
@@ -417,7 +607,14 @@ class DecodeRank:
                                "one prefill request its own ReadRequest.read_id")
         remote = self.remotes.get(req.engine_id)
         if remote is None:
-            raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call handshake() first")
+            peer = self._peers.get(req.engine_id)
+            if peer is not None and peer.state is PeerState.CONNECTING:  # started once the engine is live
+                if any(p.key == key for p in peer.pending):
+                    raise RequestError(f"read {key!r} is already queued on decode rank {self.rank}")
+                peer.pending.append(req)
+                return
+            raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call connect() or "
+                                 "handshake() first")
         t0 = time.perf_counter()
         modes = self._request_modes(remote, req) if self.transfer_mode == "auto" else remote.modes
         direct = [p for p, m in modes.items() if m == "direct"]
@@ -607,6 +804,8 @@ class DecodeRank:
 
     def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
         if code == "restarted":
+            if self._requeue_restarted(f):
+                return
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(PeerRestarted, f, rr.prefill, text))
             self._retire(f.remote)  # a later handshake() reaches the new process
         elif code == "not_registered":
@@ -800,13 +999,15 @@ class DecodeRank:
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
         return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent
-                    or self._heartbeats or time.monotonic() < self._linger_until)
+                    or self._heartbeats or self._peers or self._abandoned or time.monotonic() < self._linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call."""
         self.flush()
         self._drain_replies()
         now = time.monotonic()
+        if self._peers or self._abandoned:
+            self._advance_peers(now)
         for rid, f in list(self.inflight.items()):
             if rid not in self.inflight:  # failed meanwhile (a dead peer fails all of its requests)
                 continue
@@ -930,14 +1131,21 @@ class DecodeRank:
         agent is removed; the engine's live ranks keep their agents until the failed requests' Done
         notifications have gone out."""
         self._dead_agents.add(agent)
+        requeue = []
         for rid, f in list(self.inflight.items()):
             for prank, rr in f.ranks.items():
                 if not rr.sm.terminal and f.remote.agents.get(prank) == agent:
-                    self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
-                        PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
+                    if self._can_requeue(f):  # nothing pinned or read yet: the engine may be back (restart)
+                        requeue.append(f)
+                    else:
+                        self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
+                            PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
                     break
         self._retire(remote)
         self.transport.remove_peer(agent)
+        for f in requeue:
+            if self.inflight.get(f.req.key) is f:  # (an earlier one may have taken it along)
+                self._requeue(f, f"prefill agent {agent!r} disconnected ({detail})")
 
     def _retire(self, remote: RemoteEngine, grace_s: float = 0.5) -> None:
         if self.remotes.get(remote.engine_id) is remote:
@@ -1099,14 +1307,15 @@ class DecodeRank:
             rr.pinned = rr.asked = False
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
-        """Poll until nothing is in flight (or timeout); returns everything finished/failed meanwhile."""
+        """Poll until nothing is in flight or waiting for a handshake (or timeout); returns everything
+        finished/failed meanwhile."""
         done, failed = [], {}
         deadline = time.monotonic() + timeout_s
         while True:
             d, f = self.poll()
             done += d
             failed |= f
-            if not self.inflight or time.monotonic() > deadline:
+            if not (self.inflight or self._peers) or time.monotonic() > deadline:  # (or reads waiting for a handshake)
                 return done, failed
             time.sleep(sleep_s)
 
@@ -1119,6 +1328,19 @@ class DecodeRank:
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
+        for peer in list(self._peers.values()):  # background handshakes: let them end, then drop them
+            self._abandoned.append(peer.future)
+        self._peers.clear()
+        for fut in self._abandoned:
+            try:
+                remote, prepped = fut.result(timeout=self.connect_timeout_s)
+            except Exception:  # noqa: BLE001 - failed or stuck: nothing of it was kept
+                continue
+            _prepped_hook.release(self.transport, prepped)
+            self._drop_remote(remote)
+        self._abandoned.clear()
+        if self._hs_pool is not None:
+            self._hs_pool.shutdown(wait=False)
         for eid in list(self.remotes):
             self.forget(eid, "decode rank closing")
         for remote, _ in list(self._retired):

@@ -70,6 +70,7 @@ class Metrics:
     forged_messages: int = 0
     cancelled_reads: int = 0
     not_registered: int = 0
+    restart_requeues: int = 0
     retried_failures: int = 0
     ignored_notifications: int = 0
     register_retries: int = 0
@@ -137,6 +138,7 @@ HELP = {
     "ignored_notifications": ("counter", "Done notifications with no effect: a pin the sender does not hold, a "
                                          "decline from a pin holder, a read settled already"),
     "retried_failures": ("counter", "failures of a read started again after it had failed (counted once in failed_requests)"),
+    "restart_requeues": ("counter", "reads re-queued behind a background re-handshake of a restarted prefill"),
     "not_registered": ("counter", "acquire/stage requests refused because the lease was not registered yet (retried)"),
     "register_retries": ("counter", "acquire/stage requests retried after a not-registered refusal"),
     "heartbeats": ("counter", "lease heartbeats sent (queued requests and in-flight pins)"),

@@ -162,23 +162,27 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             raise HandshakeError(f"NIXL refused the remote agent metadata: {e!r}") from e
         name = name.decode() if isinstance(name, bytes) else name
-        if name not in self._peers:
-            self._peers.add(name)
-            self.stats.peers_added += 1
+        with self._lock:  # handshakes may run on a background thread (DecodeRank.connect)
+            if name not in self._peers:
+                self._peers.add(name)
+                self.stats.peers_added += 1
         return name
 
     def remove_peer(self, name: str) -> None:
-        if name in self._peers:
+        with self._lock:
+            if name not in self._peers:
+                return
             self._peers.discard(name)
             self.stats.peers_removed += 1
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     @property
     def peers(self) -> frozenset[str]:
-        return frozenset(self._peers)
+        with self._lock:
+            return frozenset(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
     def xfer_descs(self, arr: np.ndarray, mem_type: str | None = None):
