@@ -118,6 +118,7 @@ class _Peer:
     started: float
     pending: list = field(default_factory=list)  # ReadRequests started while connecting
     why: str = ""  # set when reads were re-queued behind this handshake (a restart or disconnect)
+    bound_s: float = 0.0  # the handshake fails its reads if not live this long after ``started``
 
 
 class _ReadCancelled(Exception):
@@ -247,7 +248,8 @@ class DecodeRank:
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
                  stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1,
-                 register_grace_s: float = 2.0, connect_timeout_s: float | None = None):
+                 register_grace_s: float = 2.0, connect_timeout_s: float | None = None,
+                 rehandshake_timeout_s: float = 1.0):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -279,6 +281,8 @@ class DecodeRank:
         self._requeued: set = set()  # read keys already re-queued once after a restart
         self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None
                                        else 2 * handshake_timeout_s + 5.0)
+        # reads re-queued after their engine restarted or disconnected wait at most this long for it
+        self.rehandshake_timeout_s = float(rehandshake_timeout_s)
         self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
         self._failed_keys: OrderedDict = OrderedDict()  # reads that failed (a retry failing again counts once)
         self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
@@ -447,13 +451,14 @@ class DecodeRank:
             self.forget(engine_id, "the prefill engine's endpoints changed (connect)")
         self._connect(engine_id, endpoints, list(peer.pending) if peer is not None else [])
 
-    def _connect(self, engine_id: str, endpoints: dict, pending: list) -> None:
+    def _connect(self, engine_id: str, endpoints: dict, pending: list, bound_s: float | None = None) -> None:
         if self._hs_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._hs_pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
         self._reap_retired(engine_id=engine_id)
         fut = self._hs_pool.submit(self._handshake_bg, engine_id, endpoints)
-        self._peers[engine_id] = _Peer(engine_id, endpoints, PeerState.CONNECTING, fut, time.monotonic(), pending)
+        self._peers[engine_id] = _Peer(engine_id, endpoints, PeerState.CONNECTING, fut, time.monotonic(), pending,
+                                       bound_s=self.connect_timeout_s if bound_s is None else bound_s)
 
     def _handshake_bg(self, engine_id: str, endpoints: dict):
         """Background thread: the whole handshake; returns (remote, prepared lists). Each endpoint is
@@ -513,13 +518,13 @@ class DecodeRank:
                     except KVBridgeError as e:
                         self._count_failed(req)
                         self.failed[req.key] = HandshakeFailed(str(e), req_id=req.req_id, engine_id=eid)
-            elif now - peer.started > self.connect_timeout_s:
+            elif now - peer.started > peer.bound_s:
                 peer.state = PeerState.LOST
                 del self._peers[eid]
                 self._abandoned.append(peer.future)
                 self.metrics.failed_handshakes += 1
-                self._fail_pending(peer, f"no handshake within connect_timeout_s={self.connect_timeout_s:g} s "
-                                         "(prefill engine dead, frozen or unreachable)")
+                self._fail_pending(peer, f"no handshake within {peer.bound_s:g} s (prefill engine dead, frozen or "
+                                         "unreachable)")
         for fut in [f for f in self._abandoned if f.done()]:  # late results of abandoned handshakes: drop
             self._abandoned.remove(fut)
             if fut.exception() is None:
@@ -575,7 +580,9 @@ class DecodeRank:
                     self._fail(rid, g, self._failure(PeerDisconnected, g, None, f"{why}; its reads in progress "
                                                                                "cannot continue"))
             self._retire(f.remote)
-            self._connect(eid, endpoints, [])  # reaps the old engine: its reads that held pins fail
+            # reaps the old engine (its reads that held pins fail); a re-handshake is bounded by
+            # rehandshake_timeout_s: a restarted engine answers at once, a dead one must fail fast
+            self._connect(eid, endpoints, [], min(self.connect_timeout_s, self.rehandshake_timeout_s))
             peer = self._peers[eid]
             peer.why = why
         peer.pending += [g.req for g in group]
