@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.errors import LeaseExpired, PeerDisconnected, PeerRestarted, TransferTimeout
+from kvbridge.errors import LeaseExpired, PeerDisconnected, TransferTimeout
 from kvbridge.lower import LoweredPlan
 from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
@@ -303,8 +303,9 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
 # =================================================================================================
 def test_prefill_restarted_on_the_same_port():
     """A prefill rank dies and comes back on the same port with a new NIXL agent: a read started against
-    the cached engine fails typed (never reads the new process's memory as the old one's); a cached
-    handshake() sees the new metadata and handshakes again; then reads are exact."""
+    the cached engine never reads the new process's memory under the old handshake; it is re-queued
+    behind a background re-handshake (the new process answers "restarted", or the decode saw the
+    disconnect) and read exactly there; a cached handshake() sees the new metadata; reads are exact."""
     pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
     jobs = Jobs(dl, seed=24)
     jobs.engine("pR", pl)
@@ -323,24 +324,21 @@ def test_prefill_restarted_on_the_same_port():
         assert P2.endpoints() == P.endpoints()
         stale = jobs.make("pR", 2, tag="stale")
         publish(P2, stale)
-        try:
-            start(D, [j.read() for j in stale])  # the cached engine may already be retired (disconnect seen)
-            finished, failed = collect(D, 20)
-            print(f"restart: reads against the old handshake: {sorted(type(f).__name__ for f in failed.values())}")
-            assert not finished and set(failed) == {j.rid for j in stale}
-            assert all(isinstance(f, (PeerDisconnected, PeerRestarted, LeaseExpired)) for f in failed.values())
-        except Exception as e:  # noqa: BLE001 - or start() already refuses: no handshake any more
-            assert "handshake" in str(e), e
-        D.call_all("handshake", "pR", P2.endpoints())
+        D.call_all("connect", "pR", P2.endpoints())  # the engine's usual call before start (no-op if cached)
+        start(D, [j.read() for j in stale])
+        finished, failed = collect(D, 20)
+        print(f"restart: reads started against the old handshake: {len(finished)} read on the new process, "
+              f"failed {sorted(type(f).__name__ for f in failed.values())}; "
+              f"{D.call_all('stats')[(0, 0)]['metrics']['restart_requeues']} re-queued")
+        assert not failed and finished == {j.rid for j in stale}, failed
+        D.call_all("handshake", "pR", P2.endpoints())  # cached and current: nothing to do
         print(f"restart: re-handshaken {time.monotonic() - t0:.2f} s after the kill")
-        for j in stale:  # the failed requests' leases on the new process: the engine aborts them
-            D.call_all("abort", j.rid, readers_of=j.read())
         again = [j.renamed(j.rid + "-again") for j in stale]
         publish(P2, again)
         start(D, [j.read() for j in again])
         finished, failed = collect(D, 20)
         assert not failed and finished == {j.rid for j in again}, failed
-        assert verify(D, first + again)["mismatched_bytes"] == 0
+        assert verify(D, first + stale + again)["mismatched_bytes"] == 0
         no_leaks(D, P2)
 
 
@@ -377,10 +375,12 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
                 stranger.send_notif(agent, encode_notif(d))
             real_agent = dec.remotes["pX"].agents[(0, 0)]
             dec._notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
-            until(lambda: pre.metrics.forged_messages + pre.metrics.stale_messages >= 4, 10, "messages counted")
+            m = pre.metrics
+            until(lambda: m.forged_messages + m.stale_messages + m.ignored_notifications >= 4, 10, "messages counted")
             with lock:
-                assert j.rid in pre.leases and pre.leases[j.rid].attempt == new
-                assert pre.metrics.stale_messages >= 2 and pre.metrics.forged_messages >= 2
+                assert j.rid in pre.leases and pre.leases[j.rid].attempt == new and not pre.leases[j.rid].pins
+                # another agent claiming dX: forged; a guessed or old attempt: stale; dEvil holds no pin: ignored
+                assert m.stale_messages >= 2 and m.forged_messages >= 1 and m.ignored_notifications >= 1
                 # a stage request naming a made-up decode engine gets no slot
                 replies = list(pre._stage(Stage(j.rid, "made-up", (0, 0), dec._layout_dict, 40, {}, {}, 4096, new, 1),
                                           []))
@@ -406,7 +406,7 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
 _PY_EXC = re.compile(r"Traceback|tuple index|object has no attribute|\b(%s)\b" % "|".join(
     n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)))
 _ERROR_CODES = {"bad_request", "wrong_rank", "unexpected", "internal", "lease_expired", "restarted", "unknown_reader",
-                "done", "full"}
+                "done", "full", "not_registered", "identity_in_use", "too_many_readers"}
 
 
 def _fuzz_frames(rng, n: int, stage: Stage, acquire: protocol.Acquire) -> list[tuple[str, list[bytes]]]:
@@ -418,7 +418,7 @@ def _fuzz_frames(rng, n: int, stage: Stage, acquire: protocol.Acquire) -> list[t
     ver = protocol.PROTOCOL_VERSION.to_bytes(2, "big")
     good = [enc.encode(m) for m in (stage, acquire, protocol.GetMeta("fuzzer", (0, 0), (0, 0), "fuzz-agent"))]
     wrong_kind = [protocol.Done("fz", "fuzzer", (0, 0), 1), protocol.Staged("fz", 0, 64),
-                  protocol.ErrorReply("x"), protocol.Acquired([("fz", 1, 9.0)], []),
+                  protocol.ErrorReply("x"), protocol.Acquired([("fz", 1, "fz", 9.0)], []),
                   protocol.StageError("fz", "x"), protocol.RankMeta("e", (0, 0), {}, "f", "a", b"", "", {})]
 
     def rbytes(lo=0, hi=64):
@@ -472,8 +472,9 @@ def _fuzz_frames(rng, n: int, stage: Stage, acquire: protocol.Acquire) -> list[t
         elif kind == 7:
             out.append(("garbage_stage", [protocol.MAGIC, ver, garbage_stage()]))
         elif kind == 8:
-            reqs = [("fz", acquire.reqs[0][1] ^ int(rng.integers(1, 2**62))), (rbytes(0, 8).hex(), 1)]
-            a = protocol.Acquire(str(rng.choice(["fuzzer", "stranger"])), (0, 0), int(rng.integers(-1, 3)), "", reqs)
+            reqs = [("fz", acquire.reqs[0][1] ^ int(rng.integers(1, 2**62)), "fz"), (rbytes(0, 8).hex(), 1, "x")]
+            a = protocol.Acquire(str(rng.choice(["fuzzer", "stranger"])), (0, 0), int(rng.integers(-1, 3)), "", reqs,
+                                 str(rng.choice(["fuzz-agent", "other-agent"])))
             out.append(("stale_acquire", [protocol.MAGIC, ver, enc.encode(a)]))
         else:
             m = protocol.GetMeta("fuzzer", (0, 0), (int(rng.integers(1, 9)), int(rng.integers(0, 9))), "fuzz-agent")
@@ -503,8 +504,9 @@ def test_fuzzed_side_channel_frames_get_typed_errors():
         ctx = zmq.Context.instance()
         fetch_meta(ctx, ep, protocol.GetMeta("fuzzer", (0, 0), (0, 0), "fuzz-agent"), 5)  # a known reader
         stage = Stage("fz", "fuzzer", (0, 0), engine_to_dict(dl), default_memory(dl, (0, 0)).to_wire(), 40,
-                      blocks_to_wire(fz.req.prefill_blocks), blocks_to_wire(fz.req.decode_blocks), 4096, fz.attempt, 1)
-        acquire = protocol.Acquire("fuzzer", (0, 0), 1, "", [("fz", fz.attempt)])
+                      blocks_to_wire(fz.req.prefill_blocks), blocks_to_wire(fz.req.decode_blocks), 4096, fz.attempt, 1,
+                      decode_agent="fuzz-agent")
+        acquire = protocol.Acquire("fuzzer", (0, 0), 1, "", [("fz", fz.attempt, "fz")], "fuzz-agent")
         frames = _fuzz_frames(np.random.default_rng(30), 1000, stage, acquire)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -522,7 +524,7 @@ def test_fuzzed_side_channel_frames_get_typed_errors():
                 reply = protocol.unpack(got)
                 kinds[kind] = kinds.get(kind, 0) + 1
                 if isinstance(reply, protocol.Acquired):
-                    assert not reply.granted and all(code in _ERROR_CODES for _, _, code, _ in reply.refused), reply
+                    assert not reply.granted and all(code in _ERROR_CODES for *_, code, _ in reply.refused), reply
                     texts = [t for *_, t in reply.refused]
                 else:
                     assert isinstance(reply, (protocol.ErrorReply, protocol.StageError)), (kind, reply)
@@ -583,10 +585,9 @@ def test_load_1000_requests_two_prefill_engines(mode):
         alljobs = [j for pair_ in zip(*per.values()) for j in pair_]
         assert len(alljobs) == n and len({j.rid for j in alljobs}) == n
         start(D, [j.read(exp[j.rid]) for j in alljobs])  # everything posted before anyone waits
-        posted = D.call_all("stats")
-        for s in posted.values():  # staged reads are posted when the prefill's stage reply arrives
-            if mode == "direct":
-                assert s["nixl"]["handles_created"] == n  # one read per request per decode rank (tp=2 -> tp=2)
+        if mode == "direct":  # one read per request per decode rank (tp=2 -> tp=2), posted as pins are granted
+            until(lambda: all(s["nixl"]["handles_created"] == n for s in D.call_all("stats").values()), 60,
+                  "every read to be posted")
         t0 = time.monotonic()
         finished, failed = collect(D, 120)
         wall = time.monotonic() - t0

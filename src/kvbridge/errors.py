@@ -38,6 +38,12 @@ class TransferError(KVBridgeError, RuntimeError):
         self.peer = peer
 
 
+class PeerGoneError(TransferError):
+    """The transport reports the remote agent disconnected (NIXL ``NIXL_ERR_REMOTE_DISCONNECT``): the
+    peer process died or its network went away. Raised by the transport; the runtime reacts to this
+    class, never to an error's text."""
+
+
 class TransportUnavailableError(KVBridgeError, ImportError):
     """The NIXL Python package is not installed or cannot create an agent."""
 
@@ -103,6 +109,21 @@ class LeaseExpired(ReadFailure):
     re-registered) or the read outlived the pin the prefill granted: the data is not trusted."""
 
     code = "lease_expired"
+
+
+class NotRegistered(LeaseExpired):
+    """The prefill had not registered the request's lease (its engine registers a request when its
+    step ends) and still had not when the decode stopped asking (``register_grace_s``)."""
+
+    code = "not_registered"
+
+
+class HandshakeFailed(PeerDisconnected):
+    """A read waited for a prefill engine's background handshake (``DecodeRank.connect``, or a
+    re-handshake after the engine disconnected or restarted), which failed or did not finish within
+    ``connect_timeout_s`` (the message says which and why): the engine cannot be reached."""
+
+    code = "handshake_failed"
 
 
 class Aborted(ReadFailure):

@@ -9,16 +9,20 @@ per prefill rank, off this thread. Each (request, prefill rank) read is a :class
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from ..errors import (Aborted, HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected,
-                      PeerRestarted, ReadFailure, RemoteError, RequestError, TransferError, TransferFailed,
-                      TransferTimeout)
+from ..errors import (Aborted, HandshakeError, HandshakeFailed, IncompatibleLayoutsError, KVBridgeError, LayoutError,
+                      LeaseExpired, NotRegistered, PeerDisconnected, PeerGoneError, PeerRestarted, ReadFailure,
+                      RemoteError, RequestError, TransferError, TransferFailed, TransferTimeout)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -67,6 +71,7 @@ class ReadRequest:
     ``attempt``: the lease's attempt id that ``PrefillRank.add_request`` returned (the same on every
     prefill rank when the engine passes one; or a mapping prefill rank -> attempt). The decode never
     sees a lease time: the prefill alone decides, on its own clock, whether the attempt is still live.
+    ``read_id``: see :attr:`key`.
     """
 
     req_id: str
@@ -75,12 +80,45 @@ class ReadRequest:
     prefill_blocks: dict[str, GroupBlocks]
     decode_blocks: dict[str, GroupBlocks]
     attempt: int | dict = 0
+    read_id: str = ""
+
+    @property
+    def key(self) -> str:
+        """This read's id on the decode side and the prefill's pin: ``read_id`` (the decode engine's own
+        request id, the same on all of its ranks), or ``req_id`` when none is given. Several reads of one
+        prefill request (vLLM ``n > 1``, retries, hedges) need distinct read ids; :meth:`DecodeRank.poll`,
+        :meth:`~DecodeRank.abort` and :meth:`~DecodeRank.release` name a read by this key."""
+        return self.read_id or self.req_id
 
     def attempt_for(self, prefill_rank: Rank) -> int:
         a = self.attempt
         if isinstance(a, dict):
             return int(a.get(tuple(prefill_rank), 0))
         return int(a or 0)
+
+
+class PeerState(enum.Enum):
+    """Lifecycle of a prefill engine on this decode rank: CONNECTING (background handshake) -> LIVE (in
+    ``remotes``) -> LOST (handshake failed or ran past its bound) / RETIRED (dead, restarted, forgotten)."""
+
+    CONNECTING = "connecting"
+    LIVE = "live"
+    LOST = "lost"
+    RETIRED = "retired"
+
+
+@dataclass
+class _Peer:
+    """A prefill engine being connected in the background, with the reads waiting for it."""
+
+    engine_id: str
+    endpoints: dict
+    state: PeerState
+    future: Future
+    started: float
+    pending: list = field(default_factory=list)  # ReadRequests started while connecting
+    why: str = ""  # set when reads were re-queued behind this handshake (a restart or disconnect)
+    bound_s: float = 0.0  # the handshake fails its reads if not live this long after ``started``
 
 
 class _ReadCancelled(Exception):
@@ -150,6 +188,13 @@ class _RankRead:
     reads: list = field(default_factory=list)
     staging: _Staging | None = None
     notify_at_end: bool = False    # no read carries this rank's Done: send it when the request completes
+    pinned: bool = False           # the prefill granted this rank's pin (only then is a Done sent for it)
+    asked: bool = False            # an acquire/stage request is out, unanswered (a pin may exist by now)
+    first_sent: float = 0.0        # the first acquire/stage request (not-registered retries count from here)
+    retry_at: float | None = None  # not registered yet: ask again at this time
+    stage_msg: object = None       # staged: the Stage request (re-sent on a not-registered refusal)
+    refresh_at: float = float("inf")  # pinned: send a heartbeat (re-arms the pin) at this time
+    refresh_sent: float = 0.0      # when the last heartbeat went out (its answer counts from here)
 
     @property
     def state(self) -> ReadState:
@@ -202,7 +247,9 @@ class DecodeRank:
                  handshake_timeout_s: float = 5.0,
                  transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
                  stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
-                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1):
+                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1,
+                 register_grace_s: float = 2.0, connect_timeout_s: float | None = None,
+                 rehandshake_timeout_s: float = 1.0):
         if transfer_mode not in ("auto", "direct", "staged"):
             raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
         self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
@@ -222,6 +269,24 @@ class DecodeRank:
         self.transfer_mode, self.stage_timeout_s = transfer_mode, stage_timeout_s
         self.stage_segment_bytes = int(stage_segment_bytes)
         self.transfer_timeout_s = transfer_timeout_s
+        # an acquire/stage request that finds no lease yet ("not registered": the prefill engine registers
+        # a request when its step ends, the router may be faster) is asked again for this long
+        self.register_grace_s = float(register_grace_s)
+        # background handshakes (connect): engine id -> _Peer while connecting; the whole handshake is
+        # bounded by connect_timeout_s (default: 2 x handshake_timeout_s + 5 s)
+        self._peers: dict[str, _Peer] = {}
+        self._endpoints: dict[str, dict] = {}  # engine id -> the endpoints last given (re-handshake on restart)
+        self._hs_pool = None
+        self._abandoned: list = []
+        self._requeued: set = set()  # read keys already re-queued once after a restart
+        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None
+                                       else 2 * handshake_timeout_s + 5.0)
+        # reads re-queued after their engine restarted or disconnected wait at most this long for it
+        self.rehandshake_timeout_s = float(rehandshake_timeout_s)
+        self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
+        self._failed_keys: OrderedDict = OrderedDict()  # reads that failed (a retry failing again counts once)
+        self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
+        self._peer_progress: dict = {}  # prefill agent -> last time a read from it completed
         self._layout_dict = engine_to_dict(engine)  # sent with stage requests
         self._zombies: list = []  # (req_id, staged ranks, reads still in progress after a failure)
         self.cost_model = cost_model or CostModel.load()
@@ -238,7 +303,8 @@ class DecodeRank:
         self.failed: dict[str, ReadFailure] = {}
         self.metrics = Metrics()
         self.handshake_timeout_s = handshake_timeout_s
-        self._outbox: dict = {}     # (id(remote), prefill rank) -> (remote, rank, [(req_id, attempt)]): acquires
+        self._outbox: dict = {}     # (id(remote), prefill rank) -> (remote, rank, [(req_id, attempt, key)]): acquires
+        self._heartbeats: dict = {}  # the same, heartbeats (queued requests, and pins of reads in flight)
         self._unsent: list = []     # (socket, frames): side-channel messages ZMQ could not queue yet
         self._dead_agents: set = set()
         self._retired: list = []    # (RemoteEngine, not before): engines dropped after a peer died
@@ -248,6 +314,7 @@ class DecodeRank:
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
         """Contact the prefill engine's ranks this rank needs; cached per engine id."""
         endpoints = {tuple(k): v for k, v in endpoints.items()}
+        self._endpoints[engine_id] = endpoints
         cached = self.remotes.get(engine_id)
         if cached is not None:
             # still the same engine? (same endpoints and the same NIXL agent behind every rank)
@@ -322,7 +389,9 @@ class DecodeRank:
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
                      if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != "direct"}
         socks = {}
-        for prank in plan.prefill_ranks_for(self.rank):  # acquire (direct) or stage requests
+        # acquire (direct), stage and heartbeat requests: to every prefill rank this rank notifies (a rank
+        # with nothing to read here is acquired and released too: only a pin holder's Done counts)
+        for prank in sorted(set(needed) | set(plan.prefill_ranks_for(self.rank))):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             # the side channel's TCP connection closing is the earliest sign of a dead prefill process
@@ -360,6 +429,164 @@ class DecodeRank:
             chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank])}
         return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}
 
+    # ---- background handshakes (issue 20, point 4) -----------------------------------------------
+    def connect(self, engine_id: str, endpoints: dict[Rank, str]) -> None:
+        """Make sure prefill engine ``engine_id`` is (or becomes) live, without blocking: returns at once.
+
+        Live with the same endpoints: nothing to do. Otherwise the handshake (metadata fetch from each
+        prefill rank this rank needs, NIXL ``add_remote_agent``, prepared lists) runs on a background
+        thread, bounded as a whole by ``connect_timeout_s``; :meth:`start` queues reads of a connecting
+        engine and :meth:`poll` starts them once it is live, or fails them (:class:`HandshakeFailed`)
+        if the handshake fails or runs past the bound. Idempotent: call it before every :meth:`start`
+        (vLLM: when the scheduler first sees the request)."""
+        endpoints = {tuple(k): v for k, v in endpoints.items()}
+        self._endpoints[engine_id] = endpoints
+        live = self.remotes.get(engine_id)
+        if live is not None and live.endpoints == endpoints:
+            return
+        peer = self._peers.get(engine_id)
+        if peer is not None and peer.state is PeerState.CONNECTING and peer.endpoints == endpoints:
+            return
+        if live is not None:  # other endpoints: a new engine under this id
+            self.forget(engine_id, "the prefill engine's endpoints changed (connect)")
+        self._connect(engine_id, endpoints, list(peer.pending) if peer is not None else [])
+
+    def _connect(self, engine_id: str, endpoints: dict, pending: list, bound_s: float | None = None) -> None:
+        if self._hs_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._hs_pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
+        self._reap_retired(engine_id=engine_id)
+        fut = self._hs_pool.submit(self._handshake_bg, engine_id, endpoints)
+        self._peers[engine_id] = _Peer(engine_id, endpoints, PeerState.CONNECTING, fut, time.monotonic(), pending,
+                                       bound_s=self.connect_timeout_s if bound_s is None else bound_s)
+
+    def _handshake_bg(self, engine_id: str, endpoints: dict):
+        """Background thread: the whole handshake; returns (remote, prepared lists). Each endpoint is
+        probed with a plain TCP connect first: a dead process's closed port answers at once (refused),
+        where ZMQ would wait out ``handshake_timeout_s``."""
+        import socket
+        for prank, ep in sorted(endpoints.items()):
+            host, _, port = ep.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=self.handshake_timeout_s).close()
+            except (OSError, ValueError) as e:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
+                                     f"({type(e).__name__}: {e}); is the prefill engine running?") from None
+        remote = self._handshake(engine_id, endpoints)
+        try:
+            prepped = _prepped_hook.prepare(self.transport, remote, None)  # [i14]
+        except BaseException:
+            self._drop_remote(remote)
+            raise
+        return remote, prepped
+
+    def _drop_remote(self, remote: RemoteEngine) -> None:
+        live = {a for r in self.remotes.values() for a in r.agents.values()}
+        for agent in remote.agents.values():
+            if agent not in live:
+                self.transport.remove_peer(agent)
+        for sock in remote.stage_socks.values():
+            self._close_sock(sock)
+
+    def _advance_peers(self, now: float) -> None:
+        """Install engines whose background handshake finished and start their queued reads; fail the
+        queued reads of a handshake that failed or ran past ``connect_timeout_s``."""
+        for eid, peer in list(self._peers.items()):
+            if peer.state is not PeerState.CONNECTING:
+                continue
+            if peer.future.done():
+                del self._peers[eid]
+                try:
+                    remote, prepped = peer.future.result()
+                except (HandshakeError, IncompatibleLayoutsError, TransferError) as e:
+                    self.metrics.failed_handshakes += 1
+                    self._fail_pending(peer, str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001 - a bug in the handshake fails its reads, not the engine
+                    self.metrics.failed_handshakes += 1
+                    self._fail_pending(peer, f"internal error: {type(e).__name__}: {e}")
+                    continue
+                old = self.remotes.get(eid)
+                if old is not None:
+                    self.forget(eid)
+                self.remotes[eid] = remote
+                self._prepped[eid] = prepped
+                self.metrics.handshakes += 1
+                for req in peer.pending:
+                    try:
+                        self.start(req)
+                    except KVBridgeError as e:
+                        self._count_failed(req)
+                        self.failed[req.key] = HandshakeFailed(str(e), req_id=req.req_id, engine_id=eid)
+            elif now - peer.started > peer.bound_s:
+                peer.state = PeerState.LOST
+                del self._peers[eid]
+                self._abandoned.append(peer.future)
+                self.metrics.failed_handshakes += 1
+                self._fail_pending(peer, f"no handshake within {peer.bound_s:g} s (prefill engine dead, frozen or "
+                                         "unreachable)")
+        for fut in [f for f in self._abandoned if f.done()]:  # late results of abandoned handshakes: drop
+            self._abandoned.remove(fut)
+            if fut.exception() is None:
+                remote, prepped = fut.result()
+                _prepped_hook.release(self.transport, prepped)
+                self._drop_remote(remote)
+
+    def _fail_pending(self, peer: "_Peer", why: str) -> None:
+        before = f"{peer.why}; re-handshake failed: " if peer.why else ""
+        for req in peer.pending:
+            self._count_failed(req)
+            self.failed[req.key] = HandshakeFailed(
+                f"request {req.req_id!r}: {before}cannot reach prefill engine {peer.engine_id!r}: {why}",
+                req_id=req.req_id, engine_id=peer.engine_id)
+        peer.pending = []
+
+    def _can_requeue(self, f: _InFlight) -> bool:
+        return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
+
+    def _requeue_restarted(self, f: _InFlight) -> bool:
+        """A prefill rank answered "restarted" (same id and ports, a new process): if this read holds no
+        pin anywhere yet, drop it quietly, re-handshake in the background and start it again there (the
+        request that discovered the restart does not fail). True if requeued."""
+        if not self._can_requeue(f):
+            return False
+        self._requeue(f, f"prefill engine {f.remote.engine_id!r} restarted")
+        return True
+
+    def _requeue(self, f: _InFlight, why: str) -> None:
+        """Start ``f`` again behind a background re-handshake of its engine (once per read); it fails
+        :class:`HandshakeFailed` (a :class:`PeerDisconnected`) if the engine cannot be reached. The
+        engine's other reads that hold nothing yet go with it (the old engine is dropped)."""
+        eid = f.remote.engine_id
+        endpoints = self._endpoints.get(eid, f.remote.endpoints)
+        peer = self._peers.get(eid)
+        group = [f]
+        if peer is None or peer.state is not PeerState.CONNECTING:
+            group += [g for g in self.inflight.values() if g.remote is f.remote and g is not f and self._can_requeue(g)]
+        for g in group:
+            self.inflight.pop(g.req.key, None)
+            for rr in g.ranks.values():
+                if not rr.sm.terminal:
+                    rr.sm.fire(ReadEvent.ABORT)
+            self._release_reads(g)
+            self._notify_failed(g)  # a request still out on a live rank may have pinned there: let it go
+            self.metrics.restart_requeues += 1
+            self._requeued.add(g.req.key)
+        if len(self._requeued) > 4096:
+            self._requeued.clear()
+        if peer is None or peer.state is not PeerState.CONNECTING:
+            for rid, g in list(self.inflight.items()):  # the old engine's reads that hold something: failed
+                if g.remote is f.remote:
+                    self._fail(rid, g, self._failure(PeerDisconnected, g, None, f"{why}; its reads in progress "
+                                                                               "cannot continue"))
+            self._retire(f.remote)
+            # reaps the old engine (its reads that held pins fail); a re-handshake is bounded by
+            # rehandshake_timeout_s: a restarted engine answers at once, a dead one must fail fast
+            self._connect(eid, endpoints, [], min(self.connect_timeout_s, self.rehandshake_timeout_s))
+            peer = self._peers[eid]
+            peer.why = why
+        peer.pending += [g.req for g in group]
+
     def forget(self, engine_id: str, reason: str = "the prefill engine was forgotten (re-handshake)",
                dead: bool = False) -> None:
         """Drop a remote engine (dead or gone): fail its requests in flight, remove its agents; a later
@@ -379,13 +606,22 @@ class DecodeRank:
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
         """Validate ``req`` and ask its prefill ranks to pin the lease (direct reads are posted when the
-        pin is granted; staged ranks pack on the stage request, which pins too). Raises
-        RequestError/HandshakeError before anything moves."""
-        if req.req_id in self.inflight:
-            raise RequestError(f"request {req.req_id!r} is already in flight on decode rank {self.rank}")
+        pin is granted; staged ranks pack on the stage request, which pins too; a rank with nothing to
+        read is pinned and released at once). Raises RequestError/HandshakeError before anything moves."""
+        key = req.key
+        if key in self.inflight:
+            raise RequestError(f"read {key!r} is already in flight on decode rank {self.rank}; give each read of "
+                               "one prefill request its own ReadRequest.read_id")
         remote = self.remotes.get(req.engine_id)
         if remote is None:
-            raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call handshake() first")
+            peer = self._peers.get(req.engine_id)
+            if peer is not None and peer.state is PeerState.CONNECTING:  # started once the engine is live
+                if any(p.key == key for p in peer.pending):
+                    raise RequestError(f"read {key!r} is already queued on decode rank {self.rank}")
+                peer.pending.append(req)
+                return
+            raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call connect() or "
+                                 "handshake() first")
         t0 = time.perf_counter()
         modes = self._request_modes(remote, req) if self.transfer_mode == "auto" else remote.modes
         direct = [p for p, m in modes.items() if m == "direct"]
@@ -394,40 +630,89 @@ class DecodeRank:
         missing = [p for p in remote.agents if not req.attempt_for(p) and (
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
-            self.metrics.failed_requests += 1
-            self.failed[req.req_id] = LeaseExpired(
+            self._count_failed(req)
+            self.failed[key] = LeaseExpired(
                 f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
                 f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
                 req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
             return
         f = _InFlight(req, remote, {}, t0)
         now = time.monotonic()
-        for prank, agent in remote.agents.items():
+        for prank in remote.agents:
             if prank in staged:
                 continue
             d = descs.get(prank)
-            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica): notify
-                self._notify(agent, self._done(req, remote, prank))
-                continue
-            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d)
-            self._outbox.setdefault((id(remote), prank), (remote, prank, []))[2].append(
-                (req.req_id, req.attempt_for(prank)))
+            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica)
+                if not req.attempt_for(prank) or prank not in remote.stage_socks:
+                    continue  # nothing to present: the prefill's lease expires on its own
+                d = None  # pinned, then released at once: only a pin holder's Done settles a read
+            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d, first_sent=now)
+            self._queue(self._outbox, remote, prank, req)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self._layout_dict
             for prank in staged:
-                f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now)
-                self._send(remote.stage_socks[prank], pack(Stage(
+                rr = f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now, first_sent=now)
+                rr.stage_msg = Stage(
                     req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
                     self.stage_segment_bytes, req.attempt_for(prank), remote.readers[prank],
-                    remote.digests.get(prank, ""))))
+                    remote.digests.get(prank, ""), key, self.transport.agent_name)
+                self._send(remote.stage_socks[prank], pack(rr.stage_msg))
+                rr.asked = True
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
         if not f.ranks:
-            self.finished.append(req.req_id)
+            self.finished.append(key)
             self.metrics.finished_requests += 1
             return
-        self.inflight[req.req_id] = f
+        self.inflight[key] = f
+
+    @staticmethod
+    def _queue(box: dict, remote: RemoteEngine, prank: Rank, req: ReadRequest) -> None:
+        box.setdefault((id(remote), prank), (remote, prank, []))[2].append(
+            (req.req_id, req.attempt_for(prank), req.key))
+
+    def heartbeat(self, reqs: Iterable[ReadRequest]) -> None:
+        """Tell the prefill ranks that these requests, queued or parked on this engine (not started), will
+        still be read: each prefill rank this rank notifies extends their leases by its ``lease_s`` (never
+        past its ``pin_s`` after registration), bound to the attempt and to this reader; nothing is
+        pinned, and an unknown or ended request is left alone. Call it every ``lease_s / 6`` or so (vLLM
+        0.33 does) for requests waiting longer than a fraction of the lease. Reads in flight need no
+        call: :meth:`poll` refreshes their pins. Never blocks (sent on the next :meth:`poll`/:meth:`flush`)."""
+        for req in reqs:
+            if req.key in self.inflight:
+                continue
+            remote = self.remotes.get(req.engine_id)
+            if remote is None:
+                continue
+            for prank in remote.agents:
+                if req.attempt_for(prank) and prank in remote.stage_socks:
+                    self._queue(self._heartbeats, remote, prank, req)
+        self.flush()
+
+    def release(self, req: ReadRequest) -> None:
+        """Give up ``req`` (the engine aborted or rejected the request): the prefill's blocks are freed as
+        soon as no other reader needs them. Never blocks.
+
+        In flight (``req.key`` started here): as :meth:`abort`: reads cancelled, and every pin this rank
+        holds for it released (``Done``, failed); a pin still being granted is released when its grant
+        arrives. Not started: every prefill rank this rank notifies gets a *decline* (``Done`` with
+        ``decline=True``, failed) for ``req.key``: this rank's part of the read is settled without
+        reading. A prefill rank frees the lease when that leaves no pin held by any reader (another
+        decode engine's read, another read id of this engine, another rank of this engine still
+        reading) and every read of it settled; otherwise the lease stays for the others (and expires on
+        its own if they never come). A decline is ignored if this rank holds the pin (it releases
+        instead) or already settled its part."""
+        if req.key in self.inflight:
+            self.abort(req.key)
+            return
+        self.metrics.aborted_requests += 1
+        remote = self.remotes.get(req.engine_id)
+        if remote is None:
+            return
+        for p, agent in remote.agents.items():
+            if req.attempt_for(p):
+                self._notify(agent, self._done(req, remote, p, ok=False, decline=True))
 
     def _send(self, sock, frames: list) -> None:
         """Queue a side-channel message without blocking; what ZMQ cannot take now is retried on poll
@@ -448,10 +733,23 @@ class DecodeRank:
         if self._outbox:
             out, self._outbox = self._outbox, {}
             for remote, prank, reqs in out.values():
-                live = [(rid, a) for rid, a in reqs if rid in self.inflight]
+                live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
+                for _, _, k in live:
+                    rr = self.inflight[k].ranks.get(prank)
+                    if rr is not None:
+                        rr.asked = True
                 if live and prank in remote.stage_socks:
                     self._send(remote.stage_socks[prank], pack(Acquire(
-                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), live)))
+                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), live,
+                        self.transport.agent_name)))
+        if self._heartbeats:
+            out, self._heartbeats = self._heartbeats, {}
+            for remote, prank, reqs in out.values():
+                if prank in remote.stage_socks:
+                    self.metrics.heartbeats += len(reqs)
+                    self._send(remote.stage_socks[prank], pack(Acquire(
+                        self.engine_id, self.rank, remote.readers[prank], remote.digests.get(prank, ""), reqs,
+                        self.transport.agent_name, heartbeat=True)))
 
     def _request_modes(self, remote: RemoteEngine, req: ReadRequest) -> dict:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
@@ -464,9 +762,25 @@ class DecodeRank:
                                lambda p: p in remote.can_stage)
         return {p: staged.get(p, "direct") for p in remote.modes}
 
-    def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True) -> bytes:
+
+    def _done(self, req: ReadRequest, remote: RemoteEngine, prank: Rank, ok: bool = True,
+              decline: bool = False) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
-                                 req.attempt_for(prank)))
+                                 req.attempt_for(prank), req.key, decline))
+
+    def _let_go(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+        """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
+        or answered twice): release that pin once, so it does not hold the blocks until it times out."""
+        key = (read_id, prank, attempt)
+        if key in self._released or prank not in remote.agents:
+            return
+        self._released[key] = True
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)
+        agent = remote.agents[prank]
+        if agent not in self._dead_agents:
+            self._notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+                                                  attempt, read_id)))
 
     def _post_direct(self, f: _InFlight, rr: _RankRead, d) -> None:
         """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
@@ -497,55 +811,100 @@ class DecodeRank:
 
     def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
         if code == "restarted":
+            if self._requeue_restarted(f):
+                return
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(PeerRestarted, f, rr.prefill, text))
             self._retire(f.remote)  # a later handshake() reaches the new process
+        elif code == "not_registered":
+            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(
+                NotRegistered, f, rr.prefill, f"{text} (asked for {self.register_grace_s:g} s: register_grace_s)"))
         elif code in ("lease_expired", "done"):
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, rr.prefill, text))
         else:
             self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, rr.prefill, f"[{code}] {text}"))
 
+    def _not_registered(self, f: _InFlight, rr: _RankRead, code: str, text: str, now: float) -> bool:
+        """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
+        No pin exists and nothing is sent meanwhile. True if a retry was scheduled."""
+        if code != "not_registered" or now - rr.first_sent >= self.register_grace_s:
+            return False
+        tries = self.metrics.register_retries
+        self.metrics.register_retries = tries + 1
+        rr.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - rr.first_sent) / 0.02)))
+        rr.progress_at = now
+        return True
+
     def _on_acquired(self, remote: RemoteEngine, prank: Rank, msg: Acquired) -> None:
         now = time.monotonic()
-        for rid, attempt, ttl_s in msg.granted:
-            f, rr = self._rank_read(remote, prank, rid, attempt)
-            if rr is None or rr.state is not ReadState.ACQUIRING:
+        if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
+            for rid, attempt, read_id, ttl_s in msg.granted:
+                f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+                if rr is not None and rr.pinned and not rr.sm.terminal:
+                    rr.pin_deadline = max(rr.pin_deadline, rr.refresh_sent + ttl_s)
+                    rr.refresh_at = rr.refresh_sent + ttl_s / 3
+            return
+        for rid, attempt, read_id, ttl_s in msg.granted:
+            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+            if rr is None or rr.state is not ReadState.ACQUIRING or rr.retry_at is not None:
+                self._let_go(remote, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
+            rr.pinned, rr.asked = True, False
             if ttl_s <= 0:
                 self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank, "the pin was granted "
                                                                         "with no time left"))
                 continue
             rr.sm.fire(ReadEvent.GRANTED)
             rr.pin_deadline, rr.progress_at = rr.sent_at + ttl_s, now
+            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + ttl_s / 3
+            if rr.descs is None:  # nothing to read from this rank: release the pin at once
+                self._notify(remote.agents[prank], self._done(f.req, remote, prank))
+                rr.pinned = False
+                rr.sm.fire(ReadEvent.COMPLETED)
+                continue
             self._post_direct(f, rr, rr.descs)
             rr.descs = None
-        for rid, attempt, code, text in msg.refused:
-            f, rr = self._rank_read(remote, prank, rid, attempt)
-            if rr is not None and rr.state is ReadState.ACQUIRING:
-                self._refused(f, rr, code, text)
+        for rid, attempt, read_id, code, text in msg.refused:
+            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
+            if rr is not None and rr.state is ReadState.ACQUIRING and rr.retry_at is None:
+                rr.asked = False
+                if not self._not_registered(f, rr, code, text, now):
+                    self._refused(f, rr, code, text)
 
-    def _rank_read(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int | None = None):
-        f = self.inflight.get(rid)
-        if f is None or f.remote is not remote or (attempt is not None and attempt != f.req.attempt_for(prank)):
+    def _rank_read(self, remote: RemoteEngine, prank: Rank, rid: str, attempt: int | None = None,
+                   read_id: str = ""):
+        f = self.inflight.get(read_id or rid)
+        if (f is None or f.remote is not remote or f.req.req_id != rid
+                or (attempt is not None and attempt != f.req.attempt_for(prank))):
             return None, None
         return f, f.ranks.get(prank)
 
     def _on_stage_reply(self, remote: RemoteEngine, prank: Rank, msg: Staged | StageError) -> None:
         from ..staging import offsets
-        f, rr = self._rank_read(remote, prank, msg.req_id)
-        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING):
-            return  # the request failed or was aborted meanwhile, or we fell back to direct reads
+        f, rr = self._rank_read(remote, prank, msg.req_id, msg.attempt or None, msg.read_id)
+        pinned = isinstance(msg, Staged) or msg.code not in _REFUSALS
+        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING) or rr.retry_at is not None:
+            # the request failed or was aborted meanwhile, or we fell back to direct reads: a pin the
+            # prefill made for a read no longer live here is released (once)
+            if pinned and (rr is None or rr.sm.terminal) and msg.attempt:
+                self._let_go(remote, prank, msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+            return
         now = rr.progress_at = time.monotonic()
         req = f.req
+        rr.pinned, rr.asked = rr.pinned or pinned, False
         if isinstance(msg, StageError):
-            if msg.expired or msg.code in ("lease_expired", "restarted", "unknown_reader", "done"):
+            if rr.state is ReadState.STAGE_REQUESTED and self._not_registered(f, rr, msg.code, msg.message, now):
+                return
+            if msg.expired or msg.code in _REFUSALS:
                 self._refused(f, rr, msg.code or "lease_expired", msg.message)
             elif rr.state is ReadState.STAGE_REQUESTED and msg.ttl_s > 0:  # no room: read directly, pinned
                 rr.pin_deadline = rr.sent_at + msg.ttl_s
+                rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + msg.ttl_s / 3
                 self._direct_fallback(f, rr)
             else:
                 self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, prank, msg.message))
             return
         if rr.staging is None and rr.state is ReadState.STAGE_REQUESTED:  # first segment
+            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + max(msg.ttl_s, 0.0) / 3
             if msg.total == 0:
                 rr.notify_at_end = True  # nothing to read: Done goes out when the request completes
                 rr.pin_deadline = now + 1e9  # nothing read: nothing to trust
@@ -562,7 +921,7 @@ class DecodeRank:
                                                                         "staged with no pin time left"))
                 return
             rr.pin_deadline = rr.sent_at + msg.ttl_s
-            off = self.slots.alloc((req.req_id, prank), msg.total)
+            off = self.slots.alloc((req.key, prank), msg.total)
             if off is None:  # our staging is full: read directly (under the pin), ignore the rest
                 self._direct_fallback(f, rr)
                 return
@@ -615,35 +974,47 @@ class DecodeRank:
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
         """Abort a request: tell its prefill ranks to free the blocks (never waits for a read).
 
-        In flight: its reads are cancelled (one still in progress is parked with its memory until it
-        ends) and every live prefill rank it notifies is told. Not started (``readers_of`` given): every
-        prefill rank this rank notifies is told.
+        In flight (``req_id``: the read's key, :attr:`ReadRequest.key`): its reads are cancelled (one
+        still in progress is parked with its memory until it ends) and every pin this rank holds for it
+        is released. Not started (``readers_of`` given): as :meth:`release` (a decline to every prefill
+        rank this rank notifies; the lease is freed only if no other reader holds a pin).
         """
         f = self.inflight.pop(req_id, None)
-        self.metrics.aborted_requests += 1
         if f is not None:
+            self.metrics.aborted_requests += 1
+            unpinned = [p for p, rr in f.ranks.items() if not rr.sm.terminal and not rr.pinned]
             for rr in f.ranks.values():
                 if not rr.sm.terminal:
                     rr.sm.fire(ReadEvent.ABORT)
             self._release_reads(f)
             self._notify_failed(f)
+            # ranks where we know of no pin (acquire not sent or not answered yet, refused): decline too.
+            # If our request was answered meanwhile with a pin (a parked stage request), the release
+            # above ends it and the prefill ignores the decline; if not, the release is ignored and the
+            # decline settles our part (a pin granted after both is let go when its grant arrives)
+            for p in unpinned:
+                agent = f.remote.agents.get(p)
+                if agent is not None and agent not in self._dead_agents and f.req.attempt_for(p):
+                    self._notify(agent, self._done(f.req, f.remote, p, ok=False, decline=True))
             return
-        remote = self.remotes.get(readers_of.engine_id) if readers_of else None
-        if remote is not None:
-            for p, agent in remote.agents.items():
-                self._notify(agent, encode_notif(Done(req_id, self.engine_id, self.rank, remote.readers[p], False,
-                                                      readers_of.attempt_for(p))))
+        if readers_of is not None:  # not started: decline (see release())
+            self.release(readers_of)
+        else:
+            self.metrics.aborted_requests += 1
 
     @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
-        return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent)
+        return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent
+                    or self._heartbeats or self._peers or self._abandoned or time.monotonic() < self._linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call."""
         self.flush()
         self._drain_replies()
         now = time.monotonic()
+        if self._peers or self._abandoned:
+            self._advance_peers(now)
         for rid, f in list(self.inflight.items()):
             if rid not in self.inflight:  # failed meanwhile (a dead peer fails all of its requests)
                 continue
@@ -660,17 +1031,33 @@ class DecodeRank:
                 self._complete(rid, f)
         self._reap_zombies()
         self._reap_retired()
+        self.flush()  # retries and heartbeats scheduled above
         out, failed = self.finished, self.failed
         self.finished, self.failed = [], {}
         return out, failed
 
     def _advance(self, f: _InFlight, rr: _RankRead, now: float) -> bool:
-        """Drive one rank's read: completions, scatters, its deadlines. True if the request failed."""
+        """Drive one rank's read: not-registered retries, pin heartbeats, completions, scatters, its
+        deadlines. True if the request failed."""
         prank = rr.prefill
+        if rr.retry_at is not None:  # refused "not registered yet": nothing is held, nothing is sent
+            if now < rr.retry_at:
+                return False
+            rr.retry_at, rr.sent_at = None, now
+            if rr.state is ReadState.ACQUIRING:
+                self._queue(self._outbox, f.remote, prank, f.req)
+            elif rr.stage_msg is not None and prank in f.remote.stage_socks:
+                self._send(f.remote.stage_socks[prank], pack(rr.stage_msg))
+                rr.asked = True
+        if rr.pinned and now >= rr.refresh_at:  # keep our pin alive on the prefill (its idle timeout)
+            rr.refresh_sent = now
+            rr.refresh_at = now + max(0.05, (rr.pin_deadline - now) / 2)  # again then if nobody answers
+            self._queue(self._heartbeats, f.remote, prank, f.req)
         try:
             for r in rr.reads:
                 if not r.done and self.transport.check(r.xfer) == "DONE":
                     r.done, rr.progress_at = True, now
+                    self._peer_progress[f.remote.agents.get(prank)] = now
                     if r.runs is not None:  # staged segment: scatter it as soon as it is read
                         r.scatter = self.transport.submit(self._scatter, r)
                 if r.scatter is not None and r.scatter.done():
@@ -678,7 +1065,7 @@ class DecodeRank:
         except TransferError as e:
             agent = f.remote.agents.get(prank)
             sock = f.remote.stage_socks.get(prank)
-            if agent is not None and (_is_disconnect(e) or (sock is not None and self._disconnected(sock))):
+            if agent is not None and (isinstance(e, PeerGoneError) or (sock is not None and self._disconnected(sock))):
                 self._peer_died(f.remote, agent, f"NIXL: {e}")
             else:
                 self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
@@ -698,7 +1085,7 @@ class DecodeRank:
             return False
         waiting = rr.state in AWAITING_REPLY and not (rr.state is ReadState.STAGING and not finished)
         limit = self.stage_timeout_s if waiting else self.transfer_timeout_s
-        if now - rr.progress_at > limit:
+        if now - self._progress_ref(f, rr, now, waiting) > limit:
             what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
                     else "made no progress within transfer_timeout_s")
             self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
@@ -711,12 +1098,29 @@ class DecodeRank:
             return True
         return False
 
+    def _progress_ref(self, f: _InFlight, rr: _RankRead, now: float, waiting: bool) -> float:
+        """When this rank's read last showed the peer alive: its deadline runs from there. Waiting for an
+        answer: the request or the last answer. Reading: the latest of the last progress, the last read
+        completed from the same prefill agent, and the time the post thread posted each unfinished read;
+        a read still in our own post queue stops the clock (a long local queue is not the peer's fault)."""
+        if waiting:
+            return rr.progress_at
+        ref = max(rr.progress_at, self._peer_progress.get(f.remote.agents.get(rr.prefill), 0.0))
+        for r in rr.reads:
+            if not r.done:
+                posted = getattr(r.xfer, "posted_at", ref)
+                if posted is None:
+                    return now
+                ref = max(ref, posted)
+        return ref
+
     def _complete(self, rid: str, f: _InFlight) -> None:
         self._release_reads(f)
         del self.inflight[rid]
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
-            if rr.notify_at_end:
+            if rr.notify_at_end and rr.pinned:
                 self._notify(f.remote.agents[prank], self._done(f.req, f.remote, prank))
+            rr.pinned = False  # direct reads' Done rode on the read
         self.metrics.observe_transfer(time.perf_counter() - f.started)
         for rr in f.ranks.values():
             for r in rr.reads:
@@ -734,14 +1138,21 @@ class DecodeRank:
         agent is removed; the engine's live ranks keep their agents until the failed requests' Done
         notifications have gone out."""
         self._dead_agents.add(agent)
+        requeue = []
         for rid, f in list(self.inflight.items()):
             for prank, rr in f.ranks.items():
                 if not rr.sm.terminal and f.remote.agents.get(prank) == agent:
-                    self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
-                        PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
+                    if self._can_requeue(f):  # nothing pinned or read yet: the engine may be back (restart)
+                        requeue.append(f)
+                    else:
+                        self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
+                            PeerDisconnected, f, prank, f"disconnected: prefill agent {agent!r} went away ({detail})"))
                     break
         self._retire(remote)
         self.transport.remove_peer(agent)
+        for f in requeue:
+            if self.inflight.get(f.req.key) is f:  # (an earlier one may have taken it along)
+                self._requeue(f, f"prefill agent {agent!r} disconnected ({detail})")
 
     def _retire(self, remote: RemoteEngine, grace_s: float = 0.5) -> None:
         if self.remotes.get(remote.engine_id) is remote:
@@ -840,7 +1251,7 @@ class DecodeRank:
                     parked.append(r)
                     continue
                 self.transport.release(r.xfer)
-        slots = [(f.req.req_id, p) for p, rr in f.ranks.items() if rr.staging is not None]
+        slots = [(f.req.key, p) for p, rr in f.ranks.items() if rr.staging is not None]
         if parked:
             self._zombies.append((f.req.req_id, slots, parked))
         else:
@@ -859,6 +1270,18 @@ class DecodeRank:
                     self.slots.free(key)
                 self._zombies.remove(item)
 
+    def _count_failed(self, req: ReadRequest) -> None:
+        """One failed request per read (key and attempt): an engine that starts the same read again after
+        a failure (a retry) and fails again is counted in ``retried_failures``, not again."""
+        k = (req.key, req.attempt if isinstance(req.attempt, int) else tuple(sorted(req.attempt.items())))
+        if k in self._failed_keys:
+            self.metrics.retried_failures += 1
+            return
+        self._failed_keys[k] = True
+        while len(self._failed_keys) > 4096:
+            self._failed_keys.popitem(last=False)
+        self.metrics.failed_requests += 1
+
     def _fail(self, rid: str, f: _InFlight, failure: ReadFailure, notify: bool = True) -> None:
         """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
         tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
@@ -869,27 +1292,37 @@ class DecodeRank:
         self.inflight.pop(rid, None)
         self.failed[rid] = failure
         self.metrics.failed_transfers += max(1, len(incomplete))
-        self.metrics.failed_requests += 1
+        self._count_failed(f.req)
         if notify:
             self._notify_failed(f)
 
     def _notify_failed(self, f: _InFlight) -> None:
-        """Done(failed) to every prefill rank of the request whose agent is alive (a prefill counts one
-        Done per reader, so a second one for a rank whose read carried it is harmless)."""
+        """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
+        alive: it releases that pin (only the holder's Done can). Nothing is sent for a rank that refused
+        the acquire or was never asked (it holds nothing of ours); a pin granted after this is released
+        when its grant arrives (``_let_go``)."""
         peers = self.transport.peers
-        for p, agent in f.remote.agents.items():
-            if agent not in self._dead_agents and agent in peers:
+        for p, rr in f.ranks.items():
+            agent = f.remote.agents.get(p)
+            if (rr.pinned or rr.asked) and agent is not None and agent not in self._dead_agents and agent in peers:
+                # asked, unanswered: a pin may exist already (the prefill ignores a release of none)
                 self._notify(agent, self._done(f.req, f.remote, p, ok=False))
+                if rr.asked:  # the answer may still come: keep draining replies a while to let it go
+                    self._linger_until = max(self._linger_until, time.monotonic() + self.stage_timeout_s)
+                else:
+                    self._released[(f.req.key, p, f.req.attempt_for(p))] = True
+            rr.pinned = rr.asked = False
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
-        """Poll until nothing is in flight (or timeout); returns everything finished/failed meanwhile."""
+        """Poll until nothing is in flight or waiting for a handshake (or timeout); returns everything
+        finished/failed meanwhile."""
         done, failed = [], {}
         deadline = time.monotonic() + timeout_s
         while True:
             d, f = self.poll()
             done += d
             failed |= f
-            if not self.inflight or time.monotonic() > deadline:
+            if not (self.inflight or self._peers) or time.monotonic() > deadline:  # (or reads waiting for a handshake)
                 return done, failed
             time.sleep(sleep_s)
 
@@ -897,10 +1330,24 @@ class DecodeRank:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self._zombies),
+                "retired_engines": len(self._retired),
                 "staging_used": self.slots.bytes_used,
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
+        for peer in list(self._peers.values()):  # background handshakes: let them end, then drop them
+            self._abandoned.append(peer.future)
+        self._peers.clear()
+        for fut in self._abandoned:
+            try:
+                remote, prepped = fut.result(timeout=self.connect_timeout_s)
+            except Exception:  # noqa: BLE001 - failed or stuck: nothing of it was kept
+                continue
+            _prepped_hook.release(self.transport, prepped)
+            self._drop_remote(remote)
+        self._abandoned.clear()
+        if self._hs_pool is not None:
+            self._hs_pool.shutdown(wait=False)
         for eid in list(self.remotes):
             self.forget(eid, "decode rank closing")
         for remote, _ in list(self._retired):
@@ -917,7 +1364,7 @@ class DecodeRank:
         """Post ``req`` and wait for it here (no RPC in the timing); returns seconds, bytes, descriptors."""
         t0 = time.perf_counter()
         self.start(req)
-        f = self.inflight.get(req.req_id)
+        f = self.inflight.get(req.key)
         # poll every 0.2 ms, like an engine loop between steps: a tighter loop steals a core from the
         # copies on a small machine (reads and scatters run on the post threads, packs in the prefill)
         done, failed = self.wait(timeout_s, sleep_s=2e-4)
@@ -958,11 +1405,10 @@ class DecodeRank:
             host_view(a.addr, a.nbytes).fill(value)
 
 
+# refusal codes of an acquire/stage request: no pin was made
+_REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_reader", "done"})
+
+
 def _device_of(remote: RemoteEngine, prank: Rank) -> str:
     """The device of a prefill rank's KV memory and staging buffer ("cpu" or "cuda:N"), from its handshake."""
     return getattr(remote.lowered.p_mem(prank), "device", "cpu")
-
-
-def _is_disconnect(e: TransferError) -> bool:
-    """The transport's typed text for NIXL_ERR_REMOTE_DISCONNECT (transport/nixl.py ``_wrap``)."""
-    return "REMOTE_DISCONNECT" in str(e) or "disconnect" in str(e).lower()

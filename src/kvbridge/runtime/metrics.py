@@ -1,7 +1,47 @@
 """Counters in the spirit of vLLM's NIXL connector stats, readable as JSON and as Prometheus text."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
+
+# upper bounds (seconds) of the transfer-duration histogram's buckets (the last one is +inf)
+BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                              30.0, 60.0, 120.0, float("inf"))
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (``BUCKETS``: upper bounds); cumulative snapshots subtract and add exactly, so a
+    quantile of any window (the difference of two snapshots) or of several ranks (their sum) is computed
+    from the counts, never from quantiles of snapshots."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.count += 1
+
+    def quantile(self, q: float) -> float:
+        return quantile_from_counts(self.counts, q)
+
+
+def quantile_from_counts(counts: list[int], q: float) -> float:
+    """The ``q`` quantile of a histogram over :data:`BUCKETS` (linear within the bucket; the last,
+    unbounded bucket answers its lower bound). 0.0 when empty."""
+    total = sum(counts)
+    if total <= 0:
+        return 0.0
+    target, seen = q * total, 0
+    for i, c in enumerate(counts):
+        if c and seen + c >= target:
+            lo = BUCKETS[i - 1] if i else 0.0
+            hi = BUCKETS[i]
+            if hi == float("inf"):
+                return lo
+            return lo + (hi - lo) * max(0.0, target - seen) / c
+        seen += c
+    return BUCKETS[-2]
 
 
 @dataclass
@@ -29,28 +69,47 @@ class Metrics:
     stale_messages: int = 0
     forged_messages: int = 0
     cancelled_reads: int = 0
+    not_registered: int = 0
+    restart_requeues: int = 0
+    retried_failures: int = 0
+    ignored_notifications: int = 0
+    register_retries: int = 0
+    heartbeats: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
     stage_wait_seconds_sum: float = 0.0
     scatter_seconds_sum: float = 0.0
-    durations: list[float] = field(default_factory=list, repr=False)
+    transfer_hist: Histogram = field(default_factory=Histogram, repr=False)
 
     def observe_transfer(self, seconds: float) -> None:
+        """One request's transfer (from start to its last byte), once per finished request."""
         self.transfer_seconds_sum += seconds
-        if len(self.durations) < 100_000:
-            self.durations.append(seconds)
+        self.transfer_hist.observe(seconds)
 
     def to_json(self) -> dict:
         d = asdict(self)
-        durs = sorted(d.pop("durations"))
-        d["transfer_seconds_p50"] = durs[len(durs) // 2] if durs else 0.0
-        d["transfer_seconds_p90"] = durs[int(len(durs) * 0.9)] if durs else 0.0
+        h = d.pop("transfer_hist")
+        d["transfer_seconds_count"] = h["count"]
+        # counts per bucket (upper bound -> count, not cumulative): deltas between snapshots are exact
+        d["transfer_seconds_buckets"] = {_le(b): int(c) for b, c in zip(BUCKETS, h["counts"])}
+        d["transfer_seconds_p50"] = self.transfer_hist.quantile(0.5)
+        d["transfer_seconds_p90"] = self.transfer_hist.quantile(0.9)
         return d
 
     def merge(self, other: dict) -> None:
         for k, v in other.items():
-            if hasattr(self, k) and isinstance(v, (int, float)) and not isinstance(getattr(self, k), list):
+            if k == "transfer_seconds_buckets" and isinstance(v, dict):
+                for i, b in enumerate(BUCKETS):
+                    self.transfer_hist.counts[i] += int(v.get(_le(b), 0))
+                self.transfer_hist.count = sum(self.transfer_hist.counts)
+            elif k == "transfer_seconds_count" or k.startswith("transfer_seconds_p"):
+                continue  # derived from the buckets
+            elif hasattr(self, k) and isinstance(v, (int, float)) and not isinstance(getattr(self, k), list):
                 setattr(self, k, getattr(self, k) + v)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 HELP = {
@@ -76,6 +135,13 @@ HELP = {
     "refused_reads": ("counter", "acquire/stage requests the prefill refused (lease gone, other attempt, unknown reader)"),
     "stale_messages": ("counter", "Done/stage/acquire messages for another attempt of a live request (ignored)"),
     "forged_messages": ("counter", "messages from a reader that did not handshake or from another agent (ignored)"),
+    "ignored_notifications": ("counter", "Done notifications with no effect: a pin the sender does not hold, a "
+                                         "decline from a pin holder, a read settled already"),
+    "retried_failures": ("counter", "failures of a read started again after it had failed (counted once in failed_requests)"),
+    "restart_requeues": ("counter", "reads re-queued behind a background re-handshake of a restarted prefill"),
+    "not_registered": ("counter", "acquire/stage requests refused because the lease was not registered yet (retried)"),
+    "register_retries": ("counter", "acquire/stage requests retried after a not-registered refusal"),
+    "heartbeats": ("counter", "lease heartbeats sent (queued requests and in-flight pins)"),
     "cancelled_reads": ("counter", "reads cancelled before the transport posted them (dead peer, failed request)"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),
     "post_seconds_sum": ("counter", "total seconds spent building and posting descriptors"),

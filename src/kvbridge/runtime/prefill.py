@@ -5,7 +5,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -20,6 +20,7 @@ from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, tra
 from ..transport.nixl import NixlTransport, metadata_digest
 from .metrics import Metrics
 from ..errors import KVBridgeError
+from .lease import Granted, Lease, LeaseEnded, LeaseState, LeaseTable, Outcome, PinEnded, ReaderTable, Refusal, Refused
 from .protocol import (Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError,
                        blocks_from_wire, decode_notif, pack, unpack)
 from .slots import SlotAllocator
@@ -32,26 +33,22 @@ def json_key(d: dict) -> str:
     return json.dumps(d, sort_keys=True)
 
 
+def _read_id(msg) -> str:
+    return msg.read_id or msg.req_id
+
+
+def _pin_key(msg: Stage) -> tuple:
+    return ((msg.decode_engine, tuple(msg.decode_rank)), _read_id(msg))
+
+
+def _slot_key(msg: Stage) -> tuple:
+    """A staging slot is held by one pin: (request, decode engine, decode rank, read id)."""
+    return (msg.req_id, msg.decode_engine, tuple(msg.decode_rank), _read_id(msg))
+
+
 def new_attempt() -> int:
     """A random, non-zero 63-bit attempt id (0 never names a lease)."""
     return secrets.randbits(63) | 1
-
-
-@dataclass
-class Lease:
-    """Blocks held for one attempt of a request. Only this process's monotonic clock decides when the
-    lease ends: ``deadline`` (``time.monotonic()``), pushed to ``pinned_at + pin_s`` (once) when a reader
-    pins it; Done from every reader of the attempt frees it earlier."""
-
-    req_id: str
-    blocks: dict[str, GroupBlocks]
-    deadline: float
-    attempt: int = 0
-    done_ranks: set = field(default_factory=set)
-    readers: int | None = None
-    staged: set = field(default_factory=set)  # staging slots held for this request
-    pinned_at: float | None = None            # monotonic time of the first pin (hard cap from there)
-    holders: set = field(default_factory=set)  # readers (decode engine, rank) that pinned it
 
 
 @dataclass
@@ -71,13 +68,17 @@ class PrefillRank:
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, memory: KVMemory | None = None,
                  host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0, transport=None,
                  staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0, pin_s: float = 120.0,
-                 lowered_cache: int = 64, lowered_per_peer: int = 16, staging_peer_share: float = 0.5):
+                 lowered_cache: int = 64, lowered_per_peer: int = 16, staging_peer_share: float = 0.5,
+                 pin_idle_s: float | None = None, max_readers: int = 4096, reader_idle_s: float = 60.0):
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
-        # a pinned lease (a reader asked to read it) lives until every reader's Done, or at most pin_s
-        # after the first pin; readers count the granted remainder down on their own clock
+        # leases (runtime/lease.py): a pin (a reader's acquire or stage request) holds until that reader's
+        # Done, pin_idle_s (default lease_s) without a refresh (its heartbeats), or pin_s after it was made;
+        # readers count the granted remainder down on their own clock
         self.pin_s = pin_s
-        # readers this rank handshook with: (decode engine, decode rank) -> NIXL agent name (bounded)
-        self._readers: OrderedDict = OrderedDict()
+        self.table = LeaseTable(lease_s, pin_s, pin_idle_s)
+        # readers this rank handshook with: (decode engine, decode rank) bound to a NIXL agent (bounded,
+        # never evicting a live reader)
+        self.readers = ReaderTable(max_readers, reader_idle_s)
         self._digests: OrderedDict = OrderedDict()  # metadata digests this process has served
         self._lowered_cap, self._lowered_per_peer = lowered_cache, lowered_per_peer
         # a stage request that finds the staging buffer full waits this long for a slot to free (the
@@ -119,7 +120,6 @@ class PrefillRank:
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.host = host
-        self.leases: dict[str, Lease] = {}
         self.freed: list[str] = []
         self.expired: list[str] = []
         self.metrics = Metrics()
@@ -132,11 +132,35 @@ class PrefillRank:
         (``ReadRequest.attempt``). Pass ``attempt`` to use the same id on every rank of the engine
         (the engine's scheduler draws one per request attempt); by default a random one is drawn."""
         attempt = int(attempt) if attempt else new_attempt()
-        if req_id in self.leases:  # re-registered: its staging slots go back first
-            self._release(req_id)
-        self.leases[req_id] = Lease(req_id, blocks, time.monotonic() + (self.lease_s if lease_s is None else lease_s),
-                                    attempt)
+        # re-registered: the old attempt's lease is REPLACED (its pins end, its staging slots go back)
+        self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s))
         return attempt
+
+    @property
+    def leases(self) -> dict[str, Lease]:
+        """Live leases by request id (read-only view of :attr:`table`)."""
+        return self.table.leases
+
+    def _effects(self, effects) -> None:
+        """Act on what the lease machine did: staging slots of ended pins go back, ended leases are
+        reported (``take_freed``)."""
+        for e in effects:
+            if isinstance(e, PinEnded):
+                (eng, rank), read_id = e.pin
+                key = (e.req_id, eng, tuple(rank), read_id)
+                self.slots.free(key)
+                lease = self.table.get(e.req_id)
+                if lease is not None:
+                    lease.staged.discard(key)
+                if self._parked:
+                    self._unpark(e.req_id, eng, rank, read_id)
+            elif isinstance(e, LeaseEnded):
+                if e.state is LeaseState.FREED:
+                    self.freed.append(e.req_id)
+                    self.metrics.freed_requests += 1
+                elif e.state is LeaseState.EXPIRED:
+                    self.expired.append(e.req_id)
+                    self.metrics.expired_requests += 1
 
     def take_freed(self) -> dict:
         out = {"freed": self.freed, "expired": self.expired}
@@ -163,27 +187,23 @@ class PrefillRank:
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
                 self._on_notif(agent, m)
-        now = time.monotonic()
-        for rid in [r for r, l in self.leases.items() if l.deadline < now]:
-            self._release(rid)
-            self.expired.append(rid)
-            self.metrics.expired_requests += 1
+        self._effects(self.table.tick(time.monotonic()))
         if self._parked:
             self._retry_parked()
 
     def _retry_parked(self) -> None:
         """Serve stage requests that waited for staging space, in arrival order (first fit). A request
-        whose lease is gone, or whose decode rank already sent its Done (it aborted or failed), is
-        dropped; one that still does not fit waits until its deadline, then gets "full"."""
+        whose lease is gone, or whose pin ended meanwhile (its reader's Done: it aborted or failed; or a
+        timeout), is dropped; one that still does not fit waits until its deadline, then gets "full"."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
         for p in parked:
             lease = self.leases.get(p.msg.req_id)
             try:
                 if lease is None or lease.attempt != p.msg.attempt:
-                    replies = [self._expired_error(p.msg.req_id)]
-                elif (p.msg.decode_engine, tuple(p.msg.decode_rank)) in lease.done_ranks:
-                    continue  # the decode rank gave up on it meanwhile: nobody will read it
+                    replies = [self._expired_error(p.msg)]
+                elif _pin_key(p.msg) not in lease.pins:
+                    continue  # the reader gave up on it meanwhile: nobody will read it
                 else:
                     replies = self._pack_into_slot(p.msg, p.descs)
                     if replies is None:
@@ -198,7 +218,8 @@ class PrefillRank:
                 self.metrics.failed_stage_requests += 1
                 self.sock.send_multipart(p.envelope + pack(StageError(
                     p.msg.req_id, f"prefill rank {self.rank} failed packing {p.msg.req_id!r}; read it directly",
-                    code="internal", ttl_s=self._ttl(lease) if lease is not None else 0.0)))
+                    code="internal", ttl_s=self._ttl(lease, p.msg) if lease is not None else 0.0,
+                    read_id=_read_id(p.msg), attempt=p.msg.attempt)))
 
     def _failure_reply(self, body: list[bytes], e: Exception):
         """A typed error reply for a request that raised while being served: a kvbridge error's message
@@ -212,59 +233,63 @@ class PrefillRank:
             lease = self.leases.get(msg.req_id)
             ok = lease is not None and lease.attempt == msg.attempt
             return StageError(msg.req_id, f"cannot stage: {text}", code="internal",
-                              ttl_s=self._ttl(lease) if ok else 0.0)
+                              ttl_s=self._ttl(lease, msg) if ok else 0.0, read_id=_read_id(msg),
+                              attempt=msg.attempt)
         return ErrorReply(text, code="internal")
 
     # ---- leases: attempts, pins, reader identities ----------------------------------------------
-    def _ttl(self, lease: Lease) -> float:
-        return max(0.0, lease.deadline - time.monotonic())
+    def _ttl(self, lease: Lease, msg: Stage) -> float:
+        """Seconds the pin of ``msg``'s reader still holds (0 if it holds none)."""
+        pin = lease.pins.get(_pin_key(msg))
+        return max(0.0, pin.deadline - time.monotonic()) if pin is not None else 0.0
 
-    def _expired_error(self, req_id: str) -> StageError:
+    def _expired_error(self, msg: Stage) -> StageError:
         self.metrics.refused_reads += 1
-        return StageError(req_id, f"request {req_id!r} is unknown, expired or re-registered (another attempt) on "
-                                  f"prefill rank {self.rank}; its blocks may be reused: do not read them",
-                          expired=True, code="lease_expired")
+        return StageError(msg.req_id, f"request {msg.req_id!r} is unknown, expired or re-registered (another "
+                                      f"attempt) on prefill rank {self.rank}; its blocks may be reused: do not read "
+                                      "them", expired=True, code=Refusal.LEASE_EXPIRED.value, read_id=_read_id(msg),
+                          attempt=msg.attempt)
 
-    def _check_reader(self, req_id: str, attempt: int, reader: tuple, incarnation: str):
-        """The live lease of ``req_id`` for ``attempt`` if ``reader`` may read it; else (code, message)."""
+    def _check_reader(self, reader: tuple, agent: str, incarnation: str) -> tuple[Refusal, str] | None:
+        """None if ``reader`` (as ``agent``) may read from this process; else (code, message)."""
         if incarnation and incarnation not in self._digests:
-            return "restarted", (f"prefill rank {self.rank} of {self.engine_id!r} is not the process this decode "
-                                 "rank handshook with (restarted); handshake again")
-        if reader not in self._readers:
+            return Refusal.RESTARTED, (f"prefill rank {self.rank} of {self.engine_id!r} is not the process this "
+                                       "decode rank handshook with (restarted); handshake again")
+        bound = self.readers.agent_of(reader)
+        if bound is None or agent != bound:
             self.metrics.forged_messages += 1
-            return "unknown_reader", (f"decode rank {reader[1]} of {reader[0]!r} has not handshaken with prefill "
-                                      f"rank {self.rank}; handshake first")
-        lease = self.leases.get(req_id)
-        if lease is None or lease.attempt != attempt:
-            if lease is not None:
-                self.metrics.stale_messages += 1
-            return "lease_expired", (f"request {req_id!r} attempt {attempt} is unknown, expired or re-registered on "
-                                     f"prefill rank {self.rank}; its blocks may be reused: do not read them")
-        return lease
-
-    def _pin(self, lease: Lease, reader: tuple, readers: int) -> float:
-        """Pin ``lease`` for ``reader``: it now ends on every reader's Done, or ``pin_s`` after the first
-        pin at the latest; returns the seconds it still holds."""
-        now = time.monotonic()
-        if lease.pinned_at is None:
-            lease.pinned_at = now
-            lease.deadline = max(lease.deadline, now + self.pin_s)
-        if lease.readers is None and readers >= 1:
-            lease.readers = readers
-        lease.holders.add(reader)
-        return max(0.0, lease.deadline - now)
+            return Refusal.UNKNOWN_READER, (f"decode rank {reader[1]} of {reader[0]!r} has not handshaken with "
+                                            f"prefill rank {self.rank} as agent {agent!r}; handshake first")
+        self.readers.touch(reader, time.monotonic())
+        return None
 
     def _acquire(self, msg: Acquire) -> Acquired:
         reader = (msg.decode_engine, tuple(msg.decode_rank))
         granted, refused = [], []
-        for rid, attempt in msg.reqs:
-            got = self._check_reader(rid, attempt, reader, msg.incarnation)
-            if isinstance(got, Lease):
-                granted.append((rid, attempt, self._pin(got, reader, msg.readers)))
+        bad = self._check_reader(reader, msg.decode_agent, msg.incarnation)
+        now = time.monotonic()
+        for item in msg.reqs:
+            rid, attempt, read_id = (tuple(item) + ("",))[:3]
+            read_id = read_id or rid
+            if bad is not None:
+                got = Refused(rid, attempt, read_id, *bad)
+            elif msg.heartbeat:
+                got = self.table.heartbeat(rid, attempt, reader, read_id, now)
             else:
-                self.metrics.refused_reads += 1
-                refused.append((rid, attempt, *got))
-        return Acquired(granted, refused)
+                got = self.table.acquire(rid, attempt, reader, read_id, msg.readers, now)
+            if isinstance(got, Granted):
+                granted.append((rid, attempt, read_id, got.ttl_s))
+            else:
+                self._count_refusal(got)
+                refused.append((rid, attempt, read_id, got.code.value, got.message))
+        return Acquired(granted, refused, heartbeat=msg.heartbeat)
+
+    def _count_refusal(self, r: Refused) -> None:
+        self.metrics.refused_reads += 1
+        if r.code is Refusal.NOT_REGISTERED:
+            self.metrics.not_registered += 1
+        elif r.code is Refusal.LEASE_EXPIRED and r.req_id in self.leases:  # another attempt: stale or guessed
+            self.metrics.stale_messages += 1
 
     def _remember(self, d: OrderedDict, key, value, cap: int) -> None:
         d[key] = value
@@ -292,10 +317,9 @@ class PrefillRank:
         self._remember(self._lowered, key, (lp, msg.decode_engine), self._lowered_cap)
         return lp
 
-    def _unpark(self, req_id: str, decode_engine: str, decode_rank) -> None:
-        key = (req_id, decode_engine, tuple(decode_rank))
-        self._parked = [p for p in self._parked
-                        if (p.msg.req_id, p.msg.decode_engine, tuple(p.msg.decode_rank)) != key]
+    def _unpark(self, req_id: str, decode_engine: str, decode_rank, read_id: str) -> None:
+        key = (req_id, decode_engine, tuple(decode_rank), read_id)
+        self._parked = [p for p in self._parked if _slot_key(p.msg) != key]
 
     def _answers(self, body: list[bytes], envelope: list[bytes] = ()):
         """Replies to one side-channel message (a stage request gets one per packed segment, as packed)."""
@@ -323,44 +347,55 @@ class PrefillRank:
                                   code="wrong_rank"))
             return
         md = self.transport.metadata()
-        # the reader's identity from the handshake: its Done notifications must come from this agent
-        self._remember(self._readers, (msg.decode_engine, tuple(msg.decode_rank)), msg.decode_agent, 4096)
+        # the reader's identity from the handshake: its Done notifications must come from this agent. A
+        # live reader's identity is never rebound to another agent, nor evicted by a flood of new ones
+        reader = (msg.decode_engine, tuple(msg.decode_rank))
+        refusal = self.readers.bind(reader, msg.decode_agent, time.monotonic(), self.table.pins_held)
+        if refusal is not None:
+            self.metrics.forged_messages += refusal is Refusal.IDENTITY_IN_USE
+            why = ("is bound to another NIXL agent that is still live" if refusal is Refusal.IDENTITY_IN_USE
+                   else f"cannot be added: {len(self.readers)} live readers fill the table")
+            yield pack(ErrorReply(f"decode rank {reader[1]} of {reader[0]!r} {why} on prefill rank {self.rank}; "
+                                  "use a distinct decode engine id per engine", code=refusal.value))
+            return
         self._remember(self._digests, metadata_digest(md), True, 8)
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
                              self.staging_bytes))
 
     def _stage(self, msg: Stage, envelope: list[bytes]):
-        """Answer a stage request: pack this rank's runs of a request for one decode rank into the staging
-        buffer, segment by segment, yielding a Staged reply as soon as each segment is packed (the decode
-        reads segment k while segment k+1 is packed). With no free staging space the request waits (up to
-        ``stage_wait_s``) for a slot instead of failing at once."""
+        """Answer a stage request: pin the lease for this reader's read (as an acquire does), pack this
+        rank's runs of the request for one decode rank into the staging buffer, segment by segment,
+        yielding a Staged reply as soon as each segment is packed (the decode reads segment k while
+        segment k+1 is packed). With no free staging space the request waits (up to ``stage_wait_s``)
+        for a slot instead of failing at once."""
         reader = (msg.decode_engine, tuple(msg.decode_rank))
-        lease = self._check_reader(msg.req_id, msg.attempt, reader, msg.incarnation)
-        if not isinstance(lease, Lease):  # stage slots only for readers that hold the lease
-            self.metrics.refused_reads += 1
-            code, text = lease
-            yield StageError(msg.req_id, text, expired=code in ("lease_expired", "restarted"), code=code)
+        read_id = _read_id(msg)
+        bad = self._check_reader(reader, msg.decode_agent, msg.incarnation)
+        got = (Refused(msg.req_id, msg.attempt, read_id, *bad) if bad is not None else
+               self.table.acquire(msg.req_id, msg.attempt, reader, read_id, msg.readers, time.monotonic()))
+        if isinstance(got, Refused):  # stage slots only for readers that hold a pin
+            self._count_refusal(got)
+            yield StageError(msg.req_id, got.message, expired=got.code in (Refusal.LEASE_EXPIRED, Refusal.RESTARTED,
+                                                                            Refusal.DONE),
+                             code=got.code.value, read_id=read_id, attempt=msg.attempt)
             return
-        if reader in lease.done_ranks:
-            yield StageError(msg.req_id, f"decode rank {tuple(msg.decode_rank)} of {msg.decode_engine!r} already "
-                                         f"sent Done for {msg.req_id!r}; not staging it again", expired=True,
-                             code="done")
-            return
-        ttl = self._pin(lease, reader, msg.readers)
+        ttl = got.ttl_s
+        lease = self.leases[msg.req_id]
         try:
             lp = self._lowering(msg)
             descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
                                                           blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
         except KVBridgeError as e:  # a bad request must not take the rank down
-            yield StageError(msg.req_id, f"cannot stage: {e}", code="bad_request", ttl_s=ttl)
+            yield StageError(msg.req_id, f"cannot stage: {e}", code="bad_request", ttl_s=ttl, read_id=read_id,
+                             attempt=msg.attempt)
             return
         except Exception:  # noqa: BLE001
             yield StageError(msg.req_id, f"cannot stage {msg.req_id!r}: internal error on prefill rank {self.rank}",
-                             code="bad_request", ttl_s=ttl)
+                             code="bad_request", ttl_s=ttl, read_id=read_id, attempt=msg.attempt)
             return
         d = descs.get(self.rank)
-        self._unpark(msg.req_id, msg.decode_engine, msg.decode_rank)  # a retried request replaces a parked one
+        self._unpark(*_slot_key(msg))  # a retried request replaces a parked one
         replies = self._pack_into_slot(msg, d)
         if replies is None:
             total = d.total_bytes if d is not None else 0
@@ -383,30 +418,33 @@ class PrefillRank:
         else:
             why = f"staging buffer full: {self.slots.bytes_used} of {self.slots.capacity} B used"
         return StageError(msg.req_id, f"cannot stage {total} B ({why}; waited up to {self.stage_wait_s:g} s); "
-                                      "read directly", code="full", ttl_s=self._ttl(lease))
+                                      "read directly", code="full", ttl_s=self._ttl(lease, msg),
+                          read_id=_read_id(msg), attempt=msg.attempt)
 
     def _pack_into_slot(self, msg: Stage, d):
-        """Allocate a staging slot and return a generator of Staged replies that packs segment by
-        segment; None when there is no free slot of the size needed."""
+        """Allocate a staging slot (held by the reader's pin) and return a generator of Staged replies
+        that packs segment by segment; None when there is no free slot of the size needed."""
         from ..staging import segment_bounds
         total = d.total_bytes if d is not None else 0
-        slot_key = (msg.req_id, msg.decode_engine, tuple(msg.decode_rank))
+        slot_key = _slot_key(msg)
         off = self.slots.alloc(slot_key, total, group=msg.decode_engine, limit=self.staging_peer_bytes)
         if off is None:
             return None
         lease = self.leases[msg.req_id]
         lease.staged.add(slot_key)
+        read_id = _read_id(msg)
 
         def replies():
             if not total:
-                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True, self._ttl(lease))
+                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True, self._ttl(lease, msg), read_id,
+                             msg.attempt)
                 return
             bounds = segment_bounds(d.nbytes, msg.segment_bytes)
             pos = 0
             for i, (a, b) in enumerate(bounds):
                 n = self._kv.pack(d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
                 yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1,
-                             self._ttl(lease))
+                             self._ttl(lease, msg), read_id, msg.attempt)
                 pos += n
         return replies()
 
@@ -417,45 +455,34 @@ class PrefillRank:
             self.metrics.unknown_notifications += 1
             log.warning("ignoring malformed notification from %s", agent)
             return
-        lease = self.leases.get(d.req_id)
-        if lease is None:
-            self.metrics.unknown_notifications += 1
-            log.info("notification for unknown or expired request %s from %s", d.req_id, agent)
-            return
         reader = (d.decode_engine, tuple(d.decode_rank))
-        if lease.attempt != d.attempt:  # a late Done of an earlier attempt, or a guess: not this lease's
+        bound = self.readers.agent_of(reader)
+        if bound is None or (bound and bound != agent):
+            self.metrics.forged_messages += 1  # not the agent that handshook as this reader
+            log.warning("ignoring Done for %s from agent %s claiming to be %s", d.req_id, agent, reader)
+            return
+        self.readers.touch(reader, time.monotonic())
+        read_id = d.read_id or d.req_id
+        event = self.table.decline if d.decline else self.table.release
+        outcome, effects = event(d.req_id, d.attempt, reader, read_id, d.readers, d.ok, time.monotonic())
+        if outcome is Outcome.UNKNOWN:
+            self.metrics.unknown_notifications += 1
+            log.info("notification for unknown or ended request %s from %s", d.req_id, agent)
+        elif outcome is Outcome.STALE:  # a late Done of an earlier attempt, or a guess: not this lease's
             self.metrics.stale_messages += 1
-            log.info("ignoring Done for %s attempt %s (lease attempt differs) from %s", d.req_id, d.attempt, agent)
-            return
-        bound = self._readers.get(reader)
-        if bound is None or (bound and bound != agent) or d.readers < 1 or (
-                lease.readers is not None and d.readers != lease.readers):
-            self.metrics.forged_messages += 1  # not the agent that handshook as this reader, or a bad count
-            log.warning("ignoring Done for %s from agent %s claiming to be %s (readers=%s)", d.req_id, agent,
-                        reader, d.readers)
-            return
-        lease.done_ranks.add(reader)
-        if lease.readers is None:
-            lease.readers = d.readers
-        if self._parked:
-            self._unpark(d.req_id, d.decode_engine, d.decode_rank)
-        slot_key = (d.req_id, d.decode_engine, tuple(d.decode_rank))
-        if self.slots.free(slot_key):
-            lease.staged.discard(slot_key)
-        if len(lease.done_ranks) >= lease.readers:
-            self._release(d.req_id)
-            self.freed.append(d.req_id)
-            self.metrics.freed_requests += 1
-
-    def _release(self, req_id: str) -> None:
-        lease = self.leases.pop(req_id)
-        for key in lease.staged:
-            self.slots.free(key)
+        elif outcome is Outcome.BAD_COUNT:
+            self.metrics.forged_messages += 1
+        elif not outcome.effective:  # not the holder of the pin it names, a decline from the holder, twice
+            self.metrics.ignored_notifications += 1
+            log.info("ignoring Done (%s) for %s read %s from %s: %s", "decline" if d.decline else "release",
+                     d.req_id, read_id, reader, outcome.value)
+        self._effects(effects)
 
     def stats(self) -> dict:
         return {"metrics": self.metrics.to_json(), "leases": len(self.leases), "staging_used": self.slots.bytes_used,
                 "staging_by_peer": {e: self.slots.group_bytes(e) for e in {k[1] for k in self.slots.used}},
-                "pinned_leases": sum(lease.pinned_at is not None for lease in self.leases.values()),
+                "pinned_leases": sum(bool(lease.pins) for lease in self.leases.values()),
+                "pins": sum(len(lease.pins) for lease in self.leases.values()), "readers": len(self.readers),
                 "parked_stage_requests": len(self._parked), "lowered_cached": len(self._lowered),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 

@@ -11,6 +11,11 @@ decode failure. Version history:
    Acquire / Stage / Done; a direct read starts only after an Acquire the prefill granted (it pins
    the lease and answers the pin's remaining duration, never a wall-clock time); GetMeta names the
    decode's NIXL agent (Done notifications must come from it); errors carry a ``code``.
+4. per-reader pins (issue 20): every read names a ``read_id`` (the decode's own request id; several
+   reads of one prefill request may coexist) in Acquire / Stage / Done and the answers; Acquire and
+   Stage name the decode's NIXL agent; ``Acquire(heartbeat=True)`` refreshes pins / extends queued
+   leases without pinning; ``Done(decline=True)`` settles a read the sender never pinned (nothing to
+   read, or aborted before reading); refusal codes include ``not_registered`` (retry briefly).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 3  # 2: memory descriptions (engine-owned memory); 3: lease attempts, acquire
+PROTOCOL_VERSION = 4  # 2: memory descriptions (engine-owned memory); 3: lease attempts, acquire; 4: read ids, pins
 MAGIC = b"KVB1"
 
 
@@ -64,30 +69,37 @@ class Stage(msgspec.Struct, tag="stage"):
     attempt: int = 0        # the lease's attempt id (from add_request); a stage request also pins the lease
     readers: int = 0        # decode ranks that notify this prefill rank for the request (from the plan)
     incarnation: str = ""   # sha256 of the prefill rank's metadata this decode rank handshook with
+    read_id: str = ""       # the decode's id of this read (its pin); "" means req_id
+    decode_agent: str = ""  # the decode rank's NIXL agent (must be the one bound at handshake)
 
 
 class Acquire(msgspec.Struct, tag="acquire"):
-    """Ask a prefill rank to pin the leases of ``reqs`` ((req_id, attempt) pairs) before direct reads.
+    """Ask a prefill rank to pin the leases of ``reqs`` ((req_id, attempt, read_id)) before direct reads.
 
-    The prefill pins a lease whose attempt matches (it then stays until every reader's Done or a hard
-    cap, ``pin_s``) and answers with the remaining duration; it refuses unknown, expired or other
-    attempts. Durations only: the decode counts down on its own clock from when it sent this.
+    The prefill pins ``(reader, read_id)`` on a lease whose attempt matches (the pin holds until this
+    reader's Done for it, ``pin_idle_s`` without a refresh, or the hard cap ``pin_s``) and answers with
+    the remaining duration; it refuses unknown, expired or other attempts (``not_registered``: not yet).
+    ``heartbeat``: refresh pins this reader holds, or extend the lease of a request queued at the decode
+    (never pins). Durations only: the decode counts down on its own clock from when it sent this.
     """
 
     decode_engine: str
     decode_rank: tuple[int, int]
     readers: int
     incarnation: str
-    reqs: list[tuple[str, int]]
+    reqs: list[tuple[str, int, str]]
+    decode_agent: str = ""
+    heartbeat: bool = False
 
 
 class Acquired(msgspec.Struct, tag="acquired"):
-    """Answer to :class:`Acquire`: ``granted`` (req_id, attempt, seconds the pin still holds) and
-    ``refused`` (req_id, attempt, code, message); codes: ``lease_expired``, ``restarted``,
-    ``unknown_reader``, ``bad_request``."""
+    """Answer to :class:`Acquire`: ``granted`` (req_id, attempt, read_id, seconds the pin still holds)
+    and ``refused`` (req_id, attempt, read_id, code, message); codes: ``not_registered``,
+    ``lease_expired``, ``restarted``, ``unknown_reader``, ``done``, ``bad_request``."""
 
-    granted: list[tuple[str, int, float]]
-    refused: list[tuple[str, int, str, str]]
+    granted: list[tuple[str, int, str, float]]
+    refused: list[tuple[str, int, str, str, str]]
+    heartbeat: bool = False
 
 
 class Staged(msgspec.Struct, tag="staged"):
@@ -102,6 +114,8 @@ class Staged(msgspec.Struct, tag="staged"):
     total: int = 0
     last: bool = True
     ttl_s: float = 0.0  # seconds the prefill's pin on the lease still holds (from when it answered)
+    read_id: str = ""
+    attempt: int = 0
 
 
 class StageError(msgspec.Struct, tag="stage_error"):
@@ -110,20 +124,25 @@ class StageError(msgspec.Struct, tag="stage_error"):
     req_id: str
     message: str
     expired: bool = False
-    code: str = ""      # lease_expired | restarted | unknown_reader | full | bad_request | internal | done
+    code: str = ""      # not_registered | lease_expired | restarted | unknown_reader | full | bad_request |
+    #                     internal | done
     ttl_s: float = 0.0  # "full": the lease is pinned for this long; read directly under it
+    read_id: str = ""
+    attempt: int = 0
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
-    code: str = "error"  # bad_request | wrong_rank | unexpected | internal (never Python exception text)
+    code: str = "error"  # bad_request | wrong_rank | unexpected | internal | identity_in_use | too_many_readers
 
 
 class Done(msgspec.Struct, tag="done"):
     """NIXL notification from a decode rank to a prefill rank: this rank is done with the request.
 
     ``readers``: how many decode ranks of that decode engine read from this prefill rank (from the
-    plan); the prefill frees the request's blocks when it has heard from all of them.
+    plan); the prefill settles the read ``read_id`` when it has heard from all of them. A Done releases
+    the sender's pin ``(reader, read_id)`` (ignored if it holds none); ``decline``: the sender holds no
+    pin and settles its part without reading (nothing to read here, or aborted before reading).
     """
 
     req_id: str
@@ -132,6 +151,8 @@ class Done(msgspec.Struct, tag="done"):
     readers: int
     ok: bool = True
     attempt: int = 0  # the lease's attempt: a Done of another attempt (stale, forged) is ignored
+    read_id: str = ""
+    decline: bool = False
 
 
 Message = GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import HandshakeError, TransferError, TransportUnavailableError
+from ..errors import HandshakeError, PeerGoneError, TransferError, TransportUnavailableError
 from ..lower import Descriptors
 from .base import TransportStats
 
@@ -81,6 +81,7 @@ class NixlXfer:
     released: bool = False
     tail: object = None    # prepped reads: the partial last chunk's transfer, running beside ``handle``
     notif: bytes = b""     # sent once ``handle`` and ``tail`` have both completed (see read_prepped)
+    posted_at: float | None = None  # monotonic time the post thread began posting it (None: still queued)
 
 
 NixlStats = TransportStats  # the counters every transport keeps
@@ -170,23 +171,27 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             raise HandshakeError(f"NIXL refused the remote agent metadata: {e!r}") from e
         name = name.decode() if isinstance(name, bytes) else name
-        if name not in self._peers:
-            self._peers.add(name)
-            self.stats.peers_added += 1
+        with self._lock:  # handshakes may run on a background thread (DecodeRank.connect)
+            if name not in self._peers:
+                self._peers.add(name)
+                self.stats.peers_added += 1
         return name
 
     def remove_peer(self, name: str) -> None:
-        if name in self._peers:
+        with self._lock:
+            if name not in self._peers:
+                return
             self._peers.discard(name)
             self.stats.peers_removed += 1
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     @property
     def peers(self) -> frozenset[str]:
-        return frozenset(self._peers)
+        with self._lock:
+            return frozenset(self._peers)
 
     # ---- transfers ---------------------------------------------------------------------------
     def xfer_descs(self, arr: np.ndarray, mem_type: str | None = None):
@@ -233,6 +238,7 @@ class NixlTransport:
         self.stats.handles_created += 1
 
         def run():
+            x.posted_at = time.monotonic()  # from here on the time is the peer's (and the wire's), not our queue's
             try:
                 return post(x)
             except TransferError:
@@ -460,12 +466,18 @@ def _run_into(fut: Future, fn) -> None:
         fut.set_exception(e)
 
 
+def _is_class(e: Exception, name: str) -> bool:
+    """``e`` is NIXL's exception class ``name`` (nixlBind), by class, not by text."""
+    cls = getattr(getattr(_API, "nixlBind", None), name, None)
+    return isinstance(cls, type) and isinstance(e, cls)
+
+
 def _wrap(e: Exception, peer: str) -> TransferError:
     kind = type(e).__name__
-    if "RemoteDisconnect" in kind or "REMOTE_DISCONNECT" in str(e):
-        return TransferError(f"remote agent {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT): the prefill "
+    if _is_class(e, "nixlRemoteDisconnectError"):
+        return PeerGoneError(f"remote agent {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT): the prefill "
                              "process died or its network went away", peer=peer)
-    if "NotFound" in kind:
+    if _is_class(e, "nixlNotFoundError"):
         return TransferError(f"NIXL could not find memory or metadata for {peer!r} ({kind}): descriptors outside "
                              "the registered region, or the remote was removed; re-handshake", peer=peer)
     return TransferError(f"NIXL error talking to {peer!r}: {kind}: {e}", peer=peer)

@@ -1,0 +1,130 @@
+"""Handshakes off the caller's thread (issue 20, point 4): ``DecodeRank.connect`` runs the handshake in
+the background, ``start`` queues reads of a connecting engine and ``poll`` starts them once it is live
+or fails them typed; a restarted prefill (same id and ports) is re-handshaken without failing the read
+that discovered it. Real prefill rank processes over NIXL, bytes checked against the oracle. (Time on the
+caller's thread is measured in ``benchmarks/caller_thread.py``, not asserted here.)"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvbridge.errors import HandshakeFailed
+from kvbridge.runtime.decode import PeerState
+from kvbridge.testing.procs import _verify
+from kvbridge.transport.nixl import nixl_available
+
+from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, wait_freed
+
+pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
+
+
+def _settle(dec, keys: set, timeout: float = 30.0):
+    done, failed = set(), {}
+    deadline = time.monotonic() + timeout
+    while not keys <= done | set(failed) and time.monotonic() < deadline:
+        d, f = dec.poll()
+        done.update(d)
+        failed |= f
+        time.sleep(1e-3)
+    return done, failed
+
+
+def test_start_for_a_frozen_new_engine_returns_and_reads_once_it_answers():
+    """The prefill engine is frozen (SIGSTOP) when the decode first hears of it: ``connect`` and
+    ``start`` return (the handshake waits on a background thread, not on the caller), the engine is
+    CONNECTING and the reads queued; the engine thaws: the handshake completes and the reads are exact."""
+    pl, dl = layout("prefill", 2, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=61)
+    jobs.engine("pC", pl)
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pC")])
+        js = jobs.make("pC", 4)
+        publish(P, js)
+        with inproc_decode(dl, "dC", handshake_timeout_s=30.0) as dec:
+            for w in P.workers.values():
+                os.kill(w.proc.pid, signal.SIGSTOP)
+            try:
+                dec.connect("pC", P.endpoints())
+                for j in js:
+                    dec.start(j.read())
+                for _ in range(50):
+                    assert dec.poll() == ([], {})
+                    time.sleep(0.002)
+                assert dec._peers["pC"].state is PeerState.CONNECTING and "pC" not in dec.remotes
+                assert len(dec._peers["pC"].pending) == len(js) and not dec.inflight
+            finally:
+                for w in P.workers.values():
+                    os.kill(w.proc.pid, signal.SIGCONT)
+            done, failed = _settle(dec, {j.rid for j in js})
+            assert not failed and done == {j.rid for j in js}, failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert dec.metrics.handshakes == 1 and "pC" in dec.remotes
+            wait_freed(P, {j.rid for j in js})
+
+
+def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
+    """Nothing listens at the prefill's address: the queued reads fail ``HandshakeFailed`` once the
+    background handshake gives up (bounded), and the decode still reads from a live engine meanwhile."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=62)
+    jobs.engine("pL", pl)
+    jobs.engine("pD", pl)
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pL")])
+        live = jobs.make("pL", 3)
+        dead = jobs.make("pD", 2)
+        publish(P, live)
+        with inproc_decode(dl, "dD", handshake_timeout_s=0.5, connect_timeout_s=3.0) as dec:
+            dec.connect("pD", {(0, 0): f"127.0.0.1:{free_port()}"})
+            dec.connect("pL", P.endpoints())
+            t0 = time.monotonic()
+            for j in dead + live:
+                dec.start(j.read())
+            done, failed = _settle(dec, {j.rid for j in dead + live})
+            print(f"dead engine: {len(failed)} reads failed {sorted({type(f).__name__ for f in failed.values()})} "
+                  f"{time.monotonic() - t0:.2f} s after start; {len(done)} reads of the live engine finished")
+            assert done == {j.rid for j in live}
+            assert set(failed) == {j.rid for j in dead}
+            assert all(isinstance(f, HandshakeFailed) and f.engine_id == "pD" for f in failed.values())
+            assert _verify(dec, [(j.num, j.read()) for j in live])["mismatched_bytes"] == 0
+            assert dec.metrics.failed_handshakes == 1 and dec.metrics.failed_requests == 2
+            assert not dec._peers and "pD" not in dec.remotes and not dec.busy
+
+
+def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
+    """The prefill engine is killed and started again with the same id and port (a new NIXL agent).
+    A read started against the cached handshake is not failed: the new process answers "restarted",
+    the decode re-handshakes in the background and reads it there, byte-exact (or, if the decode saw the
+    disconnect first, ``connect`` re-handshakes before the read starts)."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=63)
+    jobs.engine("pR", pl)
+    port = free_port()
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pR", {"port": port})])
+        first = jobs.make("pR", 2)
+        publish(P, first)
+        with inproc_decode(dl, "dR") as dec:
+            dec.connect("pR", P.endpoints())
+            for j in first:
+                dec.start(j.read())
+            assert _settle(dec, {j.rid for j in first})[0] == {j.rid for j in first}
+            for w in P.workers.values():
+                w.kill()
+            P2 = c.start("prefill", pl, "pR", port=port)
+            assert P2.endpoints() == P.endpoints()
+            again = jobs.make("pR", 3, tag="new")
+            publish(P2, again)
+            dec.connect("pR", P2.endpoints())
+            for j in again:
+                dec.start(j.read())
+            done, failed = _settle(dec, {j.rid for j in again})
+            print(f"restart: {len(done)} reads finished on the new process ({dec.metrics.restart_requeues} re-queued "
+                  f"behind a background re-handshake), {len(failed)} failed")
+            assert not failed and done == {j.rid for j in again}, failed
+            assert dec.metrics.handshakes == 2
+            assert _verify(dec, [(j.num, j.read()) for j in first + again])["mismatched_bytes"] == 0
+            wait_freed(P2, {j.rid for j in again})
