@@ -106,7 +106,7 @@ def prefill_fault(mode: str, fault: str, n: int, timeout_s: float, seed: int) ->
         in_flight = len(dec.inflight)
         times, kinds, gap, prev = [], set(), 0.0, t_fault
         deadline = t_fault + timeout_s + 60
-        while dec.inflight and time.monotonic() < deadline:
+        while (dec.inflight or dec.waiting) and time.monotonic() < deadline:  # (or re-queued behind a re-handshake)
             d, f = dec.poll()
             now = time.monotonic()
             gap, prev = max(gap, now - prev), now
@@ -117,7 +117,7 @@ def prefill_fault(mode: str, fault: str, n: int, timeout_s: float, seed: int) ->
                 kinds.add(type(why).__name__)
             time.sleep(2e-4)
         expected = PeerDisconnected if fault == "kill" else TransferTimeout
-        assert not dec.inflight, f"{len(dec.inflight)} requests still in flight"
+        assert not dec.inflight and not dec.waiting, f"{len(dec.inflight)} requests still in flight"
         assert all(isinstance(w, expected) for w in failed.values()), kinds
         return {"in_flight": in_flight, "failed": len(times), "first": min(times, default=float("nan")),
                 "last": max(times, default=float("nan")), "median": statistics.median(times) if times else float("nan"),
