@@ -72,6 +72,8 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
             _, rid, att = o
             effects = t.register(rid, None, att, now)
             assert all(isinstance(e, (PinEnded, LeaseEnded)) for e in effects)
+            ended.update({(e.req_id, e.attempt): e.state for e in effects if isinstance(e, LeaseEnded)})
+            ended.pop((rid, att), None)  # registered again: live
             assert t.get(rid).state is LeaseState.RESERVED
         elif kind == "acquire":
             _, rid, att, eng, rank, read, readers = o

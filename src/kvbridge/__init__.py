@@ -19,7 +19,10 @@ The embedding API (what an engine imports)::
     d.handshake("prefill-0", {(0, 0): "host:5600", ...})                  # once per remote engine
     d.start(kvbridge.ReadRequest(req_id, "prefill-0", num_tokens, prefill_blocks, decode_blocks, attempt=attempt))
     done, failed = d.poll()                                               # or d.wait(timeout_s)
-    d.abort(req_id)                                                       # give up (the prefill frees)
+    d.connect("prefill-0", {(0, 0): "host:5600", ...})                    # or: handshake in the background
+    d.heartbeat([read_request, ...])                                      # queued requests keep their leases
+    d.abort(req_id)                                                       # give up a read in flight
+    d.release(read_request)                                               # give up one never started
 
 Names: :func:`load_model`, :class:`EngineLayout`, :func:`describe_memory` (+ :class:`LayerKV`,
 :class:`LayerState`, :class:`RawRegion`), :class:`KVMemory`, :class:`PrefillEndpoint`,
@@ -48,6 +51,8 @@ _LAZY = {
     "ReadRequest": ("kvbridge.runtime.decode", "ReadRequest"),
     "PrefillServer": ("kvbridge.runtime.server", "PrefillServer"),
     "nixl_transport": ("kvbridge.runtime.server", "nixl_transport"),
+    "PrefillConfig": ("kvbridge.runtime.config", "PrefillConfig"),
+    "DecodeConfig": ("kvbridge.runtime.config", "DecodeConfig"),
 }
 
 
@@ -63,6 +68,7 @@ def __getattr__(name: str):
 
 __all__ = ["load_model", "ModelSpec", "EngineLayout", "MemoryLayout", "describe_memory", "LayerKV", "LayerState",
            "RawRegion", "KVMemory", "PrefillEndpoint", "DecodeEndpoint", "ReadRequest", "GroupBlocks",
+           "PrefillConfig", "DecodeConfig",
            "KVBridgeError", "LayoutError", "RequestError", "HandshakeError", "IncompatibleLayoutsError",
            "TransferError", "TransportUnavailableError", "ConfigImportError",
            # engine integrations (kvbridge.integrations.*): the config importer, group builders, the

@@ -1003,6 +1003,12 @@ class DecodeRank:
             self.metrics.aborted_requests += 1
 
     @property
+    def waiting(self) -> int:
+        """Reads queued behind a background handshake (started while their engine was connecting, or
+        re-queued after it restarted or disconnected); :meth:`poll` starts or fails them."""
+        return sum(len(p.pending) for p in self._peers.values())
+
+    @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
         return bool(self.inflight or self._zombies or self._retired or self._outbox or self._unsent

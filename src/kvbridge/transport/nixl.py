@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 _API = None
 # NIXL's Python API starts the agent's progress thread with no delay between progress calls: on a
 # small CPU machine every idle rank then burns a whole core (measured: 100% per process). kvbridge
-# sets a delay (microseconds) between progress calls instead; 0 restores NIXL's behaviour.
-PROGRESS_DELAY_US = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", "200"))
+# sets a delay (microseconds) between progress calls instead; 0 restores NIXL's behaviour. The environment
+# (KVBRIDGE_NIXL_PROGRESS_DELAY_US) is read when a transport is built, not at import.
+PROGRESS_DELAY_US = 200
 
 
 def load_nixl_api():
@@ -107,7 +108,8 @@ class NixlTransport:
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else list(backends),
                                      capture_telemetry=telemetry, sync_mode=sync, num_threads=int(num_threads))
         try:
-            self.agent = _make_agent(api, agent_name, conf, PROGRESS_DELAY_US)
+            delay = int(os.environ.get("KVBRIDGE_NIXL_PROGRESS_DELAY_US", PROGRESS_DELAY_US))
+            self.agent = _make_agent(api, agent_name, conf, delay)
             if ucx_params:
                 self.agent.create_backend("UCX", dict(ucx_params))
         except Exception as e:  # noqa: BLE001
