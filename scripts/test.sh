@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install_vllm.sh all
 .venv/bin/ruff check .
+.venv/bin/mypy            # strict, on the runtime's sans-IO core (files in pyproject.toml)
 .venv/bin/python -m pytest
 .venv-vllm/bin/python -m pytest tests/vllm -m "not e2e"
 # kvbridge's device paths (staging on the KV memory's device, the GPU suite's driver) on CPU torch tensors:

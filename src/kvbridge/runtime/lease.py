@@ -157,7 +157,7 @@ class Lease:
     state: LeaseState = LeaseState.RESERVED
     pins: dict[PinKey, Pin] = field(default_factory=dict)
     claims: dict[ClaimKey, Claim] = field(default_factory=dict)
-    staged: set = field(default_factory=set)  # IO layer: staging slot keys held for this lease
+    staged: set[Any] = field(default_factory=set)  # IO layer: staging slot keys held for this lease
 
     @property
     def pinned_at(self) -> float | None:

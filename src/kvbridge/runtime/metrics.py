@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # upper bounds (seconds) of the transfer-duration histogram's buckets (the last one is +inf)
 BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -86,7 +87,7 @@ class Metrics:
         self.transfer_seconds_sum += seconds
         self.transfer_hist.observe(seconds)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         h = d.pop("transfer_hist")
         d["transfer_seconds_count"] = h["count"]
@@ -96,7 +97,7 @@ class Metrics:
         d["transfer_seconds_p90"] = self.transfer_hist.quantile(0.9)
         return d
 
-    def merge(self, other: dict) -> None:
+    def merge(self, other: dict[str, Any]) -> None:
         for k, v in other.items():
             if k == "transfer_seconds_buckets" and isinstance(v, dict):
                 for i, b in enumerate(BUCKETS):
@@ -155,7 +156,7 @@ def escape_label_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def to_prometheus(d: dict, labels: dict[str, str] | None = None, prefix: str = "kvbridge_") -> str:
+def to_prometheus(d: dict[str, Any], labels: dict[str, str] | None = None, prefix: str = "kvbridge_") -> str:
     lab = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in (labels or {}).items())
     lab = "{" + lab + "}" if lab else ""
     lines = []

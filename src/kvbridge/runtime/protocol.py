@@ -19,6 +19,8 @@ decode failure. Version history:
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from ..errors import HandshakeError
@@ -37,12 +39,12 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
 class RankMeta(msgspec.Struct, tag="rank_meta"):
     engine_id: str
     rank: tuple[int, int]
-    layout: dict
+    layout: dict[str, Any]
     model_fingerprint: str
     agent_name: str
     agent_metadata: bytes
     metadata_sha256: str
-    memory: dict          # the rank's KVMemory.to_wire(): registered regions, per-layer addresses, strides
+    memory: dict[str, Any]  # the rank's KVMemory.to_wire(): registered regions, per-layer addresses, strides
     staging_bytes: int = 0
 
 
@@ -60,8 +62,8 @@ class Stage(msgspec.Struct, tag="stage"):
     req_id: str
     decode_engine: str
     decode_rank: tuple[int, int]
-    decode_layout: dict
-    decode_memory: dict   # the decode rank's KVMemory.to_wire(): the prefill packs in the order it scatters
+    decode_layout: dict[str, Any]
+    decode_memory: dict[str, Any]  # the decode rank's KVMemory.to_wire(): the prefill packs in the order it scatters
     num_tokens: int
     prefill_blocks: dict[str, tuple[bytes, int]]
     decode_blocks: dict[str, tuple[bytes, int]]
@@ -173,17 +175,18 @@ def unpack(frames: list[bytes]) -> Message:
         raise HandshakeError(f"peer speaks kvbridge protocol version {version}, this process speaks "
                              f"{PROTOCOL_VERSION}; run the same kvbridge release on prefill and decode")
     try:
-        return _dec.decode(frames[2])
+        msg: Message = _dec.decode(frames[2])
+        return msg
     except msgspec.DecodeError as e:
         raise HandshakeError(f"malformed side-channel message: {e}") from e
 
 
-def blocks_to_wire(blocks: dict) -> dict[str, tuple[bytes, int]]:
+def blocks_to_wire(blocks: dict[str, Any]) -> dict[str, tuple[bytes, int]]:
     import numpy as np
     return {g: (np.ascontiguousarray(b.block_ids, dtype="<i8").tobytes(), int(b.first_block)) for g, b in blocks.items()}
 
 
-def blocks_from_wire(wire: dict) -> dict:
+def blocks_from_wire(wire: dict[str, tuple[bytes, int]]) -> dict[str, Any]:
     import numpy as np
     from ..lower import GroupBlocks
     return {g: GroupBlocks(np.frombuffer(ids, dtype="<i8").astype(np.int64), first) for g, (ids, first) in wire.items()}

@@ -1,6 +1,8 @@
 """First-fit allocator of byte extents in a staging buffer (both sides of a staged transfer)."""
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 ALIGN = 256
 
 
@@ -22,7 +24,7 @@ class SlotAllocator:
         """The extent :meth:`alloc` reserves for ``size`` bytes."""
         return max(ALIGN, -(-int(size) // ALIGN) * ALIGN)
 
-    def alloc(self, key, size: int, group=None, limit: int | None = None) -> int | None:
+    def alloc(self, key: Hashable, size: int, group: Hashable = None, limit: int | None = None) -> int | None:
         """Offset of a new extent for ``key``, or None if no free extent is large enough (or the extent
         would take ``group`` past ``limit`` bytes). A key that already holds an extent gives it back
         first (a retried request must not leak the old one)."""
@@ -43,7 +45,7 @@ class SlotAllocator:
                 return off
         return None
 
-    def free(self, key) -> bool:
+    def free(self, key: Hashable) -> bool:
         ext = self.used.pop(key, None)
         if ext is None:
             return False
@@ -65,7 +67,7 @@ class SlotAllocator:
         self._free = merged
         return True
 
-    def group_bytes(self, group) -> int:
+    def group_bytes(self, group: Hashable) -> int:
         """Bytes held by the extents charged to ``group``."""
         return self._group_bytes.get(group, 0)
 
