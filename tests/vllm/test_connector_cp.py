@@ -166,3 +166,23 @@ def test_prefix_hit_under_dcp_counts_scheduler_blocks_of_block_size_times_dcp():
     all_ids = D.kv_cache_manager.get_block_ids("req-D")[0]
     assert len(all_ids) == -(-100 // 32) == 4
     assert r.local_first_block == [64 // 32] and r.local_block_ids == [list(all_ids[2:])]
+
+
+def test_mla_prefill_tp1_pcp2_to_decode_tp2_dcp2_byte_exact():
+    """Prefill context parallelism on the prefill: its 2 PCP ranks each bind their own side-channel port
+    (base + pcp_rank * tp + tp_rank) and hold the whole latent (PCP alone replicates the cache); the decode
+    lists them from the params' ``remote_pcp_size`` and reads each token from one of them."""
+    _pair(deepseek_like(2), Side(1, 1, 16, pcp=2), Side(2, 1, 16, dcp=2, cp_interleave=16),
+          requests=((130, 0), (77, 1)))
+
+
+def test_gqa_prefill_tp2_to_decode_tp4_dcp2_byte_exact():
+    """GQA, 2 KV heads: decode TP4 x DCP2 (each head on 2 TP ranks, which are DCP ranks 0 and 1 of it,
+    interleave 1) from a TP2 prefill (one head per rank)."""
+    _pair(llama(2), Side(2, 1, 16), Side(4, 1, 16, dcp=2, cp_interleave=1), requests=((130, 0), (37, 1), (300, 2)))
+
+
+def test_mla_prefill_tp2_dcp2_to_decode_tp1_byte_exact():
+    """DCP on the prefill (a kv_both engine serving with DCP): each token lives on one prefill DCP rank; the
+    TP1 decode (block size 32) gathers every token from the rank that holds it."""
+    _pair(deepseek_like(2), Side(2, 1, 16, dcp=2, cp_interleave=1), Side(1, 1, 32), requests=((130, 0), (77, 1)))
