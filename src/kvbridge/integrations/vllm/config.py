@@ -18,8 +18,8 @@ but the params to find the exact ranks.
 
 **Context parallelism** (issue 21): the sizes and interleave come from vLLM's ``ParallelConfig``
 (:func:`context_parallel`); what vLLM itself forbids is refused there with
-:class:`~kvbridge.integrations.vllm_cp.VLLMContextParallelError`, what kvbridge cannot move with
-:class:`ContextParallelUnsupported`.
+:class:`~kvbridge.integrations.vllm_cp.VLLMContextParallelError`; what kvbridge cannot move (DCP with the CPU
+backend's block-granular form) the worker refuses with :class:`ContextParallelUnsupported`.
 
 **Side-channel host**, first of: the ``KVBRIDGE_SIDE_CHANNEL_HOST`` environment variable (per node), the
 extra-config ``side_channel_host`` (``"auto"``: this node's address as vLLM discovers it), vLLM's
