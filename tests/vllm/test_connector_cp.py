@@ -16,12 +16,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 pytest.importorskip("vllm.v1.core.kv_cache_planning")
 
-from kvbridge.integrations.vllm import (  # noqa: E402
-    ConnectorConfig,
-    dp_port_base,
-    engine_endpoints,
-    rank_port,
-)
+from kvbridge.integrations.vllm import ConnectorConfig  # noqa: E402
 from kvbridge.integrations.vllm_cp import VLLMContextParallelError  # noqa: E402
 from worker_harness import Side, deepseek_like, llama  # noqa: E402
 
@@ -83,21 +78,6 @@ def test_cp_sizes_vllm_cannot_form_are_a_typed_error_naming_the_setting():
                      dict(tensor_parallel_size=2, prefill_context_parallel_size=2, decode_context_parallel_size=3)):
         with pytest.raises(VLLMContextParallelError, match="decode_context_parallel_size=3"):
             ConnectorConfig.from_vllm(_cfg(deepseek_like(2), **parallel), environ={})
-
-
-@pytest.mark.parametrize("tp,pp,pcp,dp", [(1, 1, 2, 1), (2, 2, 2, 2), (3, 1, 2, 4), (2, 1, 4, 2)])
-def test_ports_with_pcp_are_one_rule_for_both_sides(tp, pp, pcp, dp):
-    """Every (DP rank, pp, pcp, tp) worker binds its own port, packed from one base; what a decode derives
-    from a DP rank's params (tp, pp, pcp sizes) is exactly what each of that rank's workers bound."""
-    base, bound = 7000, {}
-    for d in range(dp):
-        for a in range(pp):
-            for b in range(tp * pcp):
-                bound[(d, a, b)] = rank_port(dp_port_base(base, d, tp, pp, pcp), (a, b), tp, pcp)
-    assert sorted(bound.values()) == list(range(base, base + dp * pp * pcp * tp))
-    for d in range(dp):
-        assert engine_endpoints("h", dp_port_base(base, d, tp, pp, pcp), tp, pp, pcp) == {
-            (a, b): f"h:{bound[(d, a, b)]}" for a in range(pp) for b in range(tp * pcp)}
 
 
 def test_dcp_with_the_cpu_backend_form_is_refused_by_name():
