@@ -119,8 +119,9 @@ class ConnectorWorker:
                 "form, moved in whole blocks): each DCP rank keeps only its share of a block's tokens; vLLM's CPU "
                 "backend runs no DCP attention: start with --decode-context-parallel-size 1, or use a GPU "
                 "attention backend (kv_content 'packed')")
-        check_cp_against_vllm(engine, self.kv_cache_config, self.group_names,
-                              tensor_tokens=_tensor_tokens(layers, self.kv_cache_config, self.group_names))
+        if self.granule == 1:  # (the block-granular form counts whole blocks as kvbridge tokens: no token axis)
+            check_cp_against_vllm(engine, self.kv_cache_config, self.group_names,
+                                  tensor_tokens=_tensor_tokens(layers, self.kv_cache_config, self.group_names))
         self.engine = engine
         memory = kvbridge.describe_memory(engine, rank, layers)
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
