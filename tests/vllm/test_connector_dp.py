@@ -30,23 +30,25 @@ BLOCK = 16
 PROMPT = list(range(3, 43))
 
 
+@pytest.mark.parametrize("pcp", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 3, 8])
 @pytest.mark.parametrize("pp", [1, 2, 4])
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
-def test_every_worker_of_every_dp_rank_gets_its_own_port(dp, pp, tp):
-    """The port every (DP rank, pp, tp) worker binds, from one base: all distinct, packed in
-    [base, base + dp * pp * tp), and what a decode derives from a DP rank's params is what that rank bound."""
+def test_every_worker_of_every_dp_rank_gets_its_own_port(dp, pp, tp, pcp):
+    """The port every (DP rank, pp, pcp, tp) worker binds, from one base: all distinct, packed in
+    [base, base + dp * pp * pcp * tp), and what a decode derives from a DP rank's params is what that rank
+    bound (a stage's workers are kvbridge ranks r = pcp_rank * tp + tp_rank)."""
     base = 7000
     bound = {}
     for d in range(dp):
         for a in range(pp):
-            for b in range(tp):
-                bound[(d, a, b)] = rank_port(dp_port_base(base, d, tp, pp), (a, b), tp)
-    assert len(set(bound.values())) == dp * pp * tp
-    assert set(bound.values()) == set(range(base, base + dp * pp * tp))
+            for b in range(tp * pcp):
+                bound[(d, a, b)] = rank_port(dp_port_base(base, d, tp, pp, pcp), (a, b), tp, pcp)
+    assert len(set(bound.values())) == dp * pp * pcp * tp
+    assert set(bound.values()) == set(range(base, base + dp * pp * pcp * tp))
     for d in range(dp):
-        derived = engine_endpoints("h", dp_port_base(base, d, tp, pp), tp, pp)
-        assert derived == {(a, b): f"h:{bound[(d, a, b)]}" for a in range(pp) for b in range(tp)}
+        derived = engine_endpoints("h", dp_port_base(base, d, tp, pp, pcp), tp, pp, pcp)
+        assert derived == {(a, b): f"h:{bound[(d, a, b)]}" for a in range(pp) for b in range(tp * pcp)}
 
 
 def test_dp_engine_id_follows_vllm_and_is_idempotent():

@@ -1,4 +1,5 @@
-"""What the connector refuses, by name, instead of mis-moving KV: context-parallel engines, sleep mode,
+"""What the connector refuses, by name, instead of mis-moving KV: context-parallel sizes vLLM cannot form
+(context parallelism itself is supported), sleep mode,
 unavailable NIXL backends, KV-cache spec kinds it does not move, a decode whose speculative config differs
 from the prefill's."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from kvbridge.integrations.vllm import (  # noqa: E402
     KVBridgeConnector,
     VLLMConfigError,
 )
-from sched_utils import TINY_LLAMA, make_scheduler, make_vllm_config  # noqa: E402
+from kvbridge.integrations.vllm_cp import VLLMContextParallelError  # noqa: E402
+from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 
 
 def _cfg(extra=None, role="kv_both"):
@@ -27,25 +29,30 @@ def _cfg(extra=None, role="kv_both"):
 
 
 # ---------------------------------------------------------------------- context parallelism
+# (issue 21: supported; what vLLM's groups cannot form, or kvbridge cannot move, is refused by name)
 @pytest.mark.parametrize("setting", ["prefill_context_parallel_size", "decode_context_parallel_size"])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_a_context_parallel_engine_is_refused_naming_the_setting(setting, role):
-    """PCP/DCP shard a request's tokens over ranks; kvbridge's connector does not map that yet, so the
-    engine does not start (instead of mis-mapping blocks), with the setting to change in the message."""
+def test_a_context_parallel_engine_is_supported(setting, role):
+    """PCP / DCP engines start with the connector (the sizes read from vLLM's config); the worker builds its
+    geometry in register_kv_caches (tests/vllm/test_connector_cp.py moves bytes and runs vLLM's Scheduler
+    with DCP)."""
     cfg = _cfg()
+    cfg.parallel_config.tensor_parallel_size = 2
     setattr(cfg.parallel_config, setting, 2)
-    with pytest.raises(ContextParallelUnsupported, match=f"{setting}=2.*--{setting.replace('_', '-')} 1"):
-        KVBridgeConnector(cfg, role, None)
-    assert issubclass(ContextParallelUnsupported, VLLMConfigError)
+    conn = KVBridgeConnector(cfg, role, None)
+    c = ConnectorConfig.from_vllm(cfg, environ={})
+    assert (c.pcp, c.dcp) == ((2, 1) if setting.startswith("prefill") else (1, 2))
+    assert isinstance(conn, KVBridgeConnector)
 
 
-def test_vllms_scheduler_does_not_start_with_a_dcp_engine():
+def test_a_dcp_size_vllm_cannot_form_is_refused_naming_it():
+    """dcp must divide tp without PCP (vLLM's DCP groups reuse the TP ranks): typed, the setting named."""
     cfg = _cfg()
-    cfg.parallel_config.decode_context_parallel_size = 4
-    with pytest.raises(ContextParallelUnsupported, match="decode_context_parallel_size=4"):
-        make_scheduler(cfg, num_blocks=32)
-    cfg.parallel_config.decode_context_parallel_size = 1
-    assert isinstance(make_scheduler(cfg, num_blocks=32).connector, KVBridgeConnector)
+    cfg.parallel_config.tensor_parallel_size = 4
+    cfg.parallel_config.decode_context_parallel_size = 3
+    with pytest.raises(VLLMContextParallelError, match="decode_context_parallel_size=3"):
+        KVBridgeConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert issubclass(ContextParallelUnsupported, VLLMConfigError)
 
 
 # ---------------------------------------------------------------------- sleep mode
@@ -71,7 +78,7 @@ def test_backends_and_num_threads_are_read_from_the_extra_config():
         ConnectorConfig.from_vllm(_cfg({"num_threads": 0}), environ={})
 
 
-def _build_in_child(extra, role):
+def _build_in_child(extra, role, model=None, side=None):
     """Build a worker-role connector in a forked child (a NIXL agent in the test process would be inherited
     by the rank processes other tests fork); returns the child's exception type name and message."""
     import multiprocessing as mp
@@ -80,7 +87,8 @@ def _build_in_child(extra, role):
 
     def child(pipe):
         try:
-            conn, *_ = build_worker(llama(2), Side(1, 1, 16), (0, 0), role, "e", 0, tempfile.mkdtemp(), extra=extra)
+            conn, *_ = build_worker(model or llama(2), side or Side(1, 1, 16), (0, 0), role, "e", 0,
+                                    tempfile.mkdtemp(), extra=extra)
             conn.shutdown()
             pipe.send(("ok", ""))
         except Exception as e:  # noqa: BLE001

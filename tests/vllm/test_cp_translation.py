@@ -203,6 +203,8 @@ def _worker(model, side, rank, parallel: dict, tmp):
     cfg = make_vllm_config(tmp, model.hf, block_size=side.block_size, kv_cache_layout=side.layout, max_model_len=512)
     for k, v in parallel.items():
         setattr(cfg.parallel_config, k, v)
+    side = dataclasses.replace(side, dcp=parallel.get("decode_context_parallel_size", 1),  # plan_and_allocate sets
+                               cp_interleave=parallel.get("cp_kv_cache_interleave_size", 1))  # them from the Side
     kvc, kv = plan_and_allocate(cfg, model, side, (0, rank))
     engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, rank))
     # the wiring the connector gets at merge: CP settings from vLLM's config, then the cross-check

@@ -51,6 +51,17 @@ class Side:
     layout: str = "LBNHC"
     content: str = "packed"  # or "kv_blocks": vLLM's CPU attention backend ([B, H, 2N, D]: K rows, then V rows)
     conv_layout: str = "DS"  # Mamba conv state per block: "DS" (channels, window) or vLLM's default "SD"
+    dcp: int = 1             # decode_context_parallel_size (tokens dealt over DCP ranks, issue 21)
+    pcp: int = 1             # prefill_context_parallel_size (a stage has pcp * tp workers)
+    cp_interleave: int = 1   # cp_kv_cache_interleave_size
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every worker as kvbridge numbers it: (pp_rank, pcp_rank * tp + tp_rank)."""
+        return [(a, b) for a in range(self.pp) for b in range(self.tp * self.pcp)]
+
+    def sched_block_size(self, kind: str, bs: int) -> int:
+        """Tokens per block id as the scheduler allocates them (vLLM shards attention over DCP)."""
+        return bs if kind == "mamba" else bs * self.dcp
 
 
 @dataclass
@@ -283,11 +294,18 @@ def _specs_of_layers(model: Model, side: Side, layers, dtype, cfg) -> dict:
     return out
 
 
+def _set_parallel(cfg, side: Side) -> None:
+    pc = cfg.parallel_config
+    pc.tensor_parallel_size, pc.pipeline_parallel_size = side.tp, side.pp
+    pc.decode_context_parallel_size, pc.prefill_context_parallel_size = side.dcp, side.pcp
+    pc.cp_kv_cache_interleave_size = side.cp_interleave
+
+
 def plan_and_allocate(cfg, model: Model, side: Side, rank: tuple[int, int]):
-    """vLLM's planner and allocator for ``model``'s layer specs on one worker: (KVCacheConfig, kv_caches)."""
-    cfg.parallel_config.tensor_parallel_size = side.tp
-    cfg.parallel_config.pipeline_parallel_size = side.pp
-    cfg.parallel_config.rank = rank[0] * side.tp + rank[1]
+    """vLLM's planner and allocator for ``model``'s layer specs on one worker ``rank = (pp_rank, pcp_rank *
+    tp + tp_rank)``: (KVCacheConfig, kv_caches)."""
+    _set_parallel(cfg, side)
+    cfg.parallel_config.rank = rank[0] * side.tp * side.pcp + rank[1]  # vLLM's order: [pp, pcp, tp]
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator, as on a GPU
     _configure_hybrid(cfg, model, side)
     specs_all = [_specs(model, side, st, cfg=cfg) for st in range(side.pp)]
@@ -339,10 +357,18 @@ def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids
     kind, heads, hs = model.layers[layer]
     bs = kvc.kv_cache_groups[_group_of(kvc, layer)].kv_cache_spec.block_size
     tok = torch.arange(t0, t1)
-    blk = torch.as_tensor(ids)[tok // bs - first]
-    off = tok % bs
+    tp_rank = rank[1] % side.tp
+    if side.dcp > 1:  # vLLM's slot mapping (the oracle's copy of its kernel): this DCP rank's tokens only
+        from kvbridge.lower import GroupBlocks
+        from kvbridge.testing.oracle import vllm_dcp_rank, vllm_slots
+        local, blk, off = vllm_slots(tok.numpy(), GroupBlocks.of([int(b) for b in ids], first), bs, side.dcp,
+                                     vllm_dcp_rank(side.tp, side.pcp, side.dcp, rank[1]), side.cp_interleave)
+        tok, blk, off = tok[torch.as_tensor(local)], torch.as_tensor(blk[local]), torch.as_tensor(off[local])
+    else:
+        blk = torch.as_tensor(ids)[tok // bs - first]
+        off = tok % bs
     H, C = t.shape[1], t.shape[3]
-    head0 = 0 if kind == "mla" else (rank[1] * heads) // side.tp
+    head0 = 0 if kind == "mla" else (tp_rank * heads) // side.tp
     hh = head0 + torch.arange(H)
     want = _values(req, layer, tok[:, None, None], hh[None, :, None], torch.arange(C)[None, None, :])
     v = t.view(torch.int16)
@@ -438,7 +464,7 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ex
                     conv[ids[g][0]] = want_c
                     ssm[ids[g][0]] = want_s
                     continue
-                bs = kvc.kv_cache_groups[g].kv_cache_spec.block_size
+                bs = side.sched_block_size(model.layers[layer][0], kvc.kv_cache_groups[g].kv_cache_spec.block_size)
                 nulls = next((i for i, b in enumerate(ids[g]) if b != 0), len(ids[g]))
                 t0, t1 = nulls * bs, min(len(ids[g]) * bs, n)
                 if t1 <= t0:
@@ -501,7 +527,7 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ext
                     checked += want_c.numel() + want_s.numel()
                     continue
                 spec = kvc.kv_cache_groups[g].kv_cache_spec
-                bs = spec.block_size
+                bs = side.sched_block_size(model.layers[layer][0], spec.block_size)
                 first = r.local_first_block[g]
                 ids = r.local_block_ids[g]
                 t0, t1 = first * bs, min((first + len(ids)) * bs, n)
@@ -565,25 +591,23 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
     ctx = mp.get_context("fork")
     rng = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix="kvb-workers-")
-    base = free_port_base(P.tp * P.pp)
+    base = free_port_base(P.tp * P.pcp * P.pp)
     procs, pipes_p, pipes_d = [], {}, {}
     try:
-        for pp in range(P.pp):
-            for tp in range(P.tp):
-                a, b = ctx.Pipe()
-                pr = ctx.Process(target=prefill_main, args=(b, model, P, (pp, tp), "prefill-e", base, tmp, None, extra, specs[0]),
-                                 daemon=True)
-                pr.start()
-                procs.append(pr)
-                pipes_p[(pp, tp)] = a
-        for pp in range(D.pp):
-            for tp in range(D.tp):
-                a, b = ctx.Pipe()
-                pr = ctx.Process(target=decode_main, args=(b, model, D, (pp, tp), "decode-e", 0, tmp, None, extra, specs[1]),
-                                 daemon=True)
-                pr.start()
-                procs.append(pr)
-                pipes_d[(pp, tp)] = a
+        for rank in P.ranks():
+            a, b = ctx.Pipe()
+            pr = ctx.Process(target=prefill_main, args=(b, model, P, rank, "prefill-e", base, tmp, None, extra, specs[0]),
+                             daemon=True)
+            pr.start()
+            procs.append(pr)
+            pipes_p[rank] = a
+        for rank in D.ranks():
+            a, b = ctx.Pipe()
+            pr = ctx.Process(target=decode_main, args=(b, model, D, rank, "decode-e", 0, tmp, None, extra, specs[1]),
+                             daemon=True)
+            pr.start()
+            procs.append(pr)
+            pipes_d[rank] = a
         ready_p = {r: _recv(p, "ready") for r, p in pipes_p.items()}
         ready_d = {r: _recv(p, "ready") for r, p in pipes_d.items()}
         nb_p, ng_p = next(iter(ready_p.values()))[1:]
@@ -618,7 +642,8 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
             send[rid] = (no, n, p_ids, attempt)
             params = {"do_remote_prefill": True, "remote_engine_id": "prefill-e", "remote_host": "127.0.0.1",
                       "remote_port": base, "remote_block_ids": p_ids, "remote_request_id": rid, "remote_num_tokens": n,
-                      "remote_tp_size": P.tp, "remote_pp_size": P.pp,
+                      "remote_tp_size": P.tp, "remote_pp_size": P.pp, "remote_pcp_size": P.pcp,
+                      "remote_dcp_size": P.dcp, "remote_cp_interleave": P.cp_interleave,
                       "remote_attempt": (attempt ^ 2) if corrupt_attempt else attempt, "_remote_block_sizes": p_bs,
                       "remote_speculative": speculative_fingerprint(_SpecOnly(specs[0]))}
             # vLLM gives the decode engine's copy of the request its own id
@@ -664,15 +689,14 @@ def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
     from sched_utils import make_vllm_config as mk
     tmp = tempfile.mkdtemp(prefix="kvb-plan-")
     cfg = mk(tmp, model.hf, block_size=side.block_size, kv_cache_layout=side.layout, max_model_len=512)
-    cfg.parallel_config.tensor_parallel_size = side.tp
-    cfg.parallel_config.pipeline_parallel_size = side.pp
+    _set_parallel(cfg, side)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     _configure_hybrid(cfg, model, side)
     specs_all = [_specs(model, side, st, cfg=cfg) for st in range(side.pp)]
     groups = get_global_kv_cache_groups(cfg, specs_all)
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
-    return [(model.layers[int(g.layer_names[0].split(".")[2])][0], g.kv_cache_spec.block_size)
-            for g in kvc.kv_cache_groups]
+    kinds = [model.layers[int(g.layer_names[0].split(".")[2])][0] for g in kvc.kv_cache_groups]
+    return [(k, side.sched_block_size(k, g.kv_cache_spec.block_size)) for k, g in zip(kinds, kvc.kv_cache_groups)]
 
 
 # ---------------------------------------------------------------------- data-parallel engines

@@ -15,12 +15,15 @@ kvbridge`` never does. It is split by role, each part using only the public ``kv
 * :mod:`.scheduler` — the scheduler side (kv_transfer_params, blocks to read, leases to register);
 * :mod:`.worker` — the worker side (endpoints, reads, results);
 * :mod:`.translate` — vLLM's KV-cache config and tensors -> kvbridge's layout (pure; one builder per spec kind);
-* :mod:`.config` — settings read once from vLLM's config, and the side-channel port rule both sides share;
+* :mod:`.config` — settings read once from vLLM's config (context parallelism included), and the side-channel
+  port rule both sides share;
 * :mod:`.stats` — counters for vLLM's logging.
 """
 from __future__ import annotations
 
-from .config import ConnectorConfig, ContextParallelUnsupported, dp_engine_id, dp_port_base, engine_endpoints, rank_port
+from ..vllm_cp import VLLMContextParallelError
+from .config import (ConnectorConfig, ContextParallelUnsupported, context_parallel, dp_engine_id, dp_port_base,
+                     engine_endpoints, rank_port)
 from .connector import KVBridgeConnector
 from .scheduler import KVBridgeConnectorMetadata, RecvReq
 from .stats import KVBridgeStats
@@ -29,6 +32,7 @@ from .translate import (REFUSED_SPECS, SPEC_KINDS, VLLMConfigError, engine_from_
 from .worker import SpeculativeConfigMismatch
 
 __all__ = ["KVBridgeConnector", "KVBridgeConnectorMetadata", "KVBridgeStats", "RecvReq", "VLLMConfigError",
-           "ContextParallelUnsupported", "ConnectorConfig", "engine_from_vllm", "kv_content_form", "layer_index",
+           "ContextParallelUnsupported", "VLLMContextParallelError",
+           "context_parallel", "ConnectorConfig", "engine_from_vllm", "kv_content_form", "layer_index",
            "layout_fingerprint", "rank_port", "dp_port_base", "dp_engine_id", "engine_endpoints", "SPEC_KINDS",
            "REFUSED_SPECS", "speculative_fingerprint", "SpeculativeConfigMismatch"]

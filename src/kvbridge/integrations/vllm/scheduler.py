@@ -7,13 +7,16 @@ endpoint, no I/O). Tested against vLLM's real Scheduler (``tests/vllm/test_conne
   ``do_remote_prefill``, ``remote_engine_id`` (the DP rank's, ``_dp{rank}``), ``remote_host`` /
   ``remote_port`` (the DP rank's side-channel base, see :mod:`.config`), ``remote_block_ids`` (one list
   per KV-cache group), ``remote_request_id``, ``remote_num_tokens``, ``remote_tp_size``,
-  ``remote_pp_size``, ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_speculative`` (the
+  ``remote_pp_size``, ``remote_pcp_size`` / ``remote_dcp_size`` / ``remote_cp_interleave`` (the prefill's
+  context parallelism: its ``tp * pcp`` ranks per stage are endpoints, :func:`.config.engine_endpoints`; the
+  token share of each rank travels in the handshake's layout), ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_speculative`` (the
   draft model's settings, :func:`.translate.speculative_fingerprint`), ``remote_attempt``.
 * decode (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` returns
   ``(num_prompt_tokens - num_computed_tokens, True)`` like vLLM's NixlConnector (the scheduler then
   recomputes the last prompt token itself); ``update_state_after_alloc`` records, per group, the blocks
   to fill: the newly allocated ones after the local prefix-cache hit (``first_block`` = number of hit
-  blocks, so only the tail is read); ``build_connector_meta`` hands them with the remote params to the
+  blocks, so only the tail is read; under DCP one block id spans ``block_size * dcp`` tokens, and
+  ``first_block`` counts those, as kvbridge's ``GroupBlocks`` does); ``build_connector_meta`` hands them with the remote params to the
   workers in :class:`KVBridgeConnectorMetadata`.
 
 **Mamba hybrids**: the decode recomputes the last prompt token after a load, so a prefill of a Mamba model
@@ -214,6 +217,9 @@ class ConnectorScheduler:
             "remote_num_tokens": int(request.num_computed_tokens),
             "remote_tp_size": cfg.tp,
             "remote_pp_size": cfg.pp,
+            "remote_pcp_size": cfg.pcp,
+            "remote_dcp_size": cfg.dcp,
+            "remote_cp_interleave": cfg.cp_interleave,
             "remote_dp_rank": cfg.dp_index,
             "remote_layout": self.fingerprint,
             "remote_speculative": cfg.speculative,

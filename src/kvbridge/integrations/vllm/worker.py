@@ -12,30 +12,55 @@ for ``lease_grace_s``. Tested on vLLM 0.33's own tensors, one process per rank o
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
 
 import kvbridge
 
-from .config import ConnectorConfig, engine_endpoints
+from ..vllm_cp import check_cp_against_vllm, cp_from_vllm, cp_from_worker
+from .config import ConnectorConfig, ContextParallelUnsupported, engine_endpoints
 from .scheduler import RecvReq
-from .translate import engine_from_vllm, token_granule
+from .translate import engine_from_vllm, layer_index, token_granule
 
 log = logging.getLogger(__name__)
 
 
-def worker_rank(vllm_config, tp: int, pp: int) -> tuple[int, int]:
-    """(pp rank, tp rank) of this worker: from vLLM's process groups when they exist, else from
-    ``parallel_config.rank`` (vLLM orders ranks TP-fastest: rank = pp_rank * tp + tp_rank)."""
+def worker_cp(vllm_config, tp: int, pp: int, pcp: int = 1):
+    """``(pp_rank, VLLMCPSettings)`` of this worker: from vLLM's process groups when they exist, else from
+    ``parallel_config.rank`` (vLLM orders a DP rank's workers ``[pp, pcp, tp]``, TP fastest:
+    rank = (pp_rank * pcp + pcp_rank) * tp + tp_rank). kvbridge's rank is ``cp.rank(pp_rank)``."""
+    pc = vllm_config.parallel_config
     try:
         from vllm.distributed import parallel_state as ps
         if ps.model_parallel_is_initialized():
-            return (ps.get_pp_group().rank_in_group, ps.get_tp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - older/newer vLLM without these helpers
+            return ps.get_pp_group().rank_in_group, cp_from_worker(vllm_config)
+    except (ImportError, AttributeError):  # a vLLM without these helpers
         pass
-    r = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % (tp * pp)
-    return divmod(r, tp)
+    r = int(getattr(pc, "rank", 0) or 0) % (tp * pcp * pp)
+    pp_rank, stage = divmod(r, tp * pcp)
+    pcp_rank, tp_rank = divmod(stage, tp)
+    return pp_rank, cp_from_vllm(pc, tp_rank=tp_rank, pcp_rank=pcp_rank)
+
+
+def worker_rank(vllm_config, tp: int, pp: int, pcp: int = 1) -> tuple[int, int]:
+    """kvbridge's rank ``(pp_rank, pcp_rank * tp + tp_rank)`` of this worker (:func:`worker_cp`)."""
+    pp_rank, cp = worker_cp(vllm_config, tp, pp, pcp)
+    return cp.rank(pp_rank)
+
+
+def _tensor_tokens(layers: dict, kv_cache_config, names: list[str]) -> dict:
+    """{kvbridge group: tokens per block of its registered tensors (the ``N`` axis)} for the attention groups."""
+    out = {}
+    for name, vg in zip(names, kv_cache_config.kv_cache_groups):
+        for lname in vg.layer_names:
+            spec = layers.get(layer_index(lname))
+            axes = getattr(spec, "axes", None)
+            if axes is not None and "N" in axes:
+                out[name] = int(spec.tensor.shape[axes.index("N")])
+                break
+    return out
 
 
 def _has_read_ids() -> bool:
@@ -80,10 +105,24 @@ class ConnectorWorker:
     # ---- setup ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
         cfg = self.cfg
-        rank = worker_rank(self.vllm_config, cfg.tp, cfg.pp)
-        engine, self.group_names, layers = engine_from_vllm(self.vllm_config, self.kv_cache_config, kv_caches, rank)
-        self.engine = engine
+        # context parallelism (issue 21): vLLM's sizes, this worker's PCP/DCP ranks, cross-checked against the
+        # KV-cache specs, the scheduler's block size and the registered tensors
+        pp_rank, cp = worker_cp(self.vllm_config, cfg.tp, cfg.pp, cfg.pcp)
+        engine, self.group_names, layers = engine_from_vllm(self.vllm_config, self.kv_cache_config, kv_caches,
+                                                            (pp_rank, cp.tp_rank))
+        engine = dataclasses.replace(engine, **cp.engine_kwargs())
+        rank = cp.rank(pp_rank)
         self.granule = token_granule(self.vllm_config, self.kv_cache_config, engine)
+        if self.granule > 1 and cp.dcp > 1:
+            raise ContextParallelUnsupported(
+                f"decode_context_parallel_size={cp.dcp} with kv_content 'kv_blocks' (vLLM's CPU attention backend "
+                "form, moved in whole blocks): each DCP rank keeps only its share of a block's tokens; vLLM's CPU "
+                "backend runs no DCP attention: start with --decode-context-parallel-size 1, or use a GPU "
+                "attention backend (kv_content 'packed')")
+        if self.granule == 1:  # (the block-granular form counts whole blocks as kvbridge tokens: no token axis)
+            check_cp_against_vllm(engine, self.kv_cache_config, self.group_names,
+                                  tensor_tokens=_tensor_tokens(layers, self.kv_cache_config, self.group_names))
+        self.engine = engine
         memory = kvbridge.describe_memory(engine, rank, layers)
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
                  len(memory.allocations))
@@ -172,7 +211,8 @@ class ConnectorWorker:
         eid = str(rp["remote_engine_id"])
         if eid not in self.decode.remotes:
             tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
-            self.decode.handshake(eid, engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp))
+            pcp = int(rp.get("remote_pcp_size", 1))  # the prefill's PCP ranks are endpoints too
+            self.decode.handshake(eid, engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp, pcp))
 
     def _read_request(self, rp: dict, local_id: str, local_ids=None, local_first=None):
         """The runtime's read of the prefill's request (its request id, blocks and lease attempt) into
