@@ -138,7 +138,7 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
                     staging_bytes=sum(stage_bytes.values()) + (1 << 20))
         for w in list(workers.values()) + [dw]:
             w.ready()
-        for i, (r, w) in enumerate(workers.items()):
+        for i, w in enumerate(workers.values()):
             w.call("fill_random", seed + i)
         endpoints = {r: f"127.0.0.1:{w.info['port']}" for r, w in workers.items()}
         log(f"  [{sc.name} {layout}] {len(workers)} prefill + 1 decode processes ready in {time.perf_counter() - t0:.1f} s")
@@ -236,7 +236,7 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
                 # stage request; when the reply comes, one descriptor per prefill rank
                 t0 = time.perf_counter()
                 wire_p, wire_d = blocks_to_wire(pb), blocks_to_wire(db)
-                for prank in plan.prefill_ranks_for(DECODE_RANK):
+                for _prank in plan.prefill_ranks_for(DECODE_RANK):
                     pack_msg(Stage("r", "d", DECODE_RANK, layout_dict, mem_wire, tokens, wire_p, wire_d))
                     one = np.ones(1, dtype=np.int64)
                     arr = np.empty((1, 3), dtype=np.uint64)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 def main() -> int:
     import numpy as np
-
     from bench import DECODE_RANK, SCENARIOS, engines
+
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan
     from kvbridge.plan import plan_transfer

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 def main() -> int:
     import numpy as np
-
     from bench import ALLOCS, DECODE_RANK, SCENARIOS, engines
+
     from kvbridge.cost import CostModel, choose_modes, pair_shapes, request_chunks, request_modes
     from kvbridge.layout import ceil_div
     from kvbridge.lower import LoweredPlan

@@ -155,7 +155,7 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
         works = direct_reads(preps, remote_stub, req_stub, pranks)
         t_caller = time.perf_counter() - t
         hs, cnt = [], 0
-        for p, w in works.items():  # the post thread's part (run inline here, as NixlTransport.read_prepped)
+        for _p, w in works.items():  # the post thread's part (run inline here, as NixlTransport.read_prepped)
             req = w.prep.geometry.request(w.ranges, w.prefill_blocks, w.decode_blocks)
             pr = w.prep
             local, remote = (pr.local_span, pr.remote_span) if req.spans else (pr.local, pr.remote)
@@ -187,7 +187,7 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
     def run_staged_post():  # what DecodeRank.start does for staged ranks: encode one stage request per rank
         t = time.perf_counter()
         wire_p, wire_d = blocks_to_wire(pb), blocks_to_wire(db)
-        for p in pranks:
+        for _p in pranks:
             pack_msg(Stage("r", "d", DR, layout_dict, {}, tokens, wire_p, wire_d))
         return time.perf_counter() - t
 

@@ -10,13 +10,12 @@ import signal
 import time
 
 import pytest
+from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, wait_freed
 
 from kvbridge.errors import HandshakeFailed
 from kvbridge.runtime.decode import PeerState
 from kvbridge.testing.procs import _verify
 from kvbridge.transport.nixl import nixl_available
-
-from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, wait_freed
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 

@@ -236,8 +236,8 @@ def test_prefix_hit_mid_prefill_scheduler_block():
     p = E(MLA, "prefill", tp=1, block_size=48)
     d = E(MLA, "decode", tp=4, dcp=4, cp_interleave=2, block_size=4)
     plan = plan_transfer(p, d)
-    from kvbridge.testing.oracle import count_mismatches, fill_prefill, new_buffer, write_expected
     from kvbridge.memory import rank_memory
+    from kvbridge.testing.oracle import count_mismatches, fill_prefill, new_buffer, write_expected
     n, hit = 150, 3  # decode has 3 scheduler blocks = 48 tokens cached? no: 3 x 16 = 48; use 5 -> 80
     hit = 5
     pb = {"mla": GroupBlocks.of(np.arange(4) * 3 + 1)}

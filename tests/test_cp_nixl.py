@@ -3,10 +3,9 @@ every decode byte checked against the oracle (whose token -> rank map is vLLM's,
 the planner), prefill frees every request, no handle leaked."""
 import pytest
 
-from kvbridge.plan import plan_transfer
-
 from kvbridge.layout import CacheGroup, EngineLayout, MemoryLayout, ModelSpec
 from kvbridge.models import preset
+from kvbridge.plan import plan_transfer
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl not installed")]

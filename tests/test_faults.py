@@ -17,6 +17,25 @@ import time
 
 import numpy as np
 import pytest
+from test_reliability import (
+    Cluster,
+    Jobs,
+    blocks_for,
+    collect,
+    expected_traffic,
+    free_port,
+    hold,
+    inproc_decode,
+    layout,
+    needed_bytes,
+    publish,
+    served,
+    start,
+    take_until,
+    until,
+    verify,
+    wait_freed,
+)
 
 from kvbridge.errors import LeaseExpired, PeerDisconnected, TransferTimeout
 from kvbridge.lower import LoweredPlan
@@ -24,12 +43,9 @@ from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
-from kvbridge.transport.nixl import NixlTransport, nixl_available
 from kvbridge.testing.engine import default_memory
 from kvbridge.testing.procs import _verify
-
-from test_reliability import (Cluster, Jobs, blocks_for, collect, expected_traffic, free_port, hold, inproc_decode,
-                              layout, needed_bytes, publish, served, start, take_until, until, verify, wait_freed)
+from kvbridge.transport.nixl import NixlTransport, nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 
@@ -212,7 +228,7 @@ def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
         print(f"decode killed ({mode}): prefill freed every lease {last - t_kill:.2f} s after the kill "
               f"(lease {lease_s:g} s, pin {pin_s:g} s)")
         assert last - t_kill < pin_s + 3.0
-        for r, s in seen.items():
+        for s in seen.values():
             assert set(s["freed"]) | set(s["expired"]) == everyone
             assert {j.rid for j in read_first} <= set(s["freed"])  # their Done arrived
             assert {j.rid for j in orphans} <= set(s["expired"])
@@ -365,6 +381,7 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
                 new = pre.add_request(j.rid, j.req.prefill_blocks)
             assert new != old
             import zmq
+
             from kvbridge.runtime.decode import fetch_meta
             meta = fetch_meta(zmq.Context.instance(), ep, protocol.GetMeta("dEvil", (0, 0), (0, 0), "fx-stranger"), 5)
             agent = stranger.add_peer(meta.agent_metadata, meta.metadata_sha256)
@@ -489,6 +506,7 @@ def test_fuzzed_side_channel_frames_get_typed_errors():
     Acquired that grants nothing), never a Python exception's text; no staging slot is taken. Then a
     normal request is read byte-exact and nothing leaks."""
     import zmq
+
     from kvbridge.layout import engine_to_dict
     from kvbridge.runtime.decode import fetch_meta
     from kvbridge.runtime.protocol import blocks_to_wire

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_reliability import MODEL, Cluster, Jobs, collect, needed_bytes, publish, start, verify, wait_freed
 
 from kvbridge.layout import EngineLayout
 from kvbridge.transport.nixl import nixl_available
-
-from test_reliability import MODEL, Cluster, Jobs, collect, needed_bytes, publish, start, verify, wait_freed
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 

@@ -19,8 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.runtime.lease import (Granted, LeaseEnded, LeaseState, LeaseTable, Outcome, PinEnded, ReaderTable,
-                                    Refusal, Refused)
+from kvbridge.runtime.lease import Granted, LeaseEnded, LeaseState, LeaseTable, Outcome, PinEnded, ReaderTable, Refusal, Refused
 
 ENGINES = ["dA", "dB"]
 RANKS = [(0, 0), (0, 1)]

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import pytest
 import zmq
+from test_reliability import Jobs, hold, inproc_decode, layout, until
 
 from kvbridge.errors import HandshakeError, NotRegistered
 from kvbridge.runtime import protocol
@@ -32,8 +33,6 @@ from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import default_memory
 from kvbridge.testing.procs import _verify, fill_rank
 from kvbridge.transport.nixl import nixl_available
-
-from test_reliability import Jobs, hold, inproc_decode, layout, until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 

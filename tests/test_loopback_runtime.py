@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from test_reliability import Jobs, _verify, hold, layout, served, until
 
 from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
-from test_reliability import Jobs, _verify, hold, layout, served, until
 
 _n = itertools.count()
 

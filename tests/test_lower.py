@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import random_models, random_pp_layers
 from hypothesis import strategies as st
+from strategies import random_models, random_pp_layers
 
 from kvbridge.errors import RequestError
 from kvbridge.layout import LAYOUT_PRESETS, EngineLayout, MemoryLayout, valid_tps

@@ -70,8 +70,8 @@ def test_staged_transfer_is_exact(name):
 
 def test_auto_mode_uses_the_cost_model():
     from kvbridge.cost import choose_modes
-    from kvbridge.testing.demo import run_demo
     from kvbridge.plan import plan_transfer
+    from kvbridge.testing.demo import run_demo
     prefill, decode = CASES["swa+fa heads differ P4->D2"]
     chosen = {m.mode for m in choose_modes(plan_transfer(prefill, decode))}
     res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=3, show_progress=False, transfer_mode="auto")

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import random_models, random_pp_layers
 from hypothesis import strategies as st
+from strategies import random_models, random_pp_layers
 
 from kvbridge.errors import IncompatibleLayoutsError, LayoutError
 from kvbridge.layout import CacheGroup, EngineLayout, MambaSpec, ModelSpec, default_pp_layers, valid_tps

@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
+from kvbridge import prepped
 from kvbridge.layout import EngineLayout, MemoryLayout
 from kvbridge.lower import GroupBlocks, LoweredPlan, merge_adjacent
 from kvbridge.memory import rank_memory
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
-from kvbridge import prepped
 from kvbridge.prepped import PreparedGeometry
 from kvbridge.transport.nixl import nixl_available
 
@@ -126,7 +126,7 @@ def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
             ranges = prep.geometry.validate(tokens, pb, db)
             posted.append(prep.geometry.request(ranges, pb, db))  # what read_prepped builds on its thread
             xs.append((p, d_t.read_prepped(prep, ranges, pb, db, notif=b"done")))
-        for p, x in xs:
+        for _p, x in xs:
             deadline = time.monotonic() + 30
             while d_t.check(x) != "DONE":
                 assert time.monotonic() < deadline

@@ -30,21 +30,20 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.errors import (HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected,
-                             RequestError, TransferTimeout)
+from kvbridge.errors import HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected, RequestError, TransferTimeout
 from kvbridge.layout import EngineLayout, ModelSpec
 from kvbridge.lower import GroupBlocks, LoweredPlan
 from kvbridge.models import preset
-from kvbridge.testing.oracle import SENTINEL
 from kvbridge.plan import plan_transfer
 from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import DecodeRank, ReadRequest, fetch_meta
 from kvbridge.runtime.metrics import Metrics, to_prometheus
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
+from kvbridge.testing.oracle import SENTINEL
 from kvbridge.testing.procs import EngineProcs, Worker, _verify, fill_rank
-from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
 from kvbridge.testing.verify import BlockPool, Request, make_request
+from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 

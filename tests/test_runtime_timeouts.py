@@ -8,14 +8,12 @@ import threading
 import time
 
 import pytest
+from test_reliability import Cluster, Jobs, blocks_for, expected_traffic, inproc_decode, layout, publish, until, wait_freed
 
 from kvbridge.errors import LeaseExpired
 from kvbridge.runtime.readstate import ReadState
 from kvbridge.testing.procs import _verify
 from kvbridge.transport.nixl import nixl_available
-
-from test_reliability import (Cluster, Jobs, blocks_for, expected_traffic, inproc_decode, layout, publish, until,
-                              wait_freed)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
 

@@ -36,9 +36,24 @@ kvbridge`` pulls in neither ZMQ, NIXL, torch nor rich.
 from __future__ import annotations
 
 from .describe import LayerKV, LayerState, describe_memory
-from .errors import (Aborted, ConfigImportError, HandshakeError, IncompatibleLayoutsError, KVBridgeError, LayoutError,
-                     LeaseExpired, PeerDisconnected, PeerRestarted, ReadFailure, RemoteError, RequestError,
-                     TransferError, TransferFailed, TransferTimeout, TransportUnavailableError)
+from .errors import (
+    Aborted,
+    ConfigImportError,
+    HandshakeError,
+    IncompatibleLayoutsError,
+    KVBridgeError,
+    LayoutError,
+    LeaseExpired,
+    PeerDisconnected,
+    PeerRestarted,
+    ReadFailure,
+    RemoteError,
+    RequestError,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    TransportUnavailableError,
+)
 from .layout import CacheGroup, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, dtype_size
 from .lower import GroupBlocks
 from .memory import KVMemory

@@ -127,6 +127,7 @@ def cmd_plan(args) -> int:
 
 def cmd_verify(args) -> int:
     from rich.progress import Progress
+
     from .models import load_model
     from .plan import plan_transfer
     from .testing.verify import verify

@@ -28,7 +28,7 @@ def plan_svg(plan: TransferPlan) -> str:
     for r, y in y_d.items():
         out.append(f'<rect x="{w - 170}" y="{y}" width="150" height="24" fill="#eef" stroke="#333"/>'
                    f'<text x="{w - 162}" y="{y + 16}">D pp{r[0]} tp{r[1]}</text>')
-    for k, rd in enumerate(plan.reads):
+    for _k, rd in enumerate(plan.reads):
         gi = groups.index(rd.group)
         off = (gi - (len(groups) - 1) / 2) * 4
         y1, y2 = y_p[rd.prefill] + 12 + off, y_d[rd.decode] + 12 + off

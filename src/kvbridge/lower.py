@@ -198,7 +198,7 @@ class Descriptors:
         for p in self._parts:
             k = _part_count(p)
             sl = slice(i, i + k)
-            pick = lambda o: None if o is None else o[sl]  # noqa: E731
+            pick = lambda o, sl=sl: None if o is None else o[sl]  # noqa: E731
             if isinstance(p, _Outer):
                 p.write(pick(src_out), pick(dst_out), pick(n_out))
             else:

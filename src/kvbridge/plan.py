@@ -246,7 +246,7 @@ def plan_transfer(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
                 todo = [iv for iv in ivs if not any(lo <= i <= hi for i in have for lo, hi in [iv])]
                 nat = min(bisect_left([prefill.tp_rank(r) for r in space], nat_t), len(space) - 1)
 
-                def score(i, space=space):
+                def score(i, space=space, pending=pending):
                     return sum(space[i] in h for h in pending)
                 new_pts = _stab(todo, nat, dr + ppp, score if pending and k is not None else None) if todo else []
                 pts = have + [p for p in new_pts if p not in have]

@@ -391,7 +391,7 @@ class PreparedGeometry:
     def size(self, ranges) -> tuple[int, int]:
         """(descriptors before merging, bytes) of a validated request: arithmetic only."""
         count = nbytes = 0
-        for low, pre, tpl in self.reads:
+        for low, pre, _tpl in self.reads:
             g = low.chunk
             t0, t1 = ranges[low.read.group]
             if not pre.per_token:
@@ -418,7 +418,7 @@ class PreparedGeometry:
         l_parts, r_parts, tails = [], [], []
         spans = False
         base_s, base_d = lo.prefill_bases[self.prank], lo.decode_base
-        for (low, pre, tpl), sp, (run_r, run_l) in zip(self.reads, self.spans, self._run_ids):
+        for (low, pre, _tpl), sp, (run_r, run_l) in zip(self.reads, self.spans, self._run_ids):
             gname = low.read.group
             g, bsp, bsd = low.chunk, low.bsp, low.bsd
             pb, db = prefill_blocks[gname], decode_blocks[gname]

@@ -16,9 +16,10 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 pytest.importorskip("vllm.v1.core.kv_cache_planning")
 
+from worker_harness import Side, deepseek_like, llama  # noqa: E402
+
 from kvbridge.integrations.vllm import ConnectorConfig  # noqa: E402
 from kvbridge.integrations.vllm_cp import VLLMContextParallelError  # noqa: E402
-from worker_harness import Side, deepseek_like, llama  # noqa: E402
 
 
 def _pair(model, P, D, **kw):
@@ -95,10 +96,9 @@ def _mla_scheduler(name, role, tp, dcp=1, interleave=1):
     """vLLM's real Scheduler for an MLA model at TP ``tp`` x DCP ``dcp`` with the connector, given the block
     sizes the engine core resolves (``resolve_kv_cache_block_sizes``: one block id per block_size x dcp)."""
     import torch
+    from sched_utils import attention_layer_names, make_kv_cache_config, make_scheduler, make_vllm_config
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    from sched_utils import attention_layer_names, make_kv_cache_config, make_scheduler, make_vllm_config
     cfg = make_vllm_config(tempfile.mkdtemp(prefix=name), deepseek_like(2).hf, block_size=16, kv_transfer_config=dict(
         kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm", kv_role=role,
         engine_id=f"engine-{name}"))
@@ -117,9 +117,8 @@ def test_prefix_hit_under_dcp_counts_scheduler_blocks_of_block_size_times_dcp():
     the prefill (TP2, no DCP) carries its CP sizes in kv_transfer_params."""
     import json
 
-    from vllm.v1.request import RequestStatus
-
     from sched_utils import engine_outputs, make_request, step
+    from vllm.v1.request import RequestStatus
     P, p_hbs = _mla_scheduler("p", "kv_producer", tp=2)
     D, d_hbs = _mla_scheduler("d", "kv_consumer", tp=2, dcp=2, interleave=16)
     prompt = list(range(3, 103))  # 100 tokens

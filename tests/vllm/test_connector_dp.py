@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+from sched_utils import TINY_LLAMA, make_request, make_scheduler, make_vllm_config, step  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvbridge.integrations.vllm import (  # noqa: E402
@@ -24,7 +25,6 @@ from kvbridge.integrations.vllm import (  # noqa: E402
     rank_port,
 )
 from kvbridge.integrations.vllm.config import side_channel_host  # noqa: E402
-from sched_utils import TINY_LLAMA, make_request, make_scheduler, make_vllm_config, step  # noqa: E402
 
 BLOCK = 16
 PROMPT = list(range(3, 43))

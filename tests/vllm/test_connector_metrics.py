@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 prometheus_client = pytest.importorskip("prometheus_client")
 
+from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 
 from kvbridge.integrations.vllm import KVBridgeStats  # noqa: E402
 from kvbridge.integrations.vllm.stats import StatsDelta  # noqa: E402
-from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 
 
 def test_worker_stats_aggregate_counters_and_observations_never_quantiles():

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvbridge.integrations.vllm import (  # noqa: E402
@@ -19,7 +20,6 @@ from kvbridge.integrations.vllm import (  # noqa: E402
     VLLMConfigError,
 )
 from kvbridge.integrations.vllm_cp import VLLMContextParallelError  # noqa: E402
-from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 
 
 def _cfg(extra=None, role="kv_both"):

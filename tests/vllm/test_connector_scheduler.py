@@ -16,14 +16,6 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler",
                     reason="vllm not installed (bash scripts/install_vllm.sh 033)")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
-
-from kvbridge.integrations.vllm import (  # noqa: E402
-    KVBridgeConnector,
-    KVBridgeConnectorMetadata,
-    layer_index,
-)
 from sched_utils import (  # noqa: E402
     TINY_LLAMA,
     assert_scheduler_empty,
@@ -34,6 +26,14 @@ from sched_utils import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
     step,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvbridge.integrations.vllm import (  # noqa: E402
+    KVBridgeConnector,
+    KVBridgeConnectorMetadata,
+    layer_index,
 )
 
 BLOCK = 16

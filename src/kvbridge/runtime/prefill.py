@@ -10,19 +10,31 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from ..errors import KVBridgeError, LayoutError
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
-from ..plan import plan_transfer
-from ..errors import LayoutError
 from ..memory import KVMemory
+from ..plan import plan_transfer
 from ..tensors import host_view
-from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, transport_device, wire_key
 from ..transport.nixl import NixlTransport, metadata_digest
-from .metrics import Metrics
-from ..errors import KVBridgeError
 from .lease import Granted, Lease, LeaseEnded, LeaseState, LeaseTable, Outcome, PinEnded, ReaderTable, Refusal, Refused
-from .protocol import (Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged, StageError,
-                       blocks_from_wire, decode_notif, pack, unpack)
+from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, transport_device, wire_key
+from .metrics import Metrics
+from .protocol import (
+    Acquire,
+    Acquired,
+    Done,
+    ErrorReply,
+    GetMeta,
+    RankMeta,
+    Stage,
+    Staged,
+    StageError,
+    blocks_from_wire,
+    decode_notif,
+    pack,
+    unpack,
+)
 from .slots import SlotAllocator
 
 log = logging.getLogger(__name__)

@@ -188,6 +188,7 @@ def blocks_to_wire(blocks: dict[str, Any]) -> dict[str, tuple[bytes, int]]:
 
 def blocks_from_wire(wire: dict[str, tuple[bytes, int]]) -> dict[str, Any]:
     import numpy as np
+
     from ..lower import GroupBlocks
     return {g: GroupBlocks(np.frombuffer(ids, dtype="<i8").astype(np.int64), first) for g, (ids, first) in wire.items()}
 

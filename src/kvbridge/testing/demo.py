@@ -184,7 +184,7 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
             freed: dict = {}
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                for r, got in P.call_all("take_freed").items():
+                for _r, got in P.call_all("take_freed").items():
                     for rid in got["freed"]:
                         freed[rid] = freed.get(rid, 0) + 1
                 if sum(1 for v in freed.values() if v == len(P.workers)) == len(reqs):
@@ -192,6 +192,7 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 time.sleep(0.02)
             if metrics_dir:
                 from pathlib import Path
+
                 from ..runtime.metrics_export import write_metrics
                 out = Path(metrics_dir)
                 out.mkdir(parents=True, exist_ok=True)

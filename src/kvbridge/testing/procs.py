@@ -84,6 +84,7 @@ def _start_freeze(obj, reqs: list, done: list, failed: dict, min_finished: int =
 
 def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -> None:
     import logging
+
     import zmq
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
     from ..malloc import tune_malloc

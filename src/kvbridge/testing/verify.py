@@ -8,9 +8,9 @@ import numpy as np
 from ..layout import EngineLayout, ceil_div
 from ..lower import Descriptors, GroupBlocks, LoweredPlan
 from ..memory import rank_memory
-from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 from ..plan import plan_transfer
 from ..transport.reference import ReferenceTransport
+from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 
 
 @dataclass

@@ -22,13 +22,20 @@ kvbridge`` never does. It is split by role, each part using only the public ``kv
 from __future__ import annotations
 
 from ..vllm_cp import VLLMContextParallelError
-from .config import (ConnectorConfig, ContextParallelUnsupported, context_parallel, dp_engine_id, dp_port_base,
-                     engine_endpoints, rank_port)
+from .config import ConnectorConfig, ContextParallelUnsupported, context_parallel, dp_engine_id, dp_port_base, engine_endpoints, rank_port
 from .connector import KVBridgeConnector
 from .scheduler import KVBridgeConnectorMetadata, RecvReq
 from .stats import KVBridgeStats
-from .translate import (REFUSED_SPECS, SPEC_KINDS, VLLMConfigError, engine_from_vllm, kv_content_form, layer_index,
-                        layout_fingerprint, speculative_fingerprint)
+from .translate import (
+                     REFUSED_SPECS,
+                     SPEC_KINDS,
+                     VLLMConfigError,
+                     engine_from_vllm,
+                     kv_content_form,
+                     layer_index,
+                     layout_fingerprint,
+                     speculative_fingerprint,
+)
 from .worker import SpeculativeConfigMismatch
 
 __all__ = ["KVBridgeConnector", "KVBridgeConnectorMetadata", "KVBridgeStats", "RecvReq", "VLLMConfigError",
