@@ -50,6 +50,7 @@ from e2e_utils import (  # noqa: E402
     EngineSpec,
     Router,
     free_ports,
+    group_stats,
     kv_config,
     make_tiny_llama,
     router_available,
@@ -101,19 +102,7 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int) -> tuple[Engin
 
 def group_cpu_seconds(pgid: int) -> float:
     """utime + stime of every live process in group ``pgid``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        f = stat[stat.rfind(")") + 2:].split()
-        if int(f[2]) == pgid:
-            total += int(f[11]) + int(f[12])
-    return total / tick
+    return sum(int(f[11]) + int(f[12]) for f in group_stats(pgid)) / os.sysconf("SC_CLK_TCK")
 
 
 def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> dict:

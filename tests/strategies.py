@@ -52,7 +52,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _model_tps(model: ModelSpec, up_to: int) -> list[int]:
+def model_tps(model: ModelSpec, up_to: int) -> list[int]:
+    """TP sizes up to ``up_to`` that every component's unit count allows."""
     from kvbridge.layout import valid_tps
     ok = set(range(1, up_to + 1))
     for g in model.groups:
@@ -67,7 +68,7 @@ def cp_engine_of(draw, model: ModelSpec, max_tp: int, role: str, max_pp: int = 3
     """An engine with TP, PP and, where vLLM allows it for this model, PCP/DCP with any interleave that
     divides the block size; settings vLLM refuses (ContextParallelError) fall back to no CP."""
     from kvbridge.layout import ContextParallelError, EngineLayout
-    tp = draw(st.sampled_from(_model_tps(model, max_tp)))
+    tp = draw(st.sampled_from(model_tps(model, max_tp)))
     pp = draw(st.integers(1, min(max_pp, model.num_layers)))
     pp_layers = draw(random_pp_layers(model.num_layers, pp))
     bs = draw(st.sampled_from(list(block_sizes)))

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import random_models, random_pp_layers
+from strategies import model_tps, random_models, random_pp_layers
 
 from kvbridge.errors import IncompatibleLayoutsError, LayoutError
 from kvbridge.layout import CacheGroup, EngineLayout, MambaSpec, ModelSpec, default_pp_layers, valid_tps
@@ -556,14 +556,6 @@ def test_json_mamba_heads_are_ssm_heads():
 
 def models():
     return random_models(max_layers=12, max_window=40)
-
-
-def model_tps(model: ModelSpec, up_to: int) -> list[int]:
-    ok = set(range(1, up_to + 1))
-    for g in model.groups:
-        for c in g.components:
-            ok &= set(valid_tps(c.num_units, up_to))
-    return sorted(ok)
 
 
 @st.composite

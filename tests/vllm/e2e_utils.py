@@ -320,6 +320,21 @@ class Engine:
                 pass
 
 
+def group_stats(pgid: int):
+    """``/proc/<pid>/stat`` fields after the command name (state, ppid, pgrp, ...) of each process in group
+    ``pgid``."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 12 and int(fields[2]) == pgid:
+            yield fields
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is still running (zombies of our own children excluded)."""
     try:
@@ -329,17 +344,7 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # killpg(0) also succeeds for zombies; look at the states
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(f[0] != "Z" for f in group_stats(pgid))
 
 
 def tokens_of(resp: dict[str, Any]) -> list[int]:
