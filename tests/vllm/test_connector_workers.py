@@ -63,8 +63,9 @@ def test_worker_pair_byte_exact(name):
 
 
 def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early():
-    """kv_transfer_params naming another attempt: the prefill refuses, the decode reports failed_recving
-    (after the short grace for a lease not registered yet) and never reports the bytes as received."""
+    """kv_transfer_params naming another attempt than the registered one: the prefill refuses (typed: held
+    under another attempt), the decode reports failed_recving at once, under its own request id (the read's
+    key), and never reports the bytes as received."""
     model, P, D = PAIRS["block-32-to-16"]
     r = run_pair(model, P, D, requests=((40, 0),), corrupt_attempt=True)
     assert r.done == [] and r.failed == ["dec-req-1"]

@@ -807,7 +807,7 @@ class DecodeRank:
     def _fire_fail(self, f: _InFlight, rr: _RankRead, event: ReadEvent, failure: ReadFailure) -> None:
         """One rank's read failed: its machine takes ``event``, the request fails (the others cancel)."""
         rr.sm.fire(event)
-        self._fail(f.req.req_id, f, failure)
+        self._fail(f.req.key, f, failure)  # the read key (read_id): what poll() reports
 
     def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
         if code == "restarted":
