@@ -99,6 +99,33 @@ def test_requests_queued_on_the_decode_heartbeat_their_leases(tmp_path):
     assert list(so.kv_connector_metadata.recv) == ["req-D"] and so.kv_connector_metadata.heartbeat == {}
 
 
+def test_the_first_sight_of_a_decode_request_hints_its_prefill_engine_to_the_workers(tmp_path):
+    """Handshakes never run on the step that reads: the step in which the scheduler first sees a decode request
+    names its prefill engine (id, side-channel host/port, TP/PP) in the metadata's ``connect``, so the workers
+    start the background handshake then; later steps do not repeat it; a request queued behind a full KV pool
+    is hinted too (its read starts later, the handshake now)."""
+    params = _params(tmp_path)
+    D = _engine(tmp_path, "d", num_blocks=5)
+    hog = make_request("hog", list(range(100, 160)), max_tokens=50, block_size=BLOCK)  # holds 4 of the 5 blocks
+    D.add_request(hog)
+    so, _ = step(D)
+    assert so.kv_connector_metadata.connect == {}
+    req = make_request("req-D", PROMPT, max_tokens=2, kv_transfer_params=params, block_size=BLOCK)
+    D.add_request(req)
+    so, _ = step(D)
+    assert req.status == RequestStatus.WAITING and so.kv_connector_metadata.recv == {}  # queued: not read yet
+    hint = so.kv_connector_metadata.connect
+    assert list(hint) == [params["remote_engine_id"]]
+    assert {k: hint[params["remote_engine_id"]][k] for k in ("remote_host", "remote_port", "remote_tp_size",
+                                                             "remote_pp_size")} == \
+        {k: params[k] for k in ("remote_host", "remote_port", "remote_tp_size", "remote_pp_size")}
+    so, _ = step(D)
+    assert so.kv_connector_metadata.connect == {}  # once
+    D.finish_requests(["hog", "req-D"], RequestStatus.FINISHED_ABORTED)
+    step(D)
+    assert_scheduler_empty(D)
+
+
 @pytest.mark.parametrize("status", [s for s in FINISHED if s not in (RequestStatus.FINISHED_STOPPED,
                                                                       RequestStatus.FINISHED_LENGTH_CAPPED)],
                          ids=lambda s: s.name)
