@@ -831,6 +831,14 @@ class DecodeRank:
         tries = self.metrics.register_retries
         self.metrics.register_retries = tries + 1
         rr.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - rr.first_sent) / 0.02)))
+        # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each child is
+        # a reader) ask together, in one message: the prefill pins them all before any of them can end and
+        # free the lease under the others (a refused acquire leaves no trace there)
+        for g in self.inflight.values():
+            sib = g.ranks.get(rr.prefill) if g is not f else None
+            if (sib is not None and sib.retry_at is not None and g.remote is f.remote
+                    and g.req.req_id == f.req.req_id and g.req.attempt_for(rr.prefill) == f.req.attempt_for(rr.prefill)):
+                rr.retry_at = sib.retry_at = min(rr.retry_at, sib.retry_at)
         rr.progress_at = now
         return True
 
