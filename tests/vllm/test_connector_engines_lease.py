@@ -217,3 +217,69 @@ def test_heartbeats_and_aborts_through_real_schedulers():
             p.join(timeout=20)
             if p.is_alive():
                 p.kill()
+
+
+def frozen_prefill_decode(pipe, tmp, port):
+    """A decode worker whose request names a prefill engine that accepts TCP connections and never answers
+    (a frozen process): the engine keeps stepping while the handshake runs in the background; the read
+    fails typed (HandshakeFailed) once the handshake's bound passes."""
+    import socket
+
+    from kvbridge.integrations.vllm import RecvReq
+
+    try:
+        frozen = socket.socket()
+        frozen.bind(("127.0.0.1", port))
+        frozen.listen(16)  # never accepted, never answered
+        conn, kv, kvc, _ = build_worker(MODEL, SIDE, (0, 0), "kv_consumer", "decode-e", 0, tmp,
+                                        extra={"handshake_timeout_s": 1.0})
+        params = {"do_remote_prefill": True, "remote_engine_id": "frozen-e", "remote_host": "127.0.0.1",
+                  "remote_port": port, "remote_block_ids": [[1, 2]], "remote_request_id": "p-1",
+                  "remote_num_tokens": 20, "remote_tp_size": 1, "remote_pp_size": 1, "remote_attempt": 3,
+                  "remote_speculative": None}
+        from kvbridge.integrations.vllm import KVBridgeConnectorMetadata
+        steps, longest, failed = 0, 0.0, set()
+        t0 = time.monotonic()
+        metas = [KVBridgeConnectorMetadata(connect={"frozen-e": params}),  # the scheduler's first sight
+                 KVBridgeConnectorMetadata(recv={"d-1": RecvReq("d-1", [[5, 6, 7]], [0], params)})]
+        while not failed and time.monotonic() - t0 < 60:
+            t = time.perf_counter()
+            conn.bind_connector_metadata(metas.pop(0) if metas else KVBridgeConnectorMetadata())
+            conn.start_load_kv(None)
+            conn.clear_connector_metadata()
+            res = conn.get_transfer_results(set())
+            longest = max(longest, time.perf_counter() - t)
+            steps += 1
+            assert (res.failed_recving or set()) <= (res.finished_recving or set())
+            failed |= res.failed_recving or set()
+            time.sleep(0.01)
+        stats = conn.get_kv_connector_stats()
+        pipe.send(("done", sorted(failed), steps, longest, time.monotonic() - t0, stats.data if stats else {}))
+        conn.shutdown()
+        frozen.close()
+    except Exception:  # noqa: BLE001
+        pipe.send(("error", traceback.format_exc()))
+
+
+def test_a_frozen_prefill_never_holds_the_decode_step():
+    """Issue 20, point 4, through the connector: the handshake with a frozen prefill runs in the background;
+    the decode worker keeps stepping (dozens of steps while it runs), and the read ends in failed_recving typed
+    HandshakeFailed within the handshake's bound (2 x handshake_timeout_s + 5 s)."""
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    pr = ctx.Process(target=frozen_prefill_decode, args=(b, tempfile.mkdtemp(prefix="kvb-frozen-"), free_port_base(1)),
+                     daemon=True)
+    pr.start()
+    try:
+        _, failed, steps, longest, seconds, stats = _recv(a, "done", 90)
+        print(f"frozen prefill: read failed after {seconds:.1f} s and {steps} engine steps (longest step "
+              f"{longest * 1e3:.1f} ms); stats {stats}")
+        assert failed == ["d-1"] and stats.get("reads_failed_HandshakeFailed") == 1, stats
+        # the fetch waited out handshake_timeout_s (1 s) in the background while the engine kept stepping, 10 ms
+        # apart: a step blocked on the handshake would leave a handful of steps, not dozens
+        assert seconds >= 1.0 and steps > 20
+        assert seconds < 30
+    finally:
+        pr.join(timeout=20)
+        if pr.is_alive():
+            pr.kill()

@@ -22,7 +22,7 @@ disaggregated-serving proxy example does (``e2e_utils.pd_generate``). Checked, p
 * the same engines behind **vllm-router 0.1.17** (``test_router_*``; the router users deploy, installed in
   ``.venv-router`` by ``scripts/install_vllm.sh``, skipped without it): ``/v1/completions`` and
   ``/v1/chat/completions``, streamed and not, prompts below one block to several blocks, a shared prefix,
-  ``n=2``, 100 concurrent requests (two rounds of 50, ``n=2`` among them) on a prefill with a small KV pool
+  ``n=2``, 100 concurrent requests (two rounds of 50) on a prefill with a small KV pool
   (``PREFILL_TP2_BLOCKS``: its blocks are reused while earlier requests' reads are still being served) with
   a prefill restart between the rounds (same engine id and ports: the decode re-handshakes without failing
   a request; the decode's failed-read counters stay 0), TP2 → TP1 and TP1 → TP2; every check compares every choice with the
