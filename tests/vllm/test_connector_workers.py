@@ -9,7 +9,6 @@ pytest.importorskip("nixl._api")
 
 import tempfile  # noqa: E402
 
-from kvbridge.integrations.vllm import VLLMConfigError, engine_from_vllm  # noqa: E402
 from sched_utils import make_vllm_config  # noqa: E402
 from worker_harness import (  # noqa: E402
     Side,
@@ -20,6 +19,8 @@ from worker_harness import (  # noqa: E402
     plan_and_allocate,
     run_pair,
 )
+
+from kvbridge.integrations.vllm import VLLMConfigError, engine_from_vllm  # noqa: E402
 
 PAIRS = {
     # prefill block size larger than the decode's, and smaller
@@ -63,8 +64,9 @@ def test_worker_pair_byte_exact(name):
 
 
 def test_a_read_with_a_wrong_lease_attempt_fails_typed_and_frees_nothing_early():
-    """kv_transfer_params naming another attempt: the prefill refuses, the decode reports failed_recving
-    (after the short grace for a lease not registered yet) and never reports the bytes as received."""
+    """kv_transfer_params naming another attempt than the registered one: the prefill refuses (typed: held
+    under another attempt), the decode reports failed_recving at once, under its own request id (the read's
+    key), and never reports the bytes as received."""
     model, P, D = PAIRS["block-32-to-16"]
     r = run_pair(model, P, D, requests=((40, 0),), corrupt_attempt=True)
     assert r.done == [] and r.failed == ["dec-req-1"]

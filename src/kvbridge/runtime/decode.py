@@ -13,27 +13,57 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from ..errors import (Aborted, HandshakeError, HandshakeFailed, IncompatibleLayoutsError, KVBridgeError, LayoutError,
-                      LeaseExpired, NotRegistered, PeerDisconnected, PeerGoneError, PeerRestarted, ReadFailure,
-                      RemoteError, RequestError, TransferError, TransferFailed, TransferTimeout)
+from ..errors import (
+    Aborted,
+    HandshakeError,
+    HandshakeFailed,
+    IncompatibleLayoutsError,
+    KVBridgeError,
+    LayoutError,
+    LeaseExpired,
+    NotRegistered,
+    PeerDisconnected,
+    PeerGoneError,
+    PeerRestarted,
+    ReadFailure,
+    RemoteError,
+    RequestError,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
-from ..tensors import host_view
-from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, to_host, transport_device
 from ..plan import Rank, TransferPlan, plan_transfer
+from ..tensors import host_view
 from ..transport.nixl import NixlTransport
 from . import prepped_hook as _prepped_hook
+from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, to_host, transport_device
 from .metrics import Metrics
-from .protocol import (STAGE_SEGMENT_BYTES, Acquire, Acquired, Done, ErrorReply, GetMeta, RankMeta, Stage, Staged,
-                       StageError, blocks_to_wire, encode_notif, pack, unpack)
+from .protocol import (
+    STAGE_SEGMENT_BYTES,
+    Acquire,
+    Acquired,
+    Done,
+    ErrorReply,
+    GetMeta,
+    RankMeta,
+    Stage,
+    Staged,
+    StageError,
+    blocks_to_wire,
+    encode_notif,
+    pack,
+    unpack,
+)
 from .readstate import AWAITING_REPLY, ReadEvent, ReadMachine, ReadState
 from .slots import SlotAllocator
 
@@ -807,7 +837,7 @@ class DecodeRank:
     def _fire_fail(self, f: _InFlight, rr: _RankRead, event: ReadEvent, failure: ReadFailure) -> None:
         """One rank's read failed: its machine takes ``event``, the request fails (the others cancel)."""
         rr.sm.fire(event)
-        self._fail(f.req.req_id, f, failure)
+        self._fail(f.req.key, f, failure)  # the read key (read_id): what poll() reports
 
     def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
         if code == "restarted":
@@ -831,6 +861,14 @@ class DecodeRank:
         tries = self.metrics.register_retries
         self.metrics.register_retries = tries + 1
         rr.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - rr.first_sent) / 0.02)))
+        # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each child is
+        # a reader) ask together, in one message: the prefill pins them all before any of them can end and
+        # free the lease under the others (a refused acquire leaves no trace there)
+        for g in self.inflight.values():
+            sib = g.ranks.get(rr.prefill) if g is not f else None
+            if (sib is not None and sib.retry_at is not None and g.remote is f.remote
+                    and g.req.req_id == f.req.req_id and g.req.attempt_for(rr.prefill) == f.req.attempt_for(rr.prefill)):
+                rr.retry_at = sib.retry_at = min(rr.retry_at, sib.retry_at)
         rr.progress_at = now
         return True
 
@@ -1145,7 +1183,7 @@ class DecodeRank:
         notifications have gone out."""
         self._dead_agents.add(agent)
         requeue = []
-        for rid, f in list(self.inflight.items()):
+        for _rid, f in list(self.inflight.items()):
             for prank, rr in f.ranks.items():
                 if not rr.sm.terminal and f.remote.agents.get(prank) == agent:
                     if self._can_requeue(f):  # nothing pinned or read yet: the engine may be back (restart)

@@ -60,6 +60,9 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     release: dict[str, dict] = field(default_factory=dict)
     # decode: requests still queued here, whose prefill leases must not run out: req id -> remote params
     heartbeat: dict[str, dict] = field(default_factory=dict)
+    # decode: prefill engines of requests seen for the first time (the workers start their background
+    # handshakes now, off the step that reads them): engine id -> remote params
+    connect: dict[str, dict] = field(default_factory=dict)
 
 
 class ConnectorScheduler:
@@ -78,6 +81,7 @@ class ConnectorScheduler:
         self._pending_send: dict[str, tuple] = {}
         self._pending_release: dict[str, dict] = {}
         self._queued: dict[str, dict] = {}  # decode: requests seen, not allocated yet -> remote params
+        self._pending_connect: dict[str, dict] = {}  # decode: prefill engine id -> params (handshake hint)
         self._next_heartbeat = 0.0
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
 
@@ -101,6 +105,8 @@ class ConnectorScheduler:
             # decode: the prefill's lease must not run out while the request waits here (heartbeats, as vLLM's
             # NixlConnector tracks them from on_new_request; get_num_new_matched_tokens has no side effects)
             self._queued[request.request_id] = _remote(p)
+            # the workers start the handshake with its prefill engine now (in the background)
+            self._pending_connect[str(p["remote_engine_id"])] = self._queued[request.request_id]
         b = self.backoff
         if (not b or not p or not p.get("do_remote_decode") or p.get("_kvbridge_truncated")
                 or request.num_prompt_tokens <= b or request.prompt_token_ids is None):
@@ -171,8 +177,8 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeConnectorMetadata:
         meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send,
-                                         release=self._pending_release)
-        self._pending_recv, self._pending_send, self._pending_release = {}, {}, {}
+                                         release=self._pending_release, connect=self._pending_connect)
+        self._pending_recv, self._pending_send, self._pending_release, self._pending_connect = {}, {}, {}, {}
         now = time.monotonic()
         if self._queued and now >= self._next_heartbeat:  # vLLM's NixlConnector beats every lease / 6
             meta.heartbeat = dict(self._queued)

