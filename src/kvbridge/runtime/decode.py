@@ -149,6 +149,7 @@ class _Peer:
     pending: list = field(default_factory=list)  # ReadRequests started while connecting
     why: str = ""  # set when reads were re-queued behind this handshake (a restart or disconnect)
     bound_s: float = 0.0  # the handshake fails its reads if not live this long after ``started``
+    phase: list = field(default_factory=lambda: ["queued"])  # what the handshake thread is doing (its last step)
 
 
 class _ReadCancelled(Exception):
@@ -388,7 +389,9 @@ class DecodeRank:
             raise HandshakeError(f"endpoint {endpoints[prank]} is rank {tuple(meta.rank)}, expected {prank}")
         return meta
 
-    def _handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
+    def _handshake(self, engine_id: str, endpoints: dict[Rank, str], step=None) -> RemoteEngine:
+        step = step or (lambda what: None)
+        step("metadata from rank (0, 0)")
         first = self._get(engine_id, endpoints, (0, 0))
         try:
             layout = engine_from_dict(first.layout)
@@ -400,19 +403,23 @@ class DecodeRank:
             plan_transfer(layout, self.engine)  # raises IncompatibleLayoutsError naming the difference
             raise IncompatibleLayoutsError(f"prefill model {layout.model.name!r} differs from decode model "
                                            f"{self.engine.model.name!r}; serve the same model on both")
+        step("planning")
         plan = plan_transfer(layout, self.engine)
         metas = {(0, 0): first}
         needed = plan.ranks_to_notify(self.rank)
         for prank in needed:
             if prank not in metas:
+                step(f"metadata from rank {prank}")
                 metas[prank] = self._get(engine_id, endpoints, prank)
         agents, bases = {}, {}
+        step("NIXL add_remote_agent")
         try:
             self._add_peers(engine_id, layout, first, metas, needed, agents, bases)
         except BaseException:
             for agent in agents.values():  # no half-added engine
                 self.transport.remove_peer(agent)
             raise
+        step("lowering the plan")
         lowered = LoweredPlan(plan, self.rank, prefill_mems=bases, decode_mem=self.mem)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
@@ -486,28 +493,45 @@ class DecodeRank:
             from concurrent.futures import ThreadPoolExecutor
             self._hs_pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
         self._reap_retired(engine_id=engine_id)
-        fut = self._hs_pool.submit(self._handshake_bg, engine_id, endpoints)
+        phase = ["queued behind another handshake"]
+        fut = self._hs_pool.submit(self._handshake_bg, engine_id, endpoints, phase)
         self._peers[engine_id] = _Peer(engine_id, endpoints, PeerState.CONNECTING, fut, time.monotonic(), pending,
-                                       bound_s=self.connect_timeout_s if bound_s is None else bound_s)
+                                       bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
 
-    def _handshake_bg(self, engine_id: str, endpoints: dict):
+    def _handshake_bg(self, engine_id: str, endpoints: dict, phase: list | None = None):
         """Background thread: the whole handshake; returns (remote, prepared lists). Each endpoint is
         probed with a plain TCP connect first: a dead process's closed port answers at once (refused),
         where ZMQ would wait out ``handshake_timeout_s``."""
         import socket
+        phase = phase if phase is not None else ["started"]
+        t0 = time.monotonic()
+        times: list = []
+
+        def step(what: str) -> None:
+            times.append((phase[0], time.monotonic()))
+            phase[0] = what
+
         for prank, ep in sorted(endpoints.items()):
+            step(f"TCP connect to rank {prank} at {ep}")
             host, _, port = ep.rpartition(":")
             try:
                 socket.create_connection((host, int(port)), timeout=self.handshake_timeout_s).close()
             except (OSError, ValueError) as e:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
-        remote = self._handshake(engine_id, endpoints)
+        remote = self._handshake(engine_id, endpoints, step)
+        step("NIXL prepared descriptor lists")
         try:
             prepped = _prepped_hook.prepare(self.transport, remote, None)  # [i14]
         except BaseException:
             self._drop_remote(remote)
             raise
+        step("done")
+        total = time.monotonic() - t0
+        if total > 2.0:  # an operator's first clue when a prefill engine is slow to reach
+            marks = [t0] + [t for _, t in times]
+            log.warning("kvbridge: handshake with prefill engine %r took %.1f s: %s", engine_id, total, "; ".join(
+                f"{what} {b - a:.2f} s" for (what, _), a, b in zip(times[1:], marks[1:], marks[2:])))
         return remote, prepped
 
     def _drop_remote(self, remote: RemoteEngine) -> None:
@@ -554,7 +578,7 @@ class DecodeRank:
                 self._abandoned.append(peer.future)
                 self.metrics.failed_handshakes += 1
                 self._fail_pending(peer, f"no handshake within {peer.bound_s:g} s (prefill engine dead, frozen or "
-                                         "unreachable)")
+                                         f"unreachable; the handshake was at: {peer.phase[0]})")
         for fut in [f for f in self._abandoned if f.done()]:  # late results of abandoned handshakes: drop
             self._abandoned.remove(fut)
             if fut.exception() is None:

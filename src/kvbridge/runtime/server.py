@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger(__name__)
+STALL_S = 2.0  # a serving gap or turn longer than this is logged (a warning)
 
 
 class PrefillServer:
@@ -79,14 +81,27 @@ class PrefillServer:
             self._finished.update(freed["expired"])
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set():
             try:
                 with self._serve:
+                    start = time.monotonic()
+                    if start - last > STALL_S:  # an operator's clue when decode ranks see no answer
+                        log.warning("kvbridge: prefill side channel %s was not served for %.1f s (its thread was not "
+                                    "scheduled: CPU starved, or the GIL held by another thread)", self._name(),
+                                    start - last)
                     self._tick()
+                    last = time.monotonic()
+                    if last - start > STALL_S:
+                        log.warning("kvbridge: one serving turn of prefill side channel %s took %.1f s",
+                                    self._name(), last - start)
             except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
                 log.exception("kvbridge: prefill side channel")
                 self._stop.wait(0.01)
             self._stop.wait(self.poll_s)
+
+    def _name(self) -> str:
+        return f"{getattr(self.ep, 'engine_id', '?')} rank {getattr(self.ep, 'rank', '?')}"
 
     def close(self) -> None:
         """Stop the thread and close the endpoint."""
