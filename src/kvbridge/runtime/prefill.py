@@ -99,7 +99,9 @@ class PrefillRank:
         self.stage_wait_s = stage_wait_s
         self._parked: list[_Parked] = []
         self.mem = check_memory(memory, engine, rank)
-        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False,
+        # NIXL's thread-safe mode: an engine serves this endpoint from more than one thread (PrefillServer: its
+        # own thread and the engine's step, one at a time) next to NIXL's progress thread
+        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=True,
                                                     **transport_device(self.mem))
         register_memory(self.transport, self.mem)
         # staged transfers: runs packed here for one decode rank, read with one descriptor. The staging

@@ -122,4 +122,4 @@ def nixl_transport(memory, agent_name: str, *, initiator: bool, backends=("UCX",
     from .memhost import transport_device
 
     return NixlTransport(agent_name, backends=tuple(backends), num_threads=int(num_threads or 0),
-                         multi_threaded=initiator, post_threads=post_threads, **transport_device(memory))
+                         multi_threaded=True, post_threads=post_threads, **transport_device(memory))
