@@ -90,7 +90,7 @@ class _Siblings:
 
     lease_id: str          # the request whose blocks are held
     attempt: int
-    prompt: tuple          # what the children must share to share KV: prompt ids, computed tokens, LoRA, salt
+    prompt: tuple          # what the children must share to share KV (prompt ids, computed tokens, LoRA, salt, mm)
     params: dict           # the kv_transfer_params every child returns
     reads: int = 1
     indices: set = field(default_factory=set)
@@ -300,8 +300,9 @@ class ConnectorScheduler:
 def _prompt_key(request) -> tuple:
     """What two requests must share for one's prompt KV to stand for the other's."""
     lora = getattr(request, "lora_request", None)
+    mm = tuple(getattr(f, "identifier", None) for f in (getattr(request, "mm_features", None) or ()))
     return (tuple(request.prompt_token_ids or ()), int(request.num_computed_tokens),
-            getattr(lora, "lora_name", None), getattr(request, "cache_salt", None))
+            getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), mm)
 
 
 def _remote(p: dict) -> dict:
