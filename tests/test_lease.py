@@ -249,6 +249,12 @@ def test_vllm_n2_siblings_share_one_lease_until_every_read():
     t.acquire("0_s", 4, r, "0_f", 1, 20.1)
     assert t.decline("0_s", 4, r, "1_f", 1, False, 20.2)[0] is Outcome.DECLINED
     assert t.release("0_s", 4, r, "0_f", 1, True, 20.3)[1][-1].state is LeaseState.FREED
+    # more reads than a lease takes claims count as max_reads; fewer than one is refused
+    small = LeaseTable(lease_s=5, max_reads=2)
+    small.register("0_t", None, 5, 0.0, reads=7)
+    assert small.get("0_t").reads == 2
+    with pytest.raises(ValueError):
+        small.register("0_u", None, 5, 0.0, reads=0)
 
 
 def test_a_dead_readers_pin_ends_on_pin_idle_scale_and_heartbeats_keep_it():

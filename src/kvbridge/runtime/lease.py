@@ -254,10 +254,11 @@ class LeaseTable:
         return True
 
     def _reads(self, reads: int) -> int:
+        """At least 1; more than ``max_reads`` (the claims a lease takes) counts as ``max_reads``."""
         reads = int(reads)
-        if not 1 <= reads <= self.max_reads:
-            raise ValueError(f"a lease expects 1 to {self.max_reads} reads (max_reads), not {reads}")
-        return reads
+        if reads < 1:
+            raise ValueError(f"a lease expects at least 1 read, not {reads}")
+        return min(reads, self.max_reads)
 
     def _lookup(self, req_id: str, attempt: int, read_id: str) -> Lease | Refused:
         lease = self.leases.get(req_id)

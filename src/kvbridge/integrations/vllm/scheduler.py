@@ -45,8 +45,6 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvbridge.runtime.lease import MAX_READS
-
 from .config import ConnectorConfig
 from .translate import layout_fingerprint, prefill_backoff, state_groups
 
@@ -245,7 +243,7 @@ class ConnectorScheduler:
         child = _CHILD_ID.fullmatch(request.request_id)
         key = _prompt_key(request) if child else ()
         sib = self._siblings.get(child.group(2)) if child else None
-        if (sib is not None and sib.lease_id in self._held and sib.prompt == key and sib.reads < MAX_READS
+        if (sib is not None and sib.lease_id in self._held and sib.prompt == key
                 and int(child.group(1)) not in sib.indices):
             # a sibling of a child whose blocks are held (vLLM n > 1, same prompt): its readers read those;
             # its own blocks go back now
