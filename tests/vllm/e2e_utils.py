@@ -108,11 +108,27 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.ex
 _claimed_ports: set[int] = set()
 
 
-def free_ports(n: int = 1, start: int = 20000, stop: int = 60000) -> int:
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port the kernel hands out for outgoing connections and ``bind(0)`` (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_ports(n: int = 1, start: int = 20000, stop: int | None = None) -> int:
     """The first of ``n`` consecutive TCP ports free on 127.0.0.1 now (and not handed out before by this
-    process). Random start so parallel test runs rarely collide."""
+    process). Random start so parallel test runs rarely collide. Below the kernel's ephemeral range by
+    default: a port is chosen minutes before its engine binds it, and a port in that range is taken meanwhile
+    by any outgoing connection (this test's own HTTP requests, other engines) — seen as an engine failing at
+    start-up with "Address already in use"."""
     import random
 
+    if stop is None:
+        stop = min(60000, _ephemeral_low())
+        if stop - start < 1000:  # an unusual ephemeral range: fall back to the old range
+            stop = 60000
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
         base = rng.randrange(start, stop - n)

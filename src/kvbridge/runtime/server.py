@@ -38,10 +38,15 @@ class PrefillServer:
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
 
-    def add(self, req_id: str, blocks: dict, attempt: int) -> None:
+    def add(self, req_id: str, blocks: dict, attempt: int, reads: int = 1) -> None:
         """Hold ``blocks`` under a lease for ``req_id`` with the attempt id the scheduler drew (registered
-        on the next serving turn, before any acquire that turn answers)."""
-        self._new.put((req_id, blocks, attempt))
+        on the next serving turn, before any acquire that turn answers), for at least ``reads`` reads."""
+        self._new.put((req_id, blocks, attempt, reads))
+
+    def expect(self, req_id: str, attempt: int, reads: int) -> None:
+        """Hold the lease of ``req_id`` (added before) for ``reads`` reads (``PrefillEndpoint.expect_reads``),
+        in order with :meth:`add`."""
+        self._new.put((req_id, None, attempt, reads))
 
     def take_finished(self) -> set[str]:
         """Requests freed (every reader's Done) or expired since the previous call."""
@@ -70,8 +75,11 @@ class PrefillServer:
     def _tick(self) -> None:
         try:
             while True:
-                rid, blocks, attempt = self._new.get_nowait()
-                self.ep.add_request(rid, blocks, attempt=attempt)
+                rid, blocks, attempt, reads = self._new.get_nowait()
+                if blocks is None:
+                    self.ep.expect_reads(rid, attempt, reads)
+                else:
+                    self.ep.add_request(rid, blocks, attempt=attempt, reads=reads)
         except queue.Empty:
             pass
         self.ep.serve_once()
