@@ -327,6 +327,8 @@ def main() -> int:
     ap.add_argument("--block-sizes", default="",
                     help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--same-order", action="store_true",
+                    help="every round in --configs order (A B, A B, ...); default: reversed every other round")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds a streamed request may take")
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
@@ -363,7 +365,7 @@ def main() -> int:
         ref = reference_tokens(model, tmp, prompts, args)
         print(f"[e2e_vs_nixl] reference (one engine, no connector): {time.monotonic() - t:.0f} s", flush=True)
     for rnd in range(args.rounds):
-        order = configs if rnd % 2 == 0 else configs[::-1]
+        order = configs if rnd % 2 == 0 or args.same_order else configs[::-1]
         for c in order:
             t = time.monotonic()
             r = run_config(c, model, tmp, prompts, args)
@@ -381,7 +383,7 @@ def main() -> int:
     ref = ref if ref is not None else next((r["tokens"] for r in runs if r.get("tokens")), None)
     for r in runs:
         toks = r.get("tokens")
-        r["tokens_equal"] = (toks is not None and ref is not None
+        r["tokens_equal"] = (toks is not None and ref is not None and any(toks)
                              and all(a == b for a, b in zip(toks, ref) if a and b))
     meta["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
