@@ -74,29 +74,31 @@ CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 
 
 def specs(config: str, model: str, tmp: Path, max_model_len: int,
-          block_sizes: tuple[int | None, int | None] = (None, None)) -> tuple[EngineSpec, EngineSpec]:
+          block_sizes: tuple[int | None, int | None] = (None, None),
+          tps: tuple[int, int] = (1, 1)) -> tuple[EngineSpec, EngineSpec]:
     out = []
-    for role, block_size in zip(("prefill", "decode"), block_sizes):
+    for role, block_size, tp in zip(("prefill", "decode"), block_sizes, tps):
         # every configuration: the sitecustomize that times the connector's methods (and, tuned, sets NIXL's delay)
         times = tmp / "conn-times" / f"{config}-{role}-{time.monotonic_ns()}"
         times.mkdir(parents=True)
         env: dict[str, str] = {"KVB_BENCH_CONNECTOR_TIMES": str(times),
                                "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")])}
         if config == "kvbridge":
-            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(1), stage_timeout_s=30.0)
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:
             ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                    "engine_id": f"{role}-0"}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(tp))  # one per rank from here
             if config == "nixl-stock":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"  # vLLM's default
             else:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
                 env["KVB_BENCH_NIXL_PTHR_DELAY_US"] = "200"
         out.append(EngineSpec(f"{config}-{role}", model, dtype="float32", kv_transfer_config=ktc,
-                              max_model_len=max_model_len, block_size=block_size, extra_env=env))
+                              max_model_len=max_model_len, block_size=block_size, tp=tp,
+                              extra_env=env))
     return out[0], out[1]
 
 
@@ -177,7 +179,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], args) -> dict:
     bs = tuple(int(x) for x in args.block_sizes.split(",")) if args.block_sizes else (None, None)
-    p_spec, d_spec = specs(config, model, tmp, args.max_model_len, bs)
+    tps = tuple(int(x) for x in args.tp.split(","))
+    p_spec, d_spec = specs(config, model, tmp, args.max_model_len, bs, tps)
     logs = tmp / "logs" / f"{config}-{int(time.time())}"
     p, d = Engine(p_spec, logs), Engine(d_spec, logs)
     router = None
@@ -324,6 +327,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="engines' --max-model-len (0: the longest prompt + --max-tokens, rounded up to 1,024; the "
                          "tiny model's max_position_embeddings follows it)")
+    ap.add_argument("--tp", default="1,1", help="'P,D': prefill and decode tensor-parallel sizes")
+    ap.add_argument("--heads", default="4,2",
+                    help="'Q,KV': the tiny model's attention and KV heads (6,6 allows TP 2 and 3)")
     ap.add_argument("--block-sizes", default="",
                     help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -354,7 +360,8 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(lens[i % len(lens)])] for i in range(args.requests)]
     tmp = Path(tempfile.mkdtemp(prefix="kvb-e2e-vs-nixl-"))
-    model = make_tiny_llama(tmp / "model", max_position_embeddings=max(4096, args.max_model_len))
+    model = make_tiny_llama(tmp / "model", max_position_embeddings=max(4096, args.max_model_len),
+                            heads=tuple(int(x) for x in args.heads.split(",")))
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
             "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
     print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
