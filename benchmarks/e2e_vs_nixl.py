@@ -329,7 +329,8 @@ def main() -> int:
                          "tiny model's max_position_embeddings follows it)")
     ap.add_argument("--tp", default="1,1", help="'P,D': prefill and decode tensor-parallel sizes")
     ap.add_argument("--heads", default="4,2",
-                    help="'Q,KV': the tiny model's attention and KV heads (6,6 allows TP 2 and 3)")
+                    help="'Q,KV': the tiny model's attention and KV heads (6,6 with --vocab 576 allows TP 2 and 3)")
+    ap.add_argument("--vocab", type=int, default=512, help="the tiny model's vocabulary size")
     ap.add_argument("--block-sizes", default="",
                     help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -361,7 +362,7 @@ def main() -> int:
     prompts = [[rng.randrange(3, 512) for _ in range(lens[i % len(lens)])] for i in range(args.requests)]
     tmp = Path(tempfile.mkdtemp(prefix="kvb-e2e-vs-nixl-"))
     model = make_tiny_llama(tmp / "model", max_position_embeddings=max(4096, args.max_model_len),
-                            heads=tuple(int(x) for x in args.heads.split(",")))
+                            heads=tuple(int(x) for x in args.heads.split(",")), vocab_size=args.vocab)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
             "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
     print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
