@@ -11,8 +11,8 @@ engines (prefill and decode, TP1, the random-weight tiny Llama of tests/vllm/e2e
   progress thread with no delay (NIXL's Python API hard-codes ``pthrDelay = 0``) and vLLM's default thread
   binding (``VLLM_CPU_OMP_THREADS_BIND=auto``).
 * ``nixl-tuned``: the same with a 200 µs progress-thread delay and unpinned threads, applied from outside
-  vLLM's code: a ``sitecustomize.py`` (written by this script into a temporary directory put first on the
-  engines' ``PYTHONPATH``) wraps ``nixl_cu12._api.nixlBind.nixlAgent`` so that every agent vLLM creates gets
+  vLLM's code: ``benchmarks/e2e_site/sitecustomize.py`` (first on the engines' ``PYTHONPATH``) wraps
+  ``nixl_cu12._api.nixlBind.nixlAgent`` so that every agent vLLM's NixlConnector creates gets
   ``pthrDelay = 200``; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` leaves the threads to the OS.
 * ``kvbridge``: ``KVBridgeConnector`` (its own 200 µs progress delay), ``nobind`` as the tuned run.
 
@@ -24,8 +24,20 @@ chunks flushed together read as ~0) and TPOT (per request: time between first an
 p50/p99 at the client,
 CPU seconds per request of each engine's process group (utime + stime from /proc, over the stream), the
 decode's prompt tokens counted as ``external_kv_transfer`` (KV really arrived; the router silently lets a
-decode recompute), failures, and whether every configuration generated the same tokens.
-Not measured here: the decode engine-step time spent in the connector, and the pairs NixlConnector refuses.
+decode recompute), failures, and whether every configuration generated the same tokens (``--reference``: the
+same as one engine with no connector).
+
+Connector time on the engine's step, for both connectors alike: the same ``sitecustomize.py`` wraps
+``KVConnectorFactory.create_connector`` so that every method vLLM calls on the connector it builds (scheduler
+side: ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+``request_finished``, ...; worker side: ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``, ``get_finished`` / ``get_transfer_results``, ``get_kv_connector_stats``, ...) is timed (wall
+time, outermost call) per process; the stream's share is reported per request and per engine step (the
+scheduler's ``build_connector_meta`` calls). On this build the engine core waits for its worker every step
+(no async scheduling on CPU), so scheduler side + worker side is time on the engine's step.
+
+Pairs NixlConnector refuses: ``--block-sizes P,D`` starts the engines with other ``--block-size`` values (the
+CPU backend takes multiples of 32; vLLM's CPU default is 128).
 """
 from __future__ import annotations
 
@@ -56,53 +68,81 @@ from e2e_utils import (  # noqa: E402
     router_available,
 )
 
-SITECUSTOMIZE = '''
-# written by benchmarks/e2e_vs_nixl.py: NIXL agents get a progress-thread delay (NIXL's Python API hard-codes 0)
-import os
-_delay = int(os.environ.get("KVB_BENCH_NIXL_PTHR_DELAY_US", "0"))
-if _delay:
-    try:
-        import nixl_cu12._api as _api
-        _real = _api.nixlBind.nixlAgent
-
-        def _agent(name, cfg, _real=_real):
-            cfg.pthrDelay = _delay
-            return _real(name, cfg)
-
-        _api.nixlBind.nixlAgent = _agent
-    except ImportError:
-        pass
-'''
+SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the connector timings
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 
 
-def specs(config: str, model: str, tmp: Path, max_model_len: int) -> tuple[EngineSpec, EngineSpec]:
+def specs(config: str, model: str, tmp: Path, max_model_len: int,
+          block_sizes: tuple[int | None, int | None] = (None, None),
+          tps: tuple[int, int] = (1, 1)) -> tuple[EngineSpec, EngineSpec]:
     out = []
-    for role in ("prefill", "decode"):
-        env: dict[str, str] = {}
+    for role, block_size, tp in zip(("prefill", "decode"), block_sizes, tps):
+        # every configuration: the sitecustomize that times the connector's methods (and, tuned, sets NIXL's delay)
+        times = tmp / "conn-times" / f"{config}-{role}-{time.monotonic_ns()}"
+        times.mkdir(parents=True)
+        env: dict[str, str] = {"KVB_BENCH_CONNECTOR_TIMES": str(times),
+                               "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")])}
         if config == "kvbridge":
-            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(1), stage_timeout_s=30.0)
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:
             ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                    "engine_id": f"{role}-0"}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(1))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_ports(tp))  # one per rank from here
             if config == "nixl-stock":
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"  # vLLM's default
             else:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
                 env["KVB_BENCH_NIXL_PTHR_DELAY_US"] = "200"
-                env["PYTHONPATH"] = os.pathsep.join([str(tmp / "site"), str(REPO / "src")])
         out.append(EngineSpec(f"{config}-{role}", model, dtype="float32", kv_transfer_config=ktc,
-                              max_model_len=max_model_len, extra_env=env))
+                              max_model_len=max_model_len, block_size=block_size, tp=tp,
+                              extra_env=env))
     return out[0], out[1]
 
 
 def group_cpu_seconds(pgid: int) -> float:
     """utime + stime of every live process in group ``pgid``."""
     return sum(int(f[11]) + int(f[12]) for f in group_stats(pgid)) / os.sysconf("SC_CLK_TCK")
+
+
+def conn_times(spec: EngineSpec) -> dict[tuple[str, str, str], list[float]]:
+    """The connector timings the engine's processes wrote (sitecustomize): (role, thread, method) -> [calls,
+    seconds], summed over the engine's processes (engine core: scheduler side; worker: worker side)."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for f in Path(spec.extra_env["KVB_BENCH_CONNECTOR_TIMES"]).glob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for thread, role, method, calls, secs in data["rows"]:
+            v = out.setdefault((role, thread, method), [0, 0.0])
+            v[0] += calls
+            v[1] += secs
+    return out
+
+
+def conn_summary(before: dict, after: dict, n: int) -> dict:
+    """What the stream added: connector ms per request (scheduler side + worker side; vLLM's engine core
+    waits for the worker each step on this build, so both are engine-step time), per engine step (the
+    scheduler's ``build_connector_meta`` calls), and the methods' shares."""
+    delta = {k: [v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1]] for k, v in after.items()}
+    steps = sum(c for (role, _, m), (c, _) in delta.items() if m == "build_connector_meta")
+    by_role: dict[str, float] = {}
+    by_method: dict[str, list[float]] = {}
+    for (role, _thread, m), (c, secs) in delta.items():
+        by_role[role] = by_role.get(role, 0.0) + secs
+        v = by_method.setdefault(f"{role}.{m}", [0, 0.0])
+        v[0] += c
+        v[1] += secs
+    total = sum(by_role.values())
+    return {"ms_per_request": 1e3 * total / n, "steps": steps,
+            "ms_per_step": 1e3 * total / steps if steps else float("nan"),
+            "ms_per_request_by_role": {r: 1e3 * x / n for r, x in by_role.items()},
+            "by_method": {m: {"calls": c, "ms_per_request": 1e3 * x / n, "us_per_call": 1e6 * x / c if c else 0.0}
+                          for m, (c, x) in sorted(by_method.items(), key=lambda kv: -kv[1][1])},
+            "threads": sorted({t for (_, t, _) in delta})}
 
 
 def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
@@ -127,7 +167,7 @@ def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, t
         return {"error": f"{type(e).__name__}: {e}"[:300], "tokens": ids}
     if not stamps:
         return {"error": "no tokens", "tokens": ids}
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
+    return {"ttft": stamps[0] - t0, "e2e": stamps[-1] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -138,7 +178,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], args) -> dict:
-    p_spec, d_spec = specs(config, model, tmp, args.max_model_len)
+    bs = tuple(int(x) for x in args.block_sizes.split(",")) if args.block_sizes else (None, None)
+    tps = tuple(int(x) for x in args.tp.split(","))
+    p_spec, d_spec = specs(config, model, tmp, args.max_model_len, bs, tps)
     logs = tmp / "logs" / f"{config}-{int(time.time())}"
     p, d = Engine(p_spec, logs), Engine(d_spec, logs)
     router = None
@@ -152,6 +194,12 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
             stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
         ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        # the connector's own read-latency histogram on the decode: kvbridge's is a read's start (acquire
+        # sent) -> its last byte and Done; NixlConnector's is a transfer's post -> completion
+        hist = "vllm:kvbridge_read_seconds" if config == "kvbridge" else "vllm:nixl_xfer_time_seconds"
+        rs0 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
+        time.sleep(1.2)  # the timing files are rewritten every 0.5 s
+        ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
         results: list[dict] = [{}] * len(prompts)
         t_start = time.perf_counter() + 0.5
@@ -160,28 +208,38 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             delay = t_start + i / args.rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            results[i] = stream_one(router, model, prompts[i], args.max_tokens)
+            results[i] = stream_one(router, model, prompts[i], args.max_tokens, timeout=args.request_timeout)
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             list(pool.map(send, range(len(prompts))))
         wall = time.perf_counter() - t0
         cpu1 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
+        time.sleep(1.2)
+        ct1 = (conn_times(p_spec), conn_times(d_spec))
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
+        rs1 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
+        reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
         return {"config": config, "requests": n, "failed": n - len(ok),
                 "errors": sorted({r["error"] for r in results if "error" in r})[:3],
                 "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
                 "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
+                # request sent -> last token: what chunking of the stream (tokens read together) cannot move
+                "e2e_p50_ms": 1e3 * pct([r["e2e"] for r in ok], 0.5),
+                "e2e_p99_ms": 1e3 * pct([r["e2e"] for r in ok], 0.99),
                 "itl_p50_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.5),
                 "itl_p99_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.99),
                 # per request: (last token - first token) / (tokens - 1); robust to SSE events read together
                 "tpot_p50_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.5),
                 "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
                 "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n, "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
+                "connector_prefill": conn_summary(ct0[0], ct1[0], n), "connector_decode": conn_summary(ct0[1], ct1[1], n),
+                "read_ms_mean": 1e3 * (rs1[0] - rs0[0]) / reads if reads else float("nan"), "reads": reads,
                 "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
                 "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
+                "ttft_ms": [round(1e3 * r["ttft"], 1) if "ttft" in r else None for r in results],
                 "load": os.getloadavg()}
     except Exception as e:  # noqa: BLE001 - report the configuration as failed, keep going
         tail = "\n".join(f"--- {x.log_path}\n{x.log_tail(30)}" for x in (p, d))
@@ -194,74 +252,151 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             e.stop()
 
 
+def print_tables(runs: list[dict], a: dict) -> None:
+    """The run's tables (also from a saved JSON: ``--tables FILE``)."""
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {a['requests']} requests at {a['rate']}/s, "
+                    f"prompts {a['lens']} tokens, {a['max_tokens']} generated")
+    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
+                "last token p50 / p99 ms", "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step", "D read ms mean",
+                "external KV tokens / prompt tokens", "tokens equal", "load (1 min)"):
+        t.add_column(col)
+    for r in runs:
+        if "ttft_p50_ms" not in r:
+            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-")
+            continue
+        t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
+                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
+                  f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+                  f"{r['e2e_p50_ms']:.0f} / {r['e2e_p99_ms']:.0f}" if "e2e_p50_ms" in r else "-",
+                  f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
+                  f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
+                  f"{r['connector_decode']['ms_per_step']:.3f}",
+                  f"{r['read_ms_mean']:.1f}" if "read_ms_mean" in r else "-",
+                  f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO",
+                  f"{r['load'][0]:.1f}")
+    Console(width=260).print(t)
+    # where the connector's time goes, per engine: ms per request by method group (µs per call in brackets)
+    groups = {"scheduler side": lambda m: m.startswith("scheduler."),
+              "start_load_kv": lambda m: m == "worker.start_load_kv",
+              "get_finished / get_transfer_results": lambda m: m in ("worker.get_finished", "worker.get_transfer_results"),
+              "get_kv_connector_stats": lambda m: m == "worker.get_kv_connector_stats",
+              "other worker methods": lambda m: m.startswith("worker.") and m not in (
+                  "worker.start_load_kv", "worker.get_finished", "worker.get_transfer_results",
+                  "worker.get_kv_connector_stats")}
+    t2 = Table(title="connector time on the engine's step, ms per request (µs per call): every method vLLM calls, "
+                     "timed from outside (benchmarks/e2e_site/sitecustomize.py)")
+    for col in ("round", "connector", "engine", "steps", *groups, "total ms/req", "ms/step"):
+        t2.add_column(col)
+    for r in runs:
+        for side in ("prefill", "decode"):
+            c = r.get(f"connector_{side}")
+            if not c:
+                continue
+            cells = []
+            for pred in groups.values():
+                ms = sum(v["ms_per_request"] for m, v in c["by_method"].items() if pred(m))
+                calls = sum(v["calls"] for m, v in c["by_method"].items() if pred(m))
+                cells.append(f"{ms:.2f} ({1e3 * ms * r['requests'] / calls:.0f})" if calls else "-")
+            t2.add_row(str(r["round"]), r["config"], side, str(c["steps"]), *cells, f"{c['ms_per_request']:.2f}",
+                       f"{c['ms_per_step']:.3f}")
+    Console(width=260).print(t2)
+
+
+def reference_tokens(model: str, tmp: Path, prompts: list[list[int]], args) -> list[list[int]]:
+    """Greedy tokens of one engine with no connector (the decode's block size), one request at a time."""
+    bs = int(args.block_sizes.split(",")[1]) if args.block_sizes else None
+    e = Engine(EngineSpec("reference", model, dtype="float32", max_model_len=args.max_model_len, block_size=bs),
+               tmp / "logs" / "reference")
+    try:
+        e.start()
+        e.wait_ready(args.startup_s)
+        return [e.generate(x, args.max_tokens, timeout=300) for x in prompts]
+    finally:
+        e.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="rounds; the configurations alternate order each round")
     ap.add_argument("--requests", type=int, default=24, help="requests per stream")
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (fixed interval)")
-    ap.add_argument("--lens", default="128,512,1024,2048,4000",
-                    help="prompt lengths, cycled (the tiny model allows up to max_position_embeddings 4096)")
+    ap.add_argument("--lens", default="128,512,1024,2048,4096,8192", help="prompt lengths, cycled")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="engines' --max-model-len (0: the longest prompt + --max-tokens, rounded up to 1,024; the "
+                         "tiny model's max_position_embeddings follows it)")
+    ap.add_argument("--tp", default="1,1", help="'P,D': prefill and decode tensor-parallel sizes")
+    ap.add_argument("--heads", default="4,2",
+                    help="'Q,KV': the tiny model's attention and KV heads (6,6 with --vocab 576 allows TP 2 and 3)")
+    ap.add_argument("--vocab", type=int, default=512, help="the tiny model's vocabulary size")
+    ap.add_argument("--block-sizes", default="",
+                    help="'P,D': prefill and decode --block-size (default: vLLM's); NixlConnector refuses P > D")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--same-order", action="store_true",
+                    help="every round in --configs order (A B, A B, ...); default: reversed every other round")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds a streamed request may take")
     ap.add_argument("--startup-s", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="1 round, 6 requests, prompts 128/512/1024")
     ap.add_argument("--out", default=str(HERE / "out" / "e2e_vs_nixl.json"))
+    ap.add_argument("--reference", action="store_true",
+                    help="first run the prompts on one engine with no connector and compare every configuration's "
+                         "tokens with it")
+    ap.add_argument("--tables", default="", help="print the tables of a saved JSON (--out of an earlier run) and exit")
     args = ap.parse_args()
+    if args.tables:
+        saved = json.loads(Path(args.tables).read_text())
+        print_tables(saved["runs"], saved["meta"]["args"])
+        return 0
     if args.smoke:
         args.rounds, args.requests, args.lens = 1, 6, "128,512,1024"
+    lens = [int(x) for x in args.lens.split(",")]
+    if not args.max_model_len:
+        args.max_model_len = -(-(max(lens) + args.max_tokens) // 1024) * 1024
     if not router_available():
         print("vllm-router not installed: bash scripts/install_vllm.sh router", file=sys.stderr)
         return 2
     configs = [c for c in args.configs.split(",") if c]
-    lens = [int(x) for x in args.lens.split(",")]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(lens[i % len(lens)])] for i in range(args.requests)]
     tmp = Path(tempfile.mkdtemp(prefix="kvb-e2e-vs-nixl-"))
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    model = make_tiny_llama(tmp / "model")
+    model = make_tiny_llama(tmp / "model", max_position_embeddings=max(4096, args.max_model_len),
+                            heads=tuple(int(x) for x in args.heads.split(",")), vocab_size=args.vocab)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
             "args": vars(args), "engine_env": ENGINE_ENV, "load_before": os.getloadavg()}
     print(f"[e2e_vs_nixl] {meta['started']} load {meta['load_before']}; logs under {tmp}", flush=True)
     runs = []
+    ref = None
+    if args.reference:
+        t = time.monotonic()
+        ref = reference_tokens(model, tmp, prompts, args)
+        print(f"[e2e_vs_nixl] reference (one engine, no connector): {time.monotonic() - t:.0f} s", flush=True)
     for rnd in range(args.rounds):
-        order = configs if rnd % 2 == 0 else configs[::-1]
+        order = configs if rnd % 2 == 0 or args.same_order else configs[::-1]
         for c in order:
             t = time.monotonic()
             r = run_config(c, model, tmp, prompts, args)
             r["round"] = rnd + 1
             runs.append(r)
-            print(f"[e2e_vs_nixl] round {rnd + 1} {c}: {time.monotonic() - t:.0f} s, "
-                  f"{ {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k not in ('tokens',)} }",
-                  flush=True)
-    # correctness: every configuration generated the same tokens for every prompt it answered
-    ref = next((r["tokens"] for r in runs if r.get("tokens")), None)
+            brief = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                     if k not in ("tokens", "ttft_ms", "connector_prefill", "connector_decode")}
+            for side in ("prefill", "decode"):
+                if f"connector_{side}" in r:
+                    brief[f"connector_ms_per_request_{side}"] = round(r[f"connector_{side}"]["ms_per_request"], 2)
+            print(f"[e2e_vs_nixl] round {rnd + 1} {c}: {time.monotonic() - t:.0f} s, {brief}", flush=True)
+    # correctness: every configuration generated the same tokens for every prompt it answered (as one engine
+    # with no connector did, with --reference; else as the first configuration that answered)
+    meta["tokens_compared_with"] = "one engine, no connector" if ref is not None else "the first configuration"
+    ref = ref if ref is not None else next((r["tokens"] for r in runs if r.get("tokens")), None)
     for r in runs:
         toks = r.get("tokens")
-        r["tokens_equal"] = (toks is not None and ref is not None
+        r["tokens_equal"] = (toks is not None and ref is not None and any(toks)
                              and all(a == b for a, b in zip(toks, ref) if a and b))
     meta["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {args.requests} requests at {args.rate}/s, "
-                    f"prompts {args.lens} tokens, {args.max_tokens} generated")
-    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
-                "CPU s/req P / D",
-                "external KV tokens / prompt tokens", "tokens equal"):
-        t.add_column(col)
-    for r in runs:
-        if "ttft_p50_ms" not in r:
-            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-")
-            continue
-        t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
-                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
-                  f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
-                  f"{r['cpu_s_per_request_prefill']:.2f} / {r['cpu_s_per_request_decode']:.2f}",
-                  f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO")
-    Console(width=200).print(t)
+    print_tables(runs, vars(args))
     print(f"JSON: {args.out}")
     return 0
 

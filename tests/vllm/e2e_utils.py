@@ -65,9 +65,11 @@ TINY_LLAMA_SCRIPT = r"""
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(int(sys.argv[2]))
-cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=512, bos_token_id=1, eos_token_id=2,
-                  max_position_embeddings=4096)
+heads, kv_heads = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (4, 2)
+vocab = int(sys.argv[6]) if len(sys.argv) > 6 else 512  # (the tokenizer below names ids 0-511 whatever it is)
+cfg = LlamaConfig(hidden_size=64 * heads, intermediate_size=128 * heads, num_hidden_layers=2, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=64, vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+                  max_position_embeddings=int(sys.argv[3]) if len(sys.argv) > 3 else 4096)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
 # a word-level tokenizer over the same 512 ids (so that /v1/chat/completions works): id i is the word "t<i>"
 # (ids 0-2 are <unk>/<s>/</s>, 3-5 the chat roles), and a chat template that spells each message as words
@@ -92,13 +94,19 @@ class EngineError(RuntimeError):
     """An engine did not start, died, or answered an error; the message carries its log tail."""
 
 
-def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.executable, timeout: float = 300) -> str:
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.executable, timeout: float = 300,
+                    max_position_embeddings: int = 4096, heads: tuple[int, int] = (4, 2), vocab_size: int = 512) -> str:
     """Write the random-weight tiny Llama (bf16, ``save_pretrained``) to ``path`` (in a subprocess, so that
-    torch and transformers stay out of the test process). Returns the directory."""
+    torch and transformers stay out of the test process). Returns the directory. ``max_position_embeddings``
+    bounds the prompt + generated tokens an engine accepts (``--max-model-len``); the weights for a given
+    ``seed`` do not depend on it (the rotary embedding has no weights). ``heads``: (attention heads, KV heads),
+    head_dim 64, hidden and MLP sizes 64 and 128 per head; e.g. (6, 6) for tensor-parallel sizes 2 and 3, with
+    ``vocab_size=576`` (vLLM splits the vocabulary, padded to a multiple of 64, evenly over TP ranks)."""
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([python, "-c", TINY_LLAMA_SCRIPT, str(path), str(seed)],
+        r = subprocess.run([python, "-c", TINY_LLAMA_SCRIPT, str(path), str(seed), str(max_position_embeddings),
+                            *map(str, heads), str(vocab_size)],
                            capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
             raise RuntimeError(f"cannot make the tiny Llama (rc {r.returncode}):\n{r.stderr[-4000:]}")

@@ -68,3 +68,18 @@ def test_vllms_prometheus_plumbing_exports_kvbridge_figures_from_a_real_run():
     assert _sample(text, "vllm:kvbridge_leases_freed_total", **eng) == 3 * 2  # every request on both prefill ranks
     assert _sample(text, "vllm:kvbridge_reads_failed_total", reason="LeaseExpired", **eng) == 2
     assert _sample(text, "vllm:kvbridge_reads_failed_total", reason="PeerDisconnected", **eng) == 1
+
+
+def test_worker_counters_read_directly_name_what_the_endpoints_stats_name():
+    """The worker reads the endpoints' counters every engine step without their ``stats()`` (which copies
+    the whole state): the same keys and values as the numeric, additive part of ``Metrics.to_json``."""
+    from kvbridge.integrations.vllm.worker import _counters
+    from kvbridge.runtime.metrics import Metrics
+
+    m = Metrics(transfers=3, transfer_bytes=4096, handshakes=1)
+    m.observe_transfer(0.01)
+    m.observe_transfer(2.0)
+    want = {k: v for k, v in m.to_json().items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(("_p50", "_p90"))}
+    assert _counters(m) == want
+    assert want["transfer_seconds_count"] == 2 and want["transfers"] == 3
