@@ -1,11 +1,13 @@
 """A decode rank: handshakes with prefill engines, reads requests' KV, reports finished/failed ids.
 
-One :class:`~kvbridge.runtime.peer.Peer` per prefill engine owns everything learned at handshake
-(layout, plan, lowered plan, agents, prepared lists) and its sockets, with a lifecycle of its own. Per request the hot path is
-``LoweredPlan.descriptors`` (vectorised), one side-channel round trip per prefill rank (a batched
-``Acquire`` that pins the lease for direct reads, or the ``Stage`` request itself) and one posted READ
-per prefill rank, off this thread. Each (request, prefill rank) read is a :class:`ReadMachine`
-(``readstate.py``) with its own deadline; failures are typed (:class:`~kvbridge.errors.ReadFailure`).
+The I/O half of the runtime. One :class:`~kvbridge.runtime.peer.Peer` per prefill engine owns what its
+handshake made (agents, prepared lists, sockets, outbox) and has a lifecycle of its own (``peer.py``);
+the handshake itself is ``handshake.py``. Each (request, prefill rank) read is a sans-IO
+:class:`~kvbridge.runtime.readstate.RankRead` that owns its state; this module turns ZMQ frames and NIXL
+states into its events and runs the actions it returns. Per request the hot path is one validation (or
+lowering) per prefill rank, one side-channel round trip (a batched ``Acquire`` that pins the lease for
+direct reads, or the ``Stage`` request itself) and one posted READ, off this thread; failures are typed
+(:class:`~kvbridge.errors.ReadFailure`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import zmq
@@ -26,16 +29,12 @@ from ..errors import (
     IncompatibleLayoutsError,
     KVBridgeError,
     LeaseExpired,
-    NotRegistered,
     PeerDisconnected,
     PeerGoneError,
     PeerRestarted,
     ReadFailure,
-    RemoteError,
     RequestError,
     TransferError,
-    TransferFailed,
-    TransferTimeout,
 )
 from ..layout import EngineLayout, engine_to_dict
 from ..lower import GroupBlocks
@@ -61,7 +60,40 @@ from .protocol import (
     pack,
     unpack,
 )
-from .readstate import AWAITING_REPLY, ReadEvent, ReadMachine, ReadState
+from .readstate import (
+    REFUSALS,
+    Abort,
+    AlignRetry,
+    Ask,
+    Count,
+    Fail,
+    Failed,
+    Granted,
+    Heartbeat,
+    LetGo,
+    Notify,
+    PinsReleased,
+    Post,
+    PostSegment,
+    RankRead,
+    ReadContext,
+    ReadEvent,
+    ReadState,
+    Refreshed,
+    Refused,
+    Restarted,
+    Retry,
+    Scatter,
+    ScatterDone,
+    ScatterFailed,
+    Segment,
+    Sent,
+    StageFailed,
+    Tick,
+    Transfer,
+    XferDone,
+    XferFailed,
+)
 from .slots import SlotAllocator
 
 __all__ = ["DecodeRank", "ReadRequest", "RemoteEngine", "Peer", "PeerState", "fetch_meta"]
@@ -102,91 +134,11 @@ class ReadRequest:
         return int(a or 0)
 
 
-class _ReadCancelled(Exception):
-    """Raised on the post thread for a read that was cancelled before NIXL saw it."""
-
-
-class _Cancellable:
-    """A lowered :class:`~kvbridge.lower.Descriptors` handed to the post thread; once ``cancelled`` its
-    NIXL arrays are never written, so a read queued behind others to a dead peer is never posted."""
-
-    __slots__ = ("d", "cancelled", "prefill")
-
-    def __init__(self, d):
-        self.d, self.cancelled, self.prefill = d, False, d.prefill
-
-    # read through, not copied: a prepped read's sizes are worked out on the post thread (PreppedWork.size)
-    @property
-    def count(self) -> int:
-        return self.d.count
-
-    @property
-    def total_bytes(self) -> int:
-        return self.d.total_bytes
-
-    def nixl_arrays(self, *args):
-        if self.cancelled:
-            raise _ReadCancelled("read cancelled before it was posted")
-        return self.d.nixl_arrays(*args)
-
-
-@dataclass
-class _Read:
-    """One posted READ of a request from one prefill rank (staged: into ``slot`` of our staging buffer)."""
-
-    prefill: Rank
-    xfer: object
-    nbytes: int | None         # None: a direct read sized at completion (work)
-    slot: int | None = None    # staged: our staging offset of the segment
-    runs: tuple | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
-    scatter: object = None     # Future of the scatter from staging into the KV buffer
-    cancel: _Cancellable | None = None
-    done: bool = False         # the transfer completed (seen by poll)
-    work: object = None        # direct: what was posted (its sizes, once known, count at completion)
-
-
-@dataclass
-class _Staging:
-    """A staged prefill rank of one request: our staging slot and the runs the packed stream feeds."""
-
-    slot: int
-    dst: np.ndarray      # run destinations (absolute), in packed order
-    nbytes: np.ndarray
-    starts: np.ndarray   # offset of each run in the packed stream
-
-
-@dataclass
-class _RankRead:
-    """The read of one request from one prefill rank: its state machine, deadlines (this process's
-    monotonic clock) and transfers."""
-
-    prefill: Rank
-    sm: ReadMachine
-    sent_at: float                 # when the acquire/stage request was made: the pin counts from here
-    progress_at: float             # last progress from this rank (its own deadline re-arms only on it)
-    descs: object = None           # direct: lowered descriptors, posted once the pin is granted
-    pin_deadline: float = float("inf")
-    reads: list = field(default_factory=list)
-    staging: _Staging | None = None
-    notify_at_end: bool = False    # no read carries this rank's Done: send it when the request completes
-    pinned: bool = False           # the prefill granted this rank's pin (only then is a Done sent for it)
-    asked: bool = False            # an acquire/stage request is out, unanswered (a pin may exist by now)
-    first_sent: float = 0.0        # the first acquire/stage request (not-registered retries count from here)
-    retry_at: float | None = None  # not registered yet: ask again at this time
-    stage_msg: object = None       # staged: the Stage request (re-sent on a not-registered refusal)
-    refresh_at: float = float("inf")  # pinned: send a heartbeat (re-arms the pin) at this time
-    refresh_sent: float = 0.0      # when the last heartbeat went out (its answer counts from here)
-
-    @property
-    def state(self) -> ReadState:
-        return self.sm.state
-
-
 @dataclass
 class _InFlight:
     req: ReadRequest
     peer: Peer
-    ranks: dict          # prefill rank -> _RankRead
+    ranks: dict          # prefill rank -> RankRead (readstate.py: the read's machine)
     started: float
     nbytes: int = 0
     ndescs: int = 0
@@ -426,9 +378,7 @@ class DecodeRank:
             group += [g for g in self.inflight.values() if g.peer is old and g is not f and self._can_requeue(g)]
         for g in group:
             self.inflight.pop(g.req.key, None)
-            for rr in g.ranks.values():
-                if not rr.sm.terminal:
-                    rr.sm.fire(ReadEvent.ABORT)
+            self._abort_ranks(g)
             self._release_reads(g)
             self._notify_failed(g)  # a request still out on a live rank may have pinned there: let it go
             self.metrics.restart_requeues += 1
@@ -470,12 +420,13 @@ class DecodeRank:
         requeue = []
         for _rid, f in list(self.inflight.items()):
             for p, rr in f.ranks.items():
-                if not rr.sm.terminal and f.peer.remote is not None and f.peer.agents.get(p) == agent:
+                if not rr.terminal and f.peer.remote is not None and f.peer.agents.get(p) == agent:
                     if self._can_requeue(f):  # nothing pinned or read yet: the engine may be back (restart)
                         requeue.append(f)
                     else:
-                        self._fire_fail(f, rr, ReadEvent.DISCONNECT, self._failure(
-                            PeerDisconnected, f, p, f"disconnected: prefill agent {agent!r} went away ({detail})"))
+                        self._apply(f, rr, rr.handle(Failed(
+                            ReadEvent.DISCONNECT, PeerDisconnected,
+                            f"disconnected: prefill agent {agent!r} went away ({detail})"), time.monotonic()))
                     break
         self._retire(peer, PeerEvent.DISCONNECTED)
         peer.remove_agent(prank, self.transport)
@@ -573,6 +524,7 @@ class DecodeRank:
             return
         f = _InFlight(req, peer, {}, t0)
         now = time.monotonic()
+        ctx = self._read_ctx()
         for prank in peer.agents:
             if prank in staged:
                 continue
@@ -581,19 +533,20 @@ class DecodeRank:
                 if not req.attempt_for(prank) or prank not in peer.socks:
                     continue  # nothing to present: the prefill's lease expires on its own
                 d = None  # pinned, then released at once: only a pin holder's Done settles a read
-            f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.ACQUIRING), now, now, descs=d, first_sent=now)
+            f.ranks[prank] = RankRead(prank, ReadState.ACQUIRING, now, ctx, work=d)
             self._queue(peer.outbox, peer, prank, req)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self._layout_dict
             for prank in staged:
-                rr = f.ranks[prank] = _RankRead(prank, ReadMachine(ReadState.STAGE_REQUESTED), now, now, first_sent=now)
-                rr.stage_msg = Stage(
+                msg = Stage(
                     req.req_id, self.engine_id, self.rank, layout, self._mem_wire, req.num_tokens, wire_p, wire_d,
                     self.stage_segment_bytes, req.attempt_for(prank), peer.readers[prank],
                     peer.digests.get(prank, ""), key, self.transport.agent_name)
-                peer.send(prank, pack(rr.stage_msg))
-                rr.asked = True
+                # lowered at most once, when the first segment is announced (or on a fallback to direct)
+                f.ranks[prank] = RankRead(prank, ReadState.STAGE_REQUESTED, now, ctx, request=msg, slot_key=(key, prank),
+                                          lower=partial(_lower_one, peer.lowered, req, prank))
+                peer.send(prank, pack(msg))
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
         if not f.ranks:
@@ -601,6 +554,10 @@ class DecodeRank:
             self.metrics.finished_requests += 1
             return
         self.inflight[key] = f
+
+    def _read_ctx(self) -> ReadContext:
+        return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
+                           self.staging_addr)
 
     @staticmethod
     def _queue(box: dict, peer: Peer, prank: Rank, req: ReadRequest) -> None:
@@ -658,10 +615,11 @@ class DecodeRank:
                 out, peer.outbox = peer.outbox, {}
                 for prank, reqs in out.items():
                     live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
+                    now = time.monotonic()
                     for _, _, k in live:
                         rr = self.inflight[k].ranks.get(prank)
                         if rr is not None:
-                            rr.asked = True
+                            rr.handle(Sent(), now)
                     if live and prank in peer.socks:
                         peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
                                                       peer.digests.get(prank, ""), live, self.transport.agent_name)))
@@ -705,21 +663,61 @@ class DecodeRank:
             self._notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
                                                   attempt, read_id)))
 
-    def _post_direct(self, f: _InFlight, rr: _RankRead, d) -> None:
-        """Direct read of a lowered :class:`~kvbridge.lower.Descriptors` (handed over factored, cancellable
-        until the post thread reaches it); its Done rides on the read."""
-        c = _Cancellable(d)
-        x = _prepped_hook.post(self.transport, f.peer.agents[rr.prefill], c, self._done(f.req, f.peer, rr.prefill),
-                               remote_device=_device_of(f.peer, rr.prefill))
-        # sizes of a prepped read are worked out on the post thread: counted when the request completes
-        self._track(f, rr, _Read(rr.prefill, x, None, cancel=c, work=d))
-
-    def _track(self, f: _InFlight, rr: _RankRead, r: _Read, ndescs: int = 0) -> None:
-        rr.reads.append(r)
-        if r.work is None:
-            f.nbytes += r.nbytes
-            f.ndescs += ndescs
-        self.metrics.transfers += 1
+    def _apply(self, f: _InFlight, rr: RankRead, actions: list, ids: tuple | None = None) -> bool:
+        """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
+        prank, peer = rr.prefill, f.peer
+        for a in actions:
+            if isinstance(a, Post):
+                a.transfer.xfer = self.transport.post(
+                    peer.agents[prank], a.transfer.work, self._done(f.req, peer, prank), cancel=a.transfer,
+                    remote_device=_device_of(peer, prank))
+                # sizes of a direct read are worked out on the post thread: counted when the request completes
+                self.metrics.transfers += 1
+            elif isinstance(a, PostSegment):
+                t, one = a.transfer, np.ones(1, dtype=np.int64)
+                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * t.nbytes, b"",
+                                             remote_device=_device_of(peer, prank))
+                f.nbytes += t.nbytes
+                f.ndescs += 1
+                self.metrics.transfers += 1
+            elif isinstance(a, Scatter):
+                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer)
+            elif isinstance(a, Ask):
+                if not a.stage:
+                    self._queue(peer.outbox, peer, prank, f.req)
+                elif prank in peer.socks:
+                    peer.send(prank, pack(rr.request))
+                    rr.handle(Sent(), time.monotonic())
+            elif isinstance(a, Heartbeat):
+                self._queue(peer.heartbeats, peer, prank, f.req)
+            elif isinstance(a, Notify):
+                self._notify(peer.agents[prank], self._done(f.req, peer, prank))
+            elif isinstance(a, LetGo):
+                self._let_go(peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+            elif isinstance(a, Count):
+                setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
+            elif isinstance(a, Retry):
+                # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each
+                # child is a reader) ask together, in one message: the prefill pins them all before any of
+                # them can end and free the lease under the others (a refused acquire leaves no trace there)
+                for g in self.inflight.values():
+                    sib = g.ranks.get(prank) if g is not f else None
+                    if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
+                            and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
+                        at = min(a.at, sib.retry_at)
+                        rr.handle(AlignRetry(at), 0.0)
+                        sib.handle(AlignRetry(at), 0.0)
+            elif isinstance(a, Restarted):
+                if self._requeue_restarted(f):
+                    return True
+                failed = self._apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
+                                                      time.monotonic()))
+                self._retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+                return failed
+            elif isinstance(a, Fail):
+                self._fail(f.req.key, f, self._failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
+                return True
+        return False
 
     def _failure(self, cls, f: _InFlight, prank: Rank | None, text: str) -> ReadFailure:
         where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
@@ -727,79 +725,25 @@ class DecodeRank:
         return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
                    engine_id=f.peer.engine_id, prefill_rank=prank)
 
-    def _fire_fail(self, f: _InFlight, rr: _RankRead, event: ReadEvent, failure: ReadFailure) -> None:
-        """One rank's read failed: its machine takes ``event``, the request fails (the others cancel)."""
-        rr.sm.fire(event)
-        self._fail(f.req.key, f, failure)  # the read key (read_id): what poll() reports
-
-    def _refused(self, f: _InFlight, rr: _RankRead, code: str, text: str) -> None:
-        if code == "restarted":
-            if self._requeue_restarted(f):
-                return
-            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(PeerRestarted, f, rr.prefill, text))
-            self._retire(f.peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
-        elif code == "not_registered":
-            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(
-                NotRegistered, f, rr.prefill, f"{text} (asked for {self.register_grace_s:g} s: register_grace_s)"))
-        elif code in ("lease_expired", "done"):
-            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, rr.prefill, text))
-        else:
-            self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, rr.prefill, f"[{code}] {text}"))
-
-    def _not_registered(self, f: _InFlight, rr: _RankRead, code: str, text: str, now: float) -> bool:
-        """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
-        No pin exists and nothing is sent meanwhile. True if a retry was scheduled."""
-        if code != "not_registered" or now - rr.first_sent >= self.register_grace_s:
-            return False
-        tries = self.metrics.register_retries
-        self.metrics.register_retries = tries + 1
-        rr.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - rr.first_sent) / 0.02)))
-        # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each child is
-        # a reader) ask together, in one message: the prefill pins them all before any of them can end and
-        # free the lease under the others (a refused acquire leaves no trace there)
-        for g in self.inflight.values():
-            sib = g.ranks.get(rr.prefill) if g is not f else None
-            if (sib is not None and sib.retry_at is not None and g.peer is f.peer
-                    and g.req.req_id == f.req.req_id and g.req.attempt_for(rr.prefill) == f.req.attempt_for(rr.prefill)):
-                rr.retry_at = sib.retry_at = min(rr.retry_at, sib.retry_at)
-        rr.progress_at = now
-        return True
-
-    def _on_acquired(self, remote: Peer, prank: Rank, msg: Acquired) -> None:
+    def _on_acquired(self, peer: Peer, prank: Rank, msg: Acquired) -> None:
+        """An ``Acquired`` frame -> one event per read it names."""
         now = time.monotonic()
         if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
             for rid, attempt, read_id, ttl_s in msg.granted:
-                f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
-                if rr is not None and rr.pinned and not rr.sm.terminal:
-                    rr.pin_deadline = max(rr.pin_deadline, rr.refresh_sent + ttl_s)
-                    rr.refresh_at = rr.refresh_sent + ttl_s / 3
+                f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+                if rr is not None:
+                    rr.handle(Refreshed(ttl_s), now)
             return
         for rid, attempt, read_id, ttl_s in msg.granted:
-            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
-            if rr is None or rr.state is not ReadState.ACQUIRING or rr.retry_at is not None:
-                self._let_go(remote, prank, rid, attempt, read_id)  # a pin no live read of ours will use
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is None:
+                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
-            rr.pinned, rr.asked = True, False
-            if ttl_s <= 0:
-                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank, "the pin was granted "
-                                                                        "with no time left"))
-                continue
-            rr.sm.fire(ReadEvent.GRANTED)
-            rr.pin_deadline, rr.progress_at = rr.sent_at + ttl_s, now
-            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + ttl_s / 3
-            if rr.descs is None:  # nothing to read from this rank: release the pin at once
-                self._notify(remote.agents[prank], self._done(f.req, remote, prank))
-                rr.pinned = False
-                rr.sm.fire(ReadEvent.COMPLETED)
-                continue
-            self._post_direct(f, rr, rr.descs)
-            rr.descs = None
+            self._apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
-            f, rr = self._rank_read(remote, prank, rid, attempt, read_id)
-            if rr is not None and rr.state is ReadState.ACQUIRING and rr.retry_at is None:
-                rr.asked = False
-                if not self._not_registered(f, rr, code, text, now):
-                    self._refused(f, rr, code, text)
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is not None:
+                self._apply(f, rr, rr.handle(Refused(code, text), now))
 
     def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
                    read_id: str = ""):
@@ -809,87 +753,27 @@ class DecodeRank:
             return None, None
         return f, f.ranks.get(prank)
 
-    def _on_stage_reply(self, remote: RemoteEngine, prank: Rank, msg: Staged | StageError) -> None:
-        from ..staging import offsets
-        f, rr = self._rank_read(remote, prank, msg.req_id, msg.attempt or None, msg.read_id)
-        pinned = isinstance(msg, Staged) or msg.code not in _REFUSALS
-        if rr is None or rr.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING) or rr.retry_at is not None:
-            # the request failed or was aborted meanwhile, or we fell back to direct reads: a pin the
-            # prefill made for a read no longer live here is released (once)
-            if pinned and (rr is None or rr.sm.terminal) and msg.attempt:
-                self._let_go(remote, prank, msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+    def _on_stage_reply(self, peer: Peer, prank: Rank, msg: Staged | StageError) -> None:
+        """A ``Staged``/``StageError`` frame -> one event for the read it names."""
+        f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
+        ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+        if rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
+            if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
+                self._let_go(peer, prank, *ids)
             return
-        now = rr.progress_at = time.monotonic()
-        req = f.req
-        rr.pinned, rr.asked = rr.pinned or pinned, False
-        if isinstance(msg, StageError):
-            if rr.state is ReadState.STAGE_REQUESTED and self._not_registered(f, rr, msg.code, msg.message, now):
-                return
-            if msg.expired or msg.code in _REFUSALS:
-                self._refused(f, rr, msg.code or "lease_expired", msg.message)
-            elif rr.state is ReadState.STAGE_REQUESTED and msg.ttl_s > 0:  # no room: read directly, pinned
-                rr.pin_deadline = rr.sent_at + msg.ttl_s
-                rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + msg.ttl_s / 3
-                self._direct_fallback(f, rr)
-            else:
-                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(RemoteError, f, prank, msg.message))
-            return
-        if rr.staging is None and rr.state is ReadState.STAGE_REQUESTED:  # first segment
-            rr.refresh_sent, rr.refresh_at = rr.sent_at, rr.sent_at + max(msg.ttl_s, 0.0) / 3
-            if msg.total == 0:
-                rr.notify_at_end = True  # nothing to read: Done goes out when the request completes
-                rr.pin_deadline = now + 1e9  # nothing read: nothing to trust
-                rr.sm.fire(ReadEvent.STAGE_LAST)
-                return
-            (d,) = f.peer.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
-            if d.total_bytes != msg.total:
-                self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
-                    RemoteError, f, prank, f"the prefill packed {msg.total} B but this rank expects {d.total_bytes} B: "
-                                           "the two sides lower differently (same kvbridge release?)"))
-                return
-            if msg.ttl_s <= 0:
-                self._fire_fail(f, rr, ReadEvent.REFUSED, self._failure(LeaseExpired, f, prank,
-                                                                        "staged with no pin time left"))
-                return
-            rr.pin_deadline = rr.sent_at + msg.ttl_s
-            off = self.slots.alloc((req.key, prank), msg.total)
-            if off is None:  # our staging is full: read directly (under the pin), ignore the rest
-                self._direct_fallback(f, rr)
-                return
-            rr.staging = _Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
-            rr.notify_at_end = True
-            self.metrics.staged_transfers += 1
-        st = rr.staging
-        if st is None:
-            return
-        a, b = np.searchsorted(st.starts, [msg.offset, msg.offset + msg.nbytes])
-        if (msg.offset + msg.nbytes > msg.total or a >= st.starts.size or st.starts[a] != msg.offset
-                or int(st.nbytes[a:b].sum()) != msg.nbytes):
-            self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
-                RemoteError, f, prank, f"the prefill sent a segment [{msg.offset}, +{msg.nbytes}) that does not "
-                                       "start and end on run boundaries of this rank's lowering"))
-            return
-        if msg.last:
+        now = time.monotonic()
+        if isinstance(msg, Staged):
+            ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
+        else:
+            ev = StageFailed(msg.code, msg.message, msg.expired, msg.ttl_s)
+        actions = rr.handle(ev, now)
+        if not msg.attempt:
+            actions = [a for a in actions if not isinstance(a, LetGo)]
+        if isinstance(msg, Staged) and msg.last and any(isinstance(a, PostSegment) for a in actions):
             self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
-        rr.sm.fire(ReadEvent.STAGE_LAST if msg.last else ReadEvent.STAGE_SEGMENT)
-        one = np.ones(1, dtype=np.int64)
-        # no notification on segment reads: Done is sent once every segment is read (the prefill frees
-        # its staging slot on Done, and segments may complete out of order)
-        x = self.transport.read(f.peer.agents[prank], one * msg.addr, one * (self.staging_addr + st.slot + msg.offset),
-                                one * msg.nbytes, b"", remote_device=_device_of(f.peer, prank))
-        self._track(f, rr, _Read(prank, x, int(msg.nbytes), st.slot + msg.offset, (st.dst[a:b], st.nbytes[a:b])), 1)
+        self._apply(f, rr, actions, ids)
 
-    def _direct_fallback(self, f: _InFlight, rr: _RankRead) -> None:
-        self.metrics.staging_fallbacks += 1
-        rr.sm.fire(ReadEvent.STAGE_FULL)
-        req = f.req
-        for d in f.peer.lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(rr.prefill,)):
-            if d.count:
-                self._post_direct(f, rr, d)
-            else:
-                rr.notify_at_end = True
-
-    def _scatter(self, r: _Read) -> None:
+    def _scatter(self, r: Transfer) -> None:
         """Staging -> KV buffer for one staged segment (runs on a post thread)."""
         t0 = time.perf_counter()
         dst, nbytes = r.runs
@@ -913,10 +797,8 @@ class DecodeRank:
         f = self.inflight.pop(req_id, None)
         if f is not None:
             self.metrics.aborted_requests += 1
-            unpinned = [p for p, rr in f.ranks.items() if not rr.sm.terminal and not rr.pinned]
-            for rr in f.ranks.values():
-                if not rr.sm.terminal:
-                    rr.sm.fire(ReadEvent.ABORT)
+            unpinned = [p for p, rr in f.ranks.items() if not rr.terminal and not rr.pinned]
+            self._abort_ranks(f)
             self._release_reads(f)
             self._notify_failed(f)
             # ranks where we know of no pin (acquire not sent or not answered yet, refused): decline too.
@@ -957,7 +839,7 @@ class DecodeRank:
                 continue
             failed = False
             for rr in f.ranks.values():
-                if rr.sm.terminal:
+                if rr.terminal:
                     continue
                 if self._advance(f, rr, now):
                     failed = True
@@ -973,97 +855,52 @@ class DecodeRank:
         self.finished, self.failed = [], {}
         return out, failed
 
-    def _advance(self, f: _InFlight, rr: _RankRead, now: float) -> bool:
-        """Drive one rank's read: not-registered retries, pin heartbeats, completions, scatters, its
-        deadlines. True if the request failed."""
-        prank = rr.prefill
-        if rr.retry_at is not None:  # refused "not registered yet": nothing is held, nothing is sent
-            if now < rr.retry_at:
-                return False
-            rr.retry_at, rr.sent_at = None, now
-            if rr.state is ReadState.ACQUIRING:
-                self._queue(f.peer.outbox, f.peer, prank, f.req)
-            elif rr.stage_msg is not None and prank in f.peer.socks:
-                f.peer.send(prank, pack(rr.stage_msg))
-                rr.asked = True
-        if rr.pinned and now >= rr.refresh_at:  # keep our pin alive on the prefill (its idle timeout)
-            rr.refresh_sent = now
-            rr.refresh_at = now + max(0.05, (rr.pin_deadline - now) / 2)  # again then if nobody answers
-            self._queue(f.peer.heartbeats, f.peer, prank, f.req)
+    def _advance(self, f: _InFlight, rr: RankRead, now: float) -> bool:
+        """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
+        place), then a tick (retries, heartbeats, completion, deadlines). True if the request failed."""
+        peer, prank = f.peer, rr.prefill
         try:
-            for r in rr.reads:
-                if not r.done and self.transport.check(r.xfer) == "DONE":
-                    r.done, rr.progress_at = True, now
-                    f.peer.progress[prank] = now
-                    if r.runs is not None:  # staged segment: scatter it as soon as it is read
-                        r.scatter = self.transport.submit(self._scatter, r)
-                if r.scatter is not None and r.scatter.done():
-                    r.scatter.result()  # raises what the scatter raised
+            for i, t in enumerate(rr.reads):
+                if not t.done and self.transport.check(t.xfer) == "DONE":
+                    peer.progress[prank] = now
+                    self._apply(f, rr, rr.handle(XferDone(i), now))
+                if t.scatter is not None and not t.scattered and t.scatter.done():
+                    e = t.scatter.exception()
+                    if e is not None:
+                        return self._apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+                    rr.handle(ScatterDone(i), now)
         except TransferError as e:
             # typed: the transport's PeerGoneError, or the side channel's ZMQ disconnect event (never text)
-            if prank in f.peer.agents and (isinstance(e, PeerGoneError)
-                                           or f.peer.disconnected(prank, _monitor_event)):
-                self._peer_died(f.peer, prank, f"NIXL: {e}")
-            else:
-                self._fire_fail(f, rr, ReadEvent.NIXL_ERROR, self._failure(TransferFailed, f, prank, str(e)))
-            return True
-        except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
-            self._fire_fail(f, rr, ReadEvent.PROTOCOL_ERROR, self._failure(
-                ReadFailure, f, prank, f"scatter failed: {type(e).__name__}: {e}"))
-            return True
-        finished = all(r.done and (r.runs is None or (r.scatter is not None and r.scatter.done())) for r in rr.reads)
-        if finished and rr.state in (ReadState.POSTED, ReadState.SCATTERING):
-            if now > rr.pin_deadline:  # the read ended after the pin the prefill granted: not trusted
-                self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
-                    LeaseExpired, f, prank, "the read ended after the lease pin the prefill granted ran out; its "
-                                            "blocks may have been reused, the data is not trusted"))
+            if prank in peer.agents and (isinstance(e, PeerGoneError) or peer.disconnected(prank, _monitor_event)):
+                self._peer_died(peer, prank, f"NIXL: {e}")
                 return True
-            rr.sm.fire(ReadEvent.COMPLETED)
-            return False
-        waiting = rr.state in AWAITING_REPLY and not (rr.state is ReadState.STAGING and not finished)
-        limit = self.stage_timeout_s if waiting else self.transfer_timeout_s
-        if now - self._progress_ref(f, rr, now, waiting) > limit:
-            what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
-                    else "made no progress within transfer_timeout_s")
-            self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
-                TransferTimeout, f, prank, f"{what}={limit:g} s (state {rr.state.name}; frozen, overloaded or "
-                                           "unreachable)"))
-            return True
-        if now > rr.pin_deadline:
-            self._fire_fail(f, rr, ReadEvent.TIMEOUT, self._failure(
-                LeaseExpired, f, prank, "the lease pin the prefill granted ran out before the read ended"))
-            return True
-        return False
-
-    def _progress_ref(self, f: _InFlight, rr: _RankRead, now: float, waiting: bool) -> float:
-        """When this rank's read last showed the peer alive: its deadline runs from there. Waiting for an
-        answer: the request or the last answer. Reading: the latest of the last progress, the last read
-        completed from the same prefill agent, and the time the post thread posted each unfinished read;
-        a read still in our own post queue stops the clock (a long local queue is not the peer's fault)."""
-        if waiting:
-            return rr.progress_at
-        ref = max(rr.progress_at, f.peer.progress.get(rr.prefill, 0.0))
-        for r in rr.reads:
-            if not r.done:
-                posted = getattr(r.xfer, "posted_at", ref)
+            return self._apply(f, rr, rr.handle(XferFailed(str(e)), now))
+        except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
+            return self._apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+        queued, latest = False, float("-inf")
+        for t in rr.reads:
+            if not t.done:
+                posted = getattr(t.xfer, "posted_at", latest)  # set by the post thread when it posts
                 if posted is None:
-                    return now
-                ref = max(ref, posted)
-        return ref
+                    queued = True
+                else:
+                    latest = max(latest, posted)
+        return self._apply(f, rr, rr.handle(Tick(peer.progress.get(prank, 0.0), queued, latest), now))
 
     def _complete(self, rid: str, f: _InFlight) -> None:
         self._release_reads(f)
         del self.inflight[rid]
+        now = time.monotonic()
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
             if rr.notify_at_end and rr.pinned:
                 self._notify(f.peer.agents[prank], self._done(f.req, f.peer, prank))
-            rr.pinned = False  # direct reads' Done rode on the read
+            rr.handle(PinsReleased(), now)  # direct reads' Done rode on the read
         self.metrics.observe_transfer(time.perf_counter() - f.started)
         for rr in f.ranks.values():
-            for r in rr.reads:
-                if r.work is not None:
-                    f.nbytes += r.work.total_bytes
-                    f.ndescs += r.work.count
+            for t in rr.reads:
+                if t.work is not None:
+                    f.nbytes += t.work.total_bytes
+                    f.ndescs += t.work.count
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
         self.metrics.finished_requests += 1
@@ -1081,10 +918,9 @@ class DecodeRank:
             if rr.state is not ReadState.DONE and (rr.reads or rr.state is ReadState.POSTED):
                 incomplete.add(prank)
             for r in rr.reads:
-                if r.cancel is not None and not r.done:
-                    if not r.cancel.cancelled:
-                        self.metrics.cancelled_reads += 1
-                    r.cancel.cancelled = True
+                if r.work is not None and not r.done and not r.cancelled:  # not posted yet: never will be
+                    self.metrics.cancelled_reads += 1
+                    r.cancelled = True
                 state = self.transport.settle(r.xfer, 0)
                 if state is None or (r.scatter is not None and not r.scatter.done()):
                     parked.append(r)
@@ -1124,9 +960,7 @@ class DecodeRank:
     def _fail(self, rid: str, f: _InFlight, failure: ReadFailure, notify: bool = True) -> None:
         """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
         tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
-        for rr in f.ranks.values():
-            if not rr.sm.terminal:
-                rr.sm.fire(ReadEvent.ABORT)
+        self._abort_ranks(f)
         incomplete = self._release_reads(f)
         self.inflight.pop(rid, None)
         self.failed[rid] = failure
@@ -1135,12 +969,17 @@ class DecodeRank:
         if notify:
             self._notify_failed(f)
 
+    def _abort_ranks(self, f: _InFlight) -> None:
+        now = time.monotonic()
+        for rr in f.ranks.values():
+            rr.handle(Abort(), now)
+
     def _notify_failed(self, f: _InFlight) -> None:
         """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
         alive: it releases that pin (only the holder's Done can). Nothing is sent for a rank that refused
         the acquire or was never asked (it holds nothing of ours); a pin granted after this is released
         when its grant arrives (``_let_go``)."""
-        peers = self.transport.peers
+        peers, now = self.transport.peers, time.monotonic()
         for p, rr in f.ranks.items():
             agent = f.peer.agent(p)
             if (rr.pinned or rr.asked) and agent is not None and agent in peers:
@@ -1150,7 +989,7 @@ class DecodeRank:
                     self._linger_until = max(self._linger_until, time.monotonic() + self.stage_timeout_s)
                 else:
                     self._released[(f.req.key, p, f.req.attempt_for(p))] = True
-            rr.pinned = rr.asked = False
+            rr.handle(PinsReleased(), now)
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
         """Poll until nothing is in flight or waiting for a handshake (or timeout); returns everything
@@ -1245,16 +1084,18 @@ class DecodeRank:
             host_view(a.addr, a.nbytes).fill(value)
 
 
-# refusal codes of an acquire/stage request: no pin was made
-_REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_reader", "done"})
-
-
 def _monitor_event(mon) -> int | None:
     """The next event on a ZMQ monitor socket, or None when there is none."""
     try:
         return int(recv_monitor_message(mon, zmq.NOBLOCK)["event"])
     except (zmq.Again, zmq.ZMQError):
         return None
+
+
+def _lower_one(lowered, req: ReadRequest, prank: Rank):
+    """The lowered descriptors of ``req`` for one prefill rank (a staged rank's work item)."""
+    (d,) = lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
+    return d
 
 
 def _device_of(remote: Peer, prank: Rank) -> str:

@@ -6,6 +6,7 @@ side-channel sockets on the decode rank's own thread)."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,25 +29,25 @@ class RemoteEngine:
     layout: EngineLayout
     plan: TransferPlan
     lowered: LoweredPlan
-    agents: dict          # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
-    readers: dict         # prefill rank -> number of decode ranks reading it (for the notification)
-    endpoints: dict       # prefill rank -> "host:port" of its side channel
+    agents: dict[Any, Any]          # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
+    readers: dict[Any, Any]         # prefill rank -> number of decode ranks reading it (for the notification)
+    endpoints: dict[Any, Any]       # prefill rank -> "host:port" of its side channel
     digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
-    modes: dict           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
-    shapes: dict          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
-    digests: dict = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restart check)
-    can_stage: frozenset = frozenset()           # prefill ranks that can stage
+    modes: dict[Any, Any]           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
+    shapes: dict[Any, Any]          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
+    digests: dict[Any, Any] = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restart check)
+    can_stage: frozenset[Rank] = frozenset()           # prefill ranks that can stage
     # acquire (direct), stage and heartbeat requests go to every prefill rank this rank notifies (a rank
     # with nothing to read here is acquired and released too: only a pin holder's Done counts)
-    side_ranks: tuple = ()
+    side_ranks: tuple[Rank, ...] = ()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[Any, Any]:
         """Plain-data view (what a handshake RPC returns)."""
         return {"engine_id": self.engine_id, "prefill": str(self.layout),
                 "modes": {str(p): m for p, m in self.modes.items()}, "agents": {str(p): a for p, a in self.agents.items()}}
 
 
-def fetch_meta(ctx: zmq.Context, endpoint: str, msg: GetMeta, timeout_s: float) -> RankMeta:
+def fetch_meta(ctx: zmq.Context[Any], endpoint: str, msg: GetMeta, timeout_s: float) -> RankMeta:
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -87,7 +88,7 @@ class Handshaker:
     def get_meta(self, prank: Rank) -> GetMeta:
         return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
 
-    def same_agents(self, remote: RemoteEngine, endpoints: dict) -> bool:
+    def same_agents(self, remote: RemoteEngine, endpoints: dict[Any, Any]) -> bool:
         """Every rank this rank handshook with still has the NIXL agent (metadata) it had then."""
         digests = remote.digests or {(0, 0): remote.digest0}
         for prank, digest in digests.items():
@@ -99,7 +100,7 @@ class Handshaker:
                 return False
         return True
 
-    def probe(self, engine_id: str, endpoints: dict) -> None:
+    def probe(self, engine_id: str, endpoints: dict[Any, Any]) -> None:
         """A plain TCP connect to each endpoint: a dead process's closed port answers at once (refused),
         where ZMQ would wait out ``timeout_s``."""
         for prank, ep in sorted(endpoints.items()):
@@ -110,12 +111,12 @@ class Handshaker:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
 
-    def background(self, engine_id: str, endpoints: dict) -> tuple[RemoteEngine, dict]:
+    def background(self, engine_id: str, endpoints: dict[Any, Any]) -> tuple[RemoteEngine, dict[Any, Any]]:
         """The whole handshake (a background thread): probe, handshake, prepared lists."""
         self.probe(engine_id, endpoints)
         return self.run(engine_id, endpoints)
 
-    def run(self, engine_id: str, endpoints: dict) -> tuple[RemoteEngine, dict]:
+    def run(self, engine_id: str, endpoints: dict[Any, Any]) -> tuple[RemoteEngine, dict[Any, Any]]:
         """Handshake and prepare the lists; on failure nothing it added stays (agents removed)."""
         remote = self.handshake(engine_id, endpoints)
         try:
@@ -126,7 +127,7 @@ class Handshaker:
             raise
         return remote, prepped
 
-    def _get(self, engine_id: str, endpoints: dict, prank: Rank) -> RankMeta:
+    def _get(self, engine_id: str, endpoints: dict[Any, Any], prank: Rank) -> RankMeta:
         if prank not in endpoints:
             raise HandshakeError(f"no endpoint given for prefill rank {prank} of engine {engine_id!r}; "
                                  f"give one per rank, got {sorted(endpoints)}")
@@ -155,8 +156,8 @@ class Handshaker:
         for prank in needed:
             if prank not in metas:
                 metas[prank] = self._get(engine_id, endpoints, prank)
-        agents: dict = {}
-        bases: dict = {}
+        agents: dict[Any, Any] = {}
+        bases: dict[Any, Any] = {}
         try:
             self._add_agents(engine_id, layout, first, metas, needed, agents, bases)
         except BaseException:
@@ -180,7 +181,8 @@ class Handshaker:
                             modes, pair_shapes(lowered), digests={p: metas[p].metadata_sha256 for p in needed},
                             can_stage=frozenset(can_stage), side_ranks=side)
 
-    def _add_agents(self, engine_id, layout, first, metas, needed, agents, bases) -> None:
+    def _add_agents(self, engine_id: str, layout: EngineLayout, first: RankMeta, metas: dict[Rank, RankMeta],
+                    needed: Sequence[Rank], agents: dict[Rank, str], bases: dict[Rank, KVMemory]) -> None:
         for prank in needed:
             m = metas[prank]
             if m.model_fingerprint != first.model_fingerprint or m.layout != first.layout:
@@ -194,7 +196,7 @@ class Handshaker:
             agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
             bases[prank] = p_mem
 
-    def _modes(self, plan: TransferPlan, prefill_staging: dict) -> dict:
+    def _modes(self, plan: TransferPlan, prefill_staging: dict[Any, Any]) -> dict[Any, Any]:
         """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
         reads = plan.prefill_ranks_for(self.rank)
         if self.transfer_mode == "direct" or not self.staging_bytes:
