@@ -1,8 +1,9 @@
-"""The read of one (request, prefill rank) as a sans-IO machine (``runtime/readstate.py``
-:class:`RankRead`), driven only through ``handle(event, now) -> actions``, without sockets or NIXL:
-every live cell of the transition table is reached by the event that causes it, terminal states take
-no failing event, and the machine's own decisions (retries, heartbeats, pins, deadlines, staging
-fallback, one lowering per read) come back as actions."""
+"""The read of one (request, prefill rank) as a sans-IO machine (:class:`RankRead` in
+``runtime/readmachine.py``, its vocabulary in ``readstate.py``), driven only through
+``handle(event, now) -> actions``, without sockets or NIXL: every live cell of the transition table is
+reached by the event that causes it, terminal states take no failing event, and the machine's own
+decisions (retries, heartbeats, pins, deadlines, staging fallback, one lowering per read) come back as
+actions."""
 from __future__ import annotations
 
 import itertools
@@ -21,6 +22,7 @@ from kvbridge.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from kvbridge.runtime.readmachine import RankRead, ReadContext
 from kvbridge.runtime.readstate import (
     TERMINAL,
     TRANSITIONS,
@@ -37,8 +39,6 @@ from kvbridge.runtime.readstate import (
     PinsReleased,
     Post,
     PostSegment,
-    RankRead,
-    ReadContext,
     ReadEvent,
     ReadState,
     Refreshed,
@@ -180,6 +180,16 @@ def test_late_grant_or_staging_for_an_ended_read_is_let_go(state):
     assert rr.handle(Granted(TTL), 1.0) == [LetGo()]
     assert rr.handle(Segment(300, 0, 100, 7000, False, TTL), 1.0) == [LetGo()]
     assert rr.handle(StageFailed("lease_expired", "x", True, 0.0), 1.0) == []  # a refusal pins nothing
+
+
+@pytest.mark.parametrize("ev", [Abort(), XferFailed("x"), Failed(E.DISCONNECT, PeerDisconnected, "x")],
+                         ids=["abort", "nixl", "disconnect"])
+def test_an_ended_read_cancels_its_unfinished_direct_reads_once(ev):
+    rr = machine(S.POSTED)
+    acts = rr.handle(ev, 0.5)
+    assert acts[0] == Count("cancelled_reads") and rr.reads[0].cancelled and rr.terminal
+    done = machine(S.DONE)
+    assert done.handle(Abort(), 0.5) == [] and not done.reads[0].cancelled  # finished: nothing to cancel
 
 
 def test_nothing_to_read_is_pinned_then_released_at_once():

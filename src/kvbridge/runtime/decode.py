@@ -1,10 +1,18 @@
 """A decode rank: handshakes with prefill engines, reads requests' KV, reports finished/failed ids.
 
-The I/O half of the runtime. One :class:`~kvbridge.runtime.peer.Peer` per prefill engine owns what its
-handshake made (agents, prepared lists, sockets, outbox) and has a lifecycle of its own (``peer.py``);
-the handshake itself is ``handshake.py``. Each (request, prefill rank) read is a sans-IO
-:class:`~kvbridge.runtime.readstate.RankRead` that owns its state; this module turns ZMQ frames and NIXL
-states into its events and runs the actions it returns. Per request the hot path is one validation (or
+The public facade of the decode side. Its parts:
+
+* ``peer.py``: one :class:`~kvbridge.runtime.peer.Peer` per prefill engine owns what its handshake made
+  (agents, prepared lists, sockets, outbox), with a lifecycle table of its own;
+* ``handshake.py``: the handshake (metadata, checks, plan, agents, prepared lists);
+* ``readstate.py`` / ``readmachine.py``: each (request, prefill rank) read is a sans-IO
+  :class:`~kvbridge.runtime.readmachine.RankRead` that owns its state (``handle(event, now) -> actions``);
+* this module: the public API, the peers' lifecycle driven by events (connect in the background,
+  install, lose, re-handshake, reap) and the read loop, which turns ZMQ frames and NIXL states into
+  the read machines' events and runs the actions they return;
+* ``request.py``: :class:`ReadRequest` and the read in flight.
+
+Per request the hot path is one validation (or
 lowering) per prefill rank, one side-channel round trip (a batched ``Acquire`` that pins the lease for
 direct reads, or the ``Stage`` request itself) and one posted READ, off this thread; failures are typed
 (:class:`~kvbridge.errors.ReadFailure`).
@@ -15,7 +23,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -37,7 +44,6 @@ from ..errors import (
     TransferError,
 )
 from ..layout import EngineLayout, engine_to_dict
-from ..lower import GroupBlocks
 from ..memory import KVMemory
 from ..plan import Rank
 from ..tensors import host_view
@@ -60,8 +66,8 @@ from .protocol import (
     pack,
     unpack,
 )
+from .readmachine import REFUSALS, RankRead, ReadContext
 from .readstate import (
-    REFUSALS,
     Abort,
     AlignRetry,
     Ask,
@@ -75,8 +81,6 @@ from .readstate import (
     PinsReleased,
     Post,
     PostSegment,
-    RankRead,
-    ReadContext,
     ReadEvent,
     ReadState,
     Refreshed,
@@ -94,59 +98,12 @@ from .readstate import (
     XferDone,
     XferFailed,
 )
+from .request import InFlight, ReadRequest
 from .slots import SlotAllocator
 
 __all__ = ["DecodeRank", "ReadRequest", "RemoteEngine", "Peer", "PeerState", "fetch_meta"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReadRequest:
-    """What the decode side knows of a request (vLLM's kv_transfer_params).
-
-    ``attempt``: the lease's attempt id that ``PrefillRank.add_request`` returned (the same on every
-    prefill rank when the engine passes one; or a mapping prefill rank -> attempt). The decode never
-    sees a lease time: the prefill alone decides, on its own clock, whether the attempt is still live.
-    ``read_id``: see :attr:`key`.
-    """
-
-    req_id: str
-    engine_id: str
-    num_tokens: int
-    prefill_blocks: dict[str, GroupBlocks]
-    decode_blocks: dict[str, GroupBlocks]
-    attempt: int | dict = 0
-    read_id: str = ""
-
-    @property
-    def key(self) -> str:
-        """This read's id on the decode side and the prefill's pin: ``read_id`` (the decode engine's own
-        request id, the same on all of its ranks), or ``req_id`` when none is given. Several reads of one
-        prefill request (vLLM ``n > 1``, retries, hedges) need distinct read ids; :meth:`DecodeRank.poll`,
-        :meth:`~DecodeRank.abort` and :meth:`~DecodeRank.release` name a read by this key."""
-        return self.read_id or self.req_id
-
-    def attempt_for(self, prefill_rank: Rank) -> int:
-        a = self.attempt
-        if isinstance(a, dict):
-            return int(a.get(tuple(prefill_rank), 0))
-        return int(a or 0)
-
-
-@dataclass
-class _InFlight:
-    req: ReadRequest
-    peer: Peer
-    ranks: dict          # prefill rank -> RankRead (readstate.py: the read's machine)
-    started: float
-    nbytes: int = 0
-    ndescs: int = 0
-    stage_sent: float = 0.0
-
-    @property
-    def xfers(self) -> list:
-        return [r.xfer for rr in self.ranks.values() for r in rr.reads]
 
 
 class DecodeRank:
@@ -205,11 +162,13 @@ class DecodeRank:
         self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
         self.slots = SlotAllocator(self.staging_bytes)
         self.ctx = zmq.Context.instance()
-        self.inflight: dict[str, _InFlight] = {}
+        self.inflight: dict[str, InFlight] = {}
         self.finished: list[str] = []
         self.failed: dict[str, ReadFailure] = {}
         self.metrics = Metrics()
         self.handshake_timeout_s = handshake_timeout_s
+
+    # ---- peers: handshake, background connect, lifecycle ------------------------------------------
 
     # ---- peers: handshake, background connect, lifecycle ------------------------------------------
     @property
@@ -352,10 +311,10 @@ class DecodeRank:
                 req_id=req.req_id, engine_id=peer.engine_id)
         self._old.append(peer)  # closed by _reap (at once, or when an abandoned handshake returns)
 
-    def _can_requeue(self, f: _InFlight) -> bool:
+    def _can_requeue(self, f: InFlight) -> bool:
         return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
 
-    def _requeue_restarted(self, f: _InFlight) -> bool:
+    def _requeue_restarted(self, f: InFlight) -> bool:
         """A prefill rank answered "restarted" (same id and ports, a new process): if this read holds no
         pin anywhere yet, drop it quietly, re-handshake in the background and start it again there (the
         request that discovered the restart does not fail). True if requeued."""
@@ -364,7 +323,7 @@ class DecodeRank:
         self._requeue(f, f"prefill engine {f.peer.engine_id!r} restarted", PeerEvent.RESTARTED)
         return True
 
-    def _requeue(self, f: _InFlight, why: str, event: PeerEvent) -> None:
+    def _requeue(self, f: InFlight, why: str, event: PeerEvent) -> None:
         """Start ``f`` again behind a background re-handshake of its engine (once per read); it fails
         :class:`HandshakeFailed` (a :class:`PeerDisconnected`) if the engine cannot be reached. The
         engine's other reads that hold nothing yet go with it (the old peer is lost)."""
@@ -466,29 +425,13 @@ class DecodeRank:
                 keep.append(peer)  # an abandoned handshake still running: released when it returns
         self._old = keep
 
-    def _drain_replies(self) -> None:
-        for peer in self._active_peers():
-            for prank, sock in list(peer.socks.items()):
-                if peer.disconnected(prank, _monitor_event) and prank not in peer.gone and prank in peer.agents:
-                    self._peer_died(peer, prank, "its side-channel connection closed")
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except (zmq.Again, zmq.ZMQError):
-                        break
-                    try:
-                        msg = unpack(frames)
-                    except HandshakeError:
-                        continue
-                    if isinstance(msg, Acquired):
-                        self._on_acquired(peer, prank, msg)
-                    elif isinstance(msg, (Staged, StageError)):
-                        self._on_stage_reply(peer, prank, msg)
-
     def _active_peers(self) -> list[Peer]:
         """Peers with open sockets: live ones, and lost ones not yet reaped (reads may still use them)."""
         out = [p for p in self._peers.values() if p.live]
         return out + [p for p in self._old if p.state is PeerState.LOST and p.remote is not None] if self._old else out
+
+    def _connecting(self) -> bool:
+        return any(p.connecting for p in self._peers.values())
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
@@ -522,7 +465,7 @@ class DecodeRank:
                 f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
                 req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
             return
-        f = _InFlight(req, peer, {}, t0)
+        f = InFlight(req, peer, {}, t0)
         now = time.monotonic()
         ctx = self._read_ctx()
         for prank in peer.agents:
@@ -545,7 +488,7 @@ class DecodeRank:
                     peer.digests.get(prank, ""), key, self.transport.agent_name)
                 # lowered at most once, when the first segment is announced (or on a fallback to direct)
                 f.ranks[prank] = RankRead(prank, ReadState.STAGE_REQUESTED, now, ctx, request=msg, slot_key=(key, prank),
-                                          lower=partial(_lower_one, peer.lowered, req, prank))
+                                          lower=partial(lower_one, peer.lowered, req, prank))
                 peer.send(prank, pack(msg))
             f.stage_sent = time.perf_counter()
         self.metrics.post_seconds_sum += time.perf_counter() - t0
@@ -554,14 +497,6 @@ class DecodeRank:
             self.metrics.finished_requests += 1
             return
         self.inflight[key] = f
-
-    def _read_ctx(self) -> ReadContext:
-        return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
-                           self.staging_addr)
-
-    @staticmethod
-    def _queue(box: dict, peer: Peer, prank: Rank, req: ReadRequest) -> None:
-        peer.queue(box, prank, (req.req_id, req.attempt_for(prank), req.key))
 
     def heartbeat(self, reqs: Iterable[ReadRequest]) -> None:
         """Tell the prefill ranks that these requests, queued or parked on this engine (not started), will
@@ -605,33 +540,6 @@ class DecodeRank:
             if req.attempt_for(p):
                 self._notify(agent, self._done(req, peer, p, ok=False, decline=True))
 
-    def flush(self) -> None:
-        """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
-        messages ZMQ could not take, of every peer with open sockets."""
-        for peer in self._active_peers():
-            if peer.unsent:
-                peer.retry_unsent()
-            if peer.outbox:
-                out, peer.outbox = peer.outbox, {}
-                for prank, reqs in out.items():
-                    live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
-                    now = time.monotonic()
-                    for _, _, k in live:
-                        rr = self.inflight[k].ranks.get(prank)
-                        if rr is not None:
-                            rr.handle(Sent(), now)
-                    if live and prank in peer.socks:
-                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
-                                                      peer.digests.get(prank, ""), live, self.transport.agent_name)))
-            if peer.heartbeats:
-                out, peer.heartbeats = peer.heartbeats, {}
-                for prank, reqs in out.items():
-                    if prank in peer.socks:
-                        self.metrics.heartbeats += len(reqs)
-                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
-                                                      peer.digests.get(prank, ""), reqs, self.transport.agent_name,
-                                                      heartbeat=True)))
-
     def _request_modes(self, remote: Peer, req: ReadRequest) -> dict:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
         mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
@@ -642,149 +550,6 @@ class DecodeRank:
         staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
                                lambda p: p in remote.can_stage)
         return {p: staged.get(p, "direct") for p in remote.modes}
-
-
-    def _done(self, req: ReadRequest, remote: Peer, prank: Rank, ok: bool = True,
-              decline: bool = False) -> bytes:
-        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
-                                 req.attempt_for(prank), req.key, decline))
-
-    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
-        """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
-        or answered twice): release that pin once, so it does not hold the blocks until it times out."""
-        key = (read_id, prank, attempt)
-        if key in self._released or prank not in remote.agents:
-            return
-        self._released[key] = True
-        while len(self._released) > 4096:
-            self._released.popitem(last=False)
-        agent = remote.agent(prank)
-        if agent is not None:
-            self._notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
-                                                  attempt, read_id)))
-
-    def _apply(self, f: _InFlight, rr: RankRead, actions: list, ids: tuple | None = None) -> bool:
-        """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
-        prank, peer = rr.prefill, f.peer
-        for a in actions:
-            if isinstance(a, Post):
-                a.transfer.xfer = self.transport.post(
-                    peer.agents[prank], a.transfer.work, self._done(f.req, peer, prank), cancel=a.transfer,
-                    remote_device=_device_of(peer, prank))
-                # sizes of a direct read are worked out on the post thread: counted when the request completes
-                self.metrics.transfers += 1
-            elif isinstance(a, PostSegment):
-                t, one = a.transfer, np.ones(1, dtype=np.int64)
-                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * t.nbytes, b"",
-                                             remote_device=_device_of(peer, prank))
-                f.nbytes += t.nbytes
-                f.ndescs += 1
-                self.metrics.transfers += 1
-            elif isinstance(a, Scatter):
-                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer)
-            elif isinstance(a, Ask):
-                if not a.stage:
-                    self._queue(peer.outbox, peer, prank, f.req)
-                elif prank in peer.socks:
-                    peer.send(prank, pack(rr.request))
-                    rr.handle(Sent(), time.monotonic())
-            elif isinstance(a, Heartbeat):
-                self._queue(peer.heartbeats, peer, prank, f.req)
-            elif isinstance(a, Notify):
-                self._notify(peer.agents[prank], self._done(f.req, peer, prank))
-            elif isinstance(a, LetGo):
-                self._let_go(peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
-            elif isinstance(a, Count):
-                setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
-            elif isinstance(a, Retry):
-                # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each
-                # child is a reader) ask together, in one message: the prefill pins them all before any of
-                # them can end and free the lease under the others (a refused acquire leaves no trace there)
-                for g in self.inflight.values():
-                    sib = g.ranks.get(prank) if g is not f else None
-                    if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
-                            and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
-                        at = min(a.at, sib.retry_at)
-                        rr.handle(AlignRetry(at), 0.0)
-                        sib.handle(AlignRetry(at), 0.0)
-            elif isinstance(a, Restarted):
-                if self._requeue_restarted(f):
-                    return True
-                failed = self._apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
-                                                      time.monotonic()))
-                self._retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
-                return failed
-            elif isinstance(a, Fail):
-                self._fail(f.req.key, f, self._failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
-                return True
-        return False
-
-    def _failure(self, cls, f: _InFlight, prank: Rank | None, text: str) -> ReadFailure:
-        where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
-            f"prefill engine {f.peer.engine_id!r}"
-        return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
-                   engine_id=f.peer.engine_id, prefill_rank=prank)
-
-    def _on_acquired(self, peer: Peer, prank: Rank, msg: Acquired) -> None:
-        """An ``Acquired`` frame -> one event per read it names."""
-        now = time.monotonic()
-        if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
-            for rid, attempt, read_id, ttl_s in msg.granted:
-                f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-                if rr is not None:
-                    rr.handle(Refreshed(ttl_s), now)
-            return
-        for rid, attempt, read_id, ttl_s in msg.granted:
-            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-            if rr is None:
-                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
-                continue
-            self._apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
-        for rid, attempt, read_id, code, text in msg.refused:
-            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-            if rr is not None:
-                self._apply(f, rr, rr.handle(Refused(code, text), now))
-
-    def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
-                   read_id: str = ""):
-        f = self.inflight.get(read_id or rid)
-        if (f is None or f.peer is not remote or f.req.req_id != rid
-                or (attempt is not None and attempt != f.req.attempt_for(prank))):
-            return None, None
-        return f, f.ranks.get(prank)
-
-    def _on_stage_reply(self, peer: Peer, prank: Rank, msg: Staged | StageError) -> None:
-        """A ``Staged``/``StageError`` frame -> one event for the read it names."""
-        f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
-        ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
-        if rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
-            if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
-                self._let_go(peer, prank, *ids)
-            return
-        now = time.monotonic()
-        if isinstance(msg, Staged):
-            ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
-        else:
-            ev = StageFailed(msg.code, msg.message, msg.expired, msg.ttl_s)
-        actions = rr.handle(ev, now)
-        if not msg.attempt:
-            actions = [a for a in actions if not isinstance(a, LetGo)]
-        if isinstance(msg, Staged) and msg.last and any(isinstance(a, PostSegment) for a in actions):
-            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
-        self._apply(f, rr, actions, ids)
-
-    def _scatter(self, r: Transfer) -> None:
-        """Staging -> KV buffer for one staged segment (runs on a post thread)."""
-        t0 = time.perf_counter()
-        dst, nbytes = r.runs
-        self._kv.scatter(self.staging, dst, nbytes, r.slot)
-        self.metrics.scatter_seconds_sum += time.perf_counter() - t0
-
-    def _notify(self, agent: str, msg: bytes) -> None:
-        try:
-            self.transport.send_notif(agent, msg)
-        except TransferError:
-            self.metrics.failed_notifications += 1
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
         """Abort a request: tell its prefill ranks to free the blocks (never waits for a read).
@@ -855,7 +620,204 @@ class DecodeRank:
         self.finished, self.failed = [], {}
         return out, failed
 
-    def _advance(self, f: _InFlight, rr: RankRead, now: float) -> bool:
+    # ---- the read loop: ZMQ frames and NIXL states -> read events, actions -> I/O -----------------
+    def _read_ctx(self) -> ReadContext:
+        return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
+                           self.staging_addr)
+
+    @staticmethod
+    def _queue(box: dict, peer: Peer, prank: Rank, req: ReadRequest) -> None:
+        peer.queue(box, prank, (req.req_id, req.attempt_for(prank), req.key))
+
+    def flush(self) -> None:
+        """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
+        messages ZMQ could not take, of every peer with open sockets."""
+        for peer in self._active_peers():
+            if peer.unsent:
+                peer.retry_unsent()
+            if peer.outbox:
+                out, peer.outbox = peer.outbox, {}
+                for prank, reqs in out.items():
+                    live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
+                    now = time.monotonic()
+                    for _, _, k in live:
+                        rr = self.inflight[k].ranks.get(prank)
+                        if rr is not None:
+                            rr.handle(Sent(), now)
+                    if live and prank in peer.socks:
+                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
+                                                      peer.digests.get(prank, ""), live, self.transport.agent_name)))
+            if peer.heartbeats:
+                out, peer.heartbeats = peer.heartbeats, {}
+                for prank, reqs in out.items():
+                    if prank in peer.socks:
+                        self.metrics.heartbeats += len(reqs)
+                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
+                                                      peer.digests.get(prank, ""), reqs, self.transport.agent_name,
+                                                      heartbeat=True)))
+
+    def _done(self, req: ReadRequest, remote: Peer, prank: Rank, ok: bool = True,
+              decline: bool = False) -> bytes:
+        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
+                                 req.attempt_for(prank), req.key, decline))
+
+    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+        """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
+        or answered twice): release that pin once, so it does not hold the blocks until it times out."""
+        key = (read_id, prank, attempt)
+        if key in self._released or prank not in remote.agents:
+            return
+        self._released[key] = True
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)
+        agent = remote.agent(prank)
+        if agent is not None:
+            self._notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+                                                  attempt, read_id)))
+
+    def _apply(self, f: InFlight, rr: RankRead, actions: list, ids: tuple | None = None) -> bool:
+        """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
+        prank, peer = rr.prefill, f.peer
+        for a in actions:
+            if isinstance(a, Post):
+                a.transfer.xfer = self.transport.post(
+                    peer.agents[prank], a.transfer.work, self._done(f.req, peer, prank), cancel=a.transfer,
+                    remote_device=_device_of(peer, prank))
+                # sizes of a direct read are worked out on the post thread: counted when the request completes
+                self.metrics.transfers += 1
+            elif isinstance(a, PostSegment):
+                t, one = a.transfer, np.ones(1, dtype=np.int64)
+                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * t.nbytes, b"",
+                                             remote_device=_device_of(peer, prank))
+                f.nbytes += t.nbytes
+                f.ndescs += 1
+                self.metrics.transfers += 1
+            elif isinstance(a, Scatter):
+                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer)
+            elif isinstance(a, Ask):
+                if not a.stage:
+                    self._queue(peer.outbox, peer, prank, f.req)
+                elif prank in peer.socks:
+                    peer.send(prank, pack(rr.request))
+                    rr.handle(Sent(), time.monotonic())
+            elif isinstance(a, Heartbeat):
+                self._queue(peer.heartbeats, peer, prank, f.req)
+            elif isinstance(a, Notify):
+                self._notify(peer.agents[prank], self._done(f.req, peer, prank))
+            elif isinstance(a, LetGo):
+                self._let_go(peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+            elif isinstance(a, Count):
+                setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
+            elif isinstance(a, Retry):
+                # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each
+                # child is a reader) ask together, in one message: the prefill pins them all before any of
+                # them can end and free the lease under the others (a refused acquire leaves no trace there)
+                for g in self.inflight.values():
+                    sib = g.ranks.get(prank) if g is not f else None
+                    if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
+                            and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
+                        at = min(a.at, sib.retry_at)
+                        rr.handle(AlignRetry(at), 0.0)
+                        sib.handle(AlignRetry(at), 0.0)
+            elif isinstance(a, Restarted):
+                if self._requeue_restarted(f):
+                    return True
+                failed = self._apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
+                                                      time.monotonic()))
+                self._retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+                return failed
+            elif isinstance(a, Fail):
+                self._fail(f.req.key, f, self._failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
+                return True
+        return False
+
+    def _failure(self, cls, f: InFlight, prank: Rank | None, text: str) -> ReadFailure:
+        where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
+            f"prefill engine {f.peer.engine_id!r}"
+        return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
+                   engine_id=f.peer.engine_id, prefill_rank=prank)
+
+    def _on_acquired(self, peer: Peer, prank: Rank, msg: Acquired) -> None:
+        """An ``Acquired`` frame -> one event per read it names."""
+        now = time.monotonic()
+        if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
+            for rid, attempt, read_id, ttl_s in msg.granted:
+                f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+                if rr is not None:
+                    rr.handle(Refreshed(ttl_s), now)
+            return
+        for rid, attempt, read_id, ttl_s in msg.granted:
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is None:
+                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
+                continue
+            self._apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
+        for rid, attempt, read_id, code, text in msg.refused:
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is not None:
+                self._apply(f, rr, rr.handle(Refused(code, text), now))
+
+    def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
+                   read_id: str = ""):
+        f = self.inflight.get(read_id or rid)
+        if (f is None or f.peer is not remote or f.req.req_id != rid
+                or (attempt is not None and attempt != f.req.attempt_for(prank))):
+            return None, None
+        return f, f.ranks.get(prank)
+
+    def _on_stage_reply(self, peer: Peer, prank: Rank, msg: Staged | StageError) -> None:
+        """A ``Staged``/``StageError`` frame -> one event for the read it names."""
+        f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
+        ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+        if rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
+            if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
+                self._let_go(peer, prank, *ids)
+            return
+        now = time.monotonic()
+        if isinstance(msg, Staged):
+            ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
+        else:
+            ev = StageFailed(msg.code, msg.message, msg.expired, msg.ttl_s)
+        actions = rr.handle(ev, now)
+        if not msg.attempt:
+            actions = [a for a in actions if not isinstance(a, LetGo)]
+        if isinstance(msg, Staged) and msg.last and any(isinstance(a, PostSegment) for a in actions):
+            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
+        self._apply(f, rr, actions, ids)
+
+    def _scatter(self, r: Transfer) -> None:
+        """Staging -> KV buffer for one staged segment (runs on a post thread)."""
+        t0 = time.perf_counter()
+        dst, nbytes = r.runs
+        self._kv.scatter(self.staging, dst, nbytes, r.slot)
+        self.metrics.scatter_seconds_sum += time.perf_counter() - t0
+
+    def _notify(self, agent: str, msg: bytes) -> None:
+        try:
+            self.transport.send_notif(agent, msg)
+        except TransferError:
+            self.metrics.failed_notifications += 1
+
+    def _drain_replies(self) -> None:
+        for peer in self._active_peers():
+            for prank, sock in list(peer.socks.items()):
+                if peer.disconnected(prank, _monitor_event) and prank not in peer.gone and prank in peer.agents:
+                    self._peer_died(peer, prank, "its side-channel connection closed")
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except (zmq.Again, zmq.ZMQError):
+                        break
+                    try:
+                        msg = unpack(frames)
+                    except HandshakeError:
+                        continue
+                    if isinstance(msg, Acquired):
+                        self._on_acquired(peer, prank, msg)
+                    elif isinstance(msg, (Staged, StageError)):
+                        self._on_stage_reply(peer, prank, msg)
+
+    def _advance(self, f: InFlight, rr: RankRead, now: float) -> bool:
         """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
         place), then a tick (retries, heartbeats, completion, deadlines). True if the request failed."""
         peer, prank = f.peer, rr.prefill
@@ -887,7 +849,7 @@ class DecodeRank:
                     latest = max(latest, posted)
         return self._apply(f, rr, rr.handle(Tick(peer.progress.get(prank, 0.0), queued, latest), now))
 
-    def _complete(self, rid: str, f: _InFlight) -> None:
+    def _complete(self, rid: str, f: InFlight) -> None:
         self._release_reads(f)
         del self.inflight[rid]
         now = time.monotonic()
@@ -906,7 +868,7 @@ class DecodeRank:
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 
-    def _release_reads(self, f: _InFlight) -> set:
+    def _release_reads(self, f: InFlight) -> set:
         """Release a request's reads and staging slots without waiting (never blocks the loop).
 
         Returns the prefill ranks whose reads did not all complete. A read not yet posted is cancelled; one
@@ -917,10 +879,7 @@ class DecodeRank:
         for prank, rr in f.ranks.items():
             if rr.state is not ReadState.DONE and (rr.reads or rr.state is ReadState.POSTED):
                 incomplete.add(prank)
-            for r in rr.reads:
-                if r.work is not None and not r.done and not r.cancelled:  # not posted yet: never will be
-                    self.metrics.cancelled_reads += 1
-                    r.cancelled = True
+            for r in rr.reads:  # (unfinished direct reads were cancelled by their machine when it ended)
                 state = self.transport.settle(r.xfer, 0)
                 if state is None or (r.scatter is not None and not r.scatter.done()):
                     parked.append(r)
@@ -957,7 +916,7 @@ class DecodeRank:
             self._failed_keys.popitem(last=False)
         self.metrics.failed_requests += 1
 
-    def _fail(self, rid: str, f: _InFlight, failure: ReadFailure, notify: bool = True) -> None:
+    def _fail(self, rid: str, f: InFlight, failure: ReadFailure, notify: bool = True) -> None:
         """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
         tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
         self._abort_ranks(f)
@@ -969,12 +928,12 @@ class DecodeRank:
         if notify:
             self._notify_failed(f)
 
-    def _abort_ranks(self, f: _InFlight) -> None:
+    def _abort_ranks(self, f: InFlight) -> None:
         now = time.monotonic()
         for rr in f.ranks.values():
-            rr.handle(Abort(), now)
+            self._apply(f, rr, rr.handle(Abort(), now))  # (counts of cancelled reads only)
 
-    def _notify_failed(self, f: _InFlight) -> None:
+    def _notify_failed(self, f: InFlight) -> None:
         """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
         alive: it releases that pin (only the holder's Done can). Nothing is sent for a rank that refused
         the acquire or was never asked (it holds nothing of ours); a pin granted after this is released
@@ -1003,9 +962,6 @@ class DecodeRank:
             if not (self.inflight or self._connecting()) or time.monotonic() > deadline:
                 return done, failed
             time.sleep(sleep_s)
-
-    def _connecting(self) -> bool:
-        return any(p.connecting for p in self._peers.values())
 
     def stats(self) -> dict:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
@@ -1092,7 +1048,7 @@ def _monitor_event(mon) -> int | None:
         return None
 
 
-def _lower_one(lowered, req: ReadRequest, prank: Rank):
+def lower_one(lowered, req: ReadRequest, prank: Rank):
     """The lowered descriptors of ``req`` for one prefill rank (a staged rank's work item)."""
     (d,) = lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
     return d
