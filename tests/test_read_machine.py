@@ -192,6 +192,27 @@ def test_an_ended_read_cancels_its_unfinished_direct_reads_once(ev):
     assert done.handle(Abort(), 0.5) == [] and not done.reads[0].cancelled  # finished: nothing to cancel
 
 
+@pytest.mark.parametrize("state", [s for s in S if s not in TERMINAL])
+@pytest.mark.parametrize("pinned_heartbeat", [False, True])
+def test_no_tick_before_wake_at_can_act(state, pinned_heartbeat):
+    """The loop skips ticks before ``wake_at``: a tick at any earlier time returns nothing and changes
+    nothing; an event other than a tick asks for a tick at the next poll."""
+    rr = machine(state)
+    if pinned_heartbeat and rr.pinned:
+        rr.handle(Tick(queued_locally=True), rr.refresh_at)  # heartbeat sent: the next one is later
+    before = rr.handle(Tick(queued_locally=True), 0.5)
+    wake = rr.wake_at
+    assert wake > 0.5 or before, (rr, wake)
+    for t in np.linspace(0.5, min(wake, 1e4), 7)[:-1]:
+        for tick in (Tick(), Tick(queued_locally=True), Tick(peer_progress=t, posted_latest=t)):
+            assert rr.handle(tick, float(t)) == [] and rr.state is state
+    rr.handle(Sent(), 1.0)
+    assert rr.wake_at == 0.0
+    rr.handle(Abort(), 1.0)
+    rr.handle(Tick(), 2.0)
+    assert rr.wake_at == float("inf")
+
+
 def test_nothing_to_read_is_pinned_then_released_at_once():
     rr = RankRead(P, S.ACQUIRING, 0.0, ctx(), work=None)
     assert rr.handle(Granted(TTL), 0.1) == [Notify()] and rr.state is S.DONE and not rr.pinned

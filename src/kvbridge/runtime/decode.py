@@ -839,6 +839,8 @@ class DecodeRank:
             return self._apply(f, rr, rr.handle(XferFailed(str(e)), now))
         except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
             return self._apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+        if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
+            return False
         queued, latest = False, float("-inf")
         for t in rr.reads:
             if not t.done:

@@ -107,6 +107,9 @@ class RankRead:
         self.retry_at: float | None = None  # not registered yet: ask again at this time
         self.refresh_at = float("inf")   # pinned: send a heartbeat (re-arms the pin) at this time
         self.refresh_sent = 0.0          # when the last heartbeat went out (its answer counts from here)
+        # no Tick can change anything before this time (0: tick at the next poll); every other event resets
+        # it, a Tick sets it from the read's own deadlines: the loop skips idle reads' ticks
+        self.wake_at = 0.0
 
     @property
     def state(self) -> ReadState:
@@ -129,7 +132,10 @@ class RankRead:
     def handle(self, ev: Event, now: float) -> list[Action]:
         """Apply one event at ``now``; returns what the I/O loop must do."""
         if isinstance(ev, Tick):
-            return self._tick(ev, now)
+            out = self._tick(ev, now)
+            self.wake_at = self._next_wake()
+            return out
+        self.wake_at = 0.0
         if isinstance(ev, XferDone):
             t = self.reads[ev.index]
             t.done, self.progress_at = True, now
@@ -333,6 +339,16 @@ class RankRead:
             return out + self._fail(ReadEvent.TIMEOUT, LeaseExpired,
                                     "the lease pin the prefill granted ran out before the read ended")
         return out
+
+    def _next_wake(self) -> float:
+        """The earliest time a Tick could act: a retry, a heartbeat, the pin's end, or the earliest a
+        progress deadline can run out (peer progress and posting times only push those later)."""
+        if self.terminal:
+            return float("inf")
+        if self.retry_at is not None:
+            return self.retry_at
+        wake = min(self.pin_deadline, self.progress_at + min(self.ctx.stage_timeout_s, self.ctx.transfer_timeout_s))
+        return min(wake, self.refresh_at) if self.pinned else wake
 
     def _progress_ref(self, ev: Tick, now: float, waiting: bool) -> float:
         """When this read last showed the peer alive: its deadline runs from there. Waiting for an answer:
