@@ -258,10 +258,11 @@ class DecodeRank:
         elif cur is not None:
             self._abandon(cur)
         self._reap(engine_id=engine_id)
-        fut = self._hs_pool.submit(self._handshaker().background, engine_id, endpoints)
+        phase = ["queued behind another handshake"]
+        fut = self._hs_pool.submit(self._handshaker().background, engine_id, endpoints, phase)
         peer = self._peers[engine_id] = Peer(
             engine_id, endpoints, started=time.monotonic(), future=fut, pending=pending,
-            bound_s=self.connect_timeout_s if bound_s is None else bound_s)
+            bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
         return peer
 
     def _abandon(self, peer: Peer) -> None:
@@ -296,7 +297,8 @@ class DecodeRank:
                 self._install(peer, remote, prepped)
             elif now - peer.started > peer.bound_s:
                 self._handshake_failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"no handshake within {peer.bound_s:g} s "
-                                       "(prefill engine dead, frozen or unreachable)", now)
+                                       "(prefill engine dead, frozen or unreachable; the handshake was at: "
+                                       f"{peer.phase[0]})", now)
 
     def _handshake_failed(self, peer: Peer, event: PeerEvent, why: str, now: float) -> None:
         del self._peers[peer.engine_id]

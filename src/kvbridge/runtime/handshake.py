@@ -5,8 +5,10 @@ lists, is handed to a :class:`~kvbridge.runtime.peer.Peer`, which owns it from t
 side-channel sockets on the decode rank's own thread)."""
 from __future__ import annotations
 
+import logging
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,13 @@ from ..memory import KVMemory
 from ..plan import Rank, TransferPlan, plan_transfer
 from . import prepped_hook as _prepped_hook
 from .protocol import ErrorReply, GetMeta, RankMeta, pack, unpack
+
+log = logging.getLogger(__name__)
+Step = Callable[[str], None]  # names the step a handshake is at (diagnostics of a slow handshake)
+
+
+def _no_step(what: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,11 @@ class Handshaker:
                 return False
         return True
 
-    def probe(self, engine_id: str, endpoints: dict[Any, Any]) -> None:
+    def probe(self, engine_id: str, endpoints: dict[Any, Any], step: Step = _no_step) -> None:
         """A plain TCP connect to each endpoint: a dead process's closed port answers at once (refused),
         where ZMQ would wait out ``timeout_s``."""
         for prank, ep in sorted(endpoints.items()):
+            step(f"TCP connect to rank {prank} at {ep}")
             host, _, port = ep.rpartition(":")
             try:
                 socket.create_connection((host, int(port)), timeout=self.timeout_s).close()
@@ -111,14 +121,34 @@ class Handshaker:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
 
-    def background(self, engine_id: str, endpoints: dict[Any, Any]) -> tuple[RemoteEngine, dict[Any, Any]]:
-        """The whole handshake (a background thread): probe, handshake, prepared lists."""
-        self.probe(engine_id, endpoints)
-        return self.run(engine_id, endpoints)
+    def background(self, engine_id: str, endpoints: dict[Any, Any],
+                   phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Any, Any]]:
+        """The whole handshake (a background thread): probe, handshake, prepared lists. ``phase[0]`` names
+        the step it is at (a handshake that runs past its bound says where it was stuck); one that takes
+        more than 2 s logs how long each step took."""
+        phase = phase if phase is not None else ["started"]
+        t0 = time.monotonic()
+        times: list[tuple[str, float]] = []
 
-    def run(self, engine_id: str, endpoints: dict[Any, Any]) -> tuple[RemoteEngine, dict[Any, Any]]:
+        def step(what: str) -> None:
+            times.append((phase[0], time.monotonic()))
+            phase[0] = what
+
+        self.probe(engine_id, endpoints, step)
+        out = self.run(engine_id, endpoints, step)
+        step("done")
+        total = time.monotonic() - t0
+        if total > 2.0:  # an operator's first clue when a prefill engine is slow to reach
+            marks = [t0] + [t for _, t in times]
+            log.warning("kvbridge: handshake with prefill engine %r took %.1f s: %s", engine_id, total, "; ".join(
+                f"{what} {b - a:.2f} s" for (what, _), a, b in zip(times[1:], marks[1:], marks[2:])))
+        return out
+
+    def run(self, engine_id: str, endpoints: dict[Any, Any],
+            step: Step = _no_step) -> tuple[RemoteEngine, dict[Any, Any]]:
         """Handshake and prepare the lists; on failure nothing it added stays (agents removed)."""
-        remote = self.handshake(engine_id, endpoints)
+        remote = self.handshake(engine_id, endpoints, step)
+        step("NIXL prepared descriptor lists")
         try:
             prepped = _prepped_hook.prepare(self.transport, remote, None)  # [i14]
         except BaseException:
@@ -138,7 +168,8 @@ class Handshaker:
             raise HandshakeError(f"endpoint {endpoints[prank]} is rank {tuple(meta.rank)}, expected {prank}")
         return meta
 
-    def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> RemoteEngine:
+    def handshake(self, engine_id: str, endpoints: dict[Rank, str], step: Step = _no_step) -> RemoteEngine:
+        step("metadata from rank (0, 0)")
         first = self._get(engine_id, endpoints, (0, 0))
         try:
             layout = engine_from_dict(first.layout)
@@ -150,20 +181,24 @@ class Handshaker:
             plan_transfer(layout, self.engine)  # raises IncompatibleLayoutsError naming the difference
             raise IncompatibleLayoutsError(f"prefill model {layout.model.name!r} differs from decode model "
                                            f"{self.engine.model.name!r}; serve the same model on both")
+        step("planning")
         plan = plan_transfer(layout, self.engine)
         metas = {(0, 0): first}
         needed = plan.ranks_to_notify(self.rank)
         for prank in needed:
             if prank not in metas:
+                step(f"metadata from rank {prank}")
                 metas[prank] = self._get(engine_id, endpoints, prank)
         agents: dict[Any, Any] = {}
         bases: dict[Any, Any] = {}
+        step("NIXL add_remote_agent")
         try:
             self._add_agents(engine_id, layout, first, metas, needed, agents, bases)
         except BaseException:
             for agent in agents.values():  # no half-added engine
                 self.transport.remove_peer(agent)
             raise
+        step("lowering the plan")
         lowered = LoweredPlan(plan, self.rank, prefill_mems=bases, decode_mem=self.mem)
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})

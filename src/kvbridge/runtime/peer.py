@@ -93,11 +93,12 @@ class Peer:
 
     def __init__(self, engine_id: str, endpoints: dict[Rank, str], *, started: float = 0.0,
                  bound_s: float = float("inf"), future: Future[Any] | None = None,
-                 pending: Collection[Any] = (), why: str = ""):
+                 pending: Collection[Any] = (), why: str = "", phase: list[str] | None = None):
         self.engine_id, self.endpoints = engine_id, dict(endpoints)
         self.state = PeerState.CONNECTING
         self.started, self.bound_s, self.why = started, bound_s, why
         self.future = future            # background handshake -> (RemoteEngine, prepared lists)
+        self.phase = phase if phase is not None else ["queued"]  # the step that handshake is at (its thread writes)
         self.pending: list[Any] = list(pending)  # ReadRequests started while connecting
         self.error = ""                 # why the handshake failed (LOST from CONNECTING)
         self.remote: RemoteEngine | None = None
