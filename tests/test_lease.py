@@ -1,8 +1,10 @@
 """The prefill's lease machine (``runtime/lease.py``) without sockets: hypothesis drives random
 interleavings of register / acquire / stage (an acquire) / Done (ok or failed) / decline (abort) /
-heartbeat / expiry from several readers, honest and not, and checks:
+heartbeat / expect (vLLM ``n > 1``: more reads for a lease) / expiry from several readers, honest and not, and
+checks:
 
 * a lease never ends while a pin on it is held and not timed out;
+* a lease is FREED only when at least as many claims as it expects (``reads``) exist, all settled;
 * every lease ends once its readers stop (released or timed out), within bounded time;
 * a message from a reader that does not hold the pin it names (or for another attempt, or with a
   readers count that disagrees) changes nothing at all;
@@ -32,7 +34,8 @@ def snapshot(t: LeaseTable):
 
 
 op = st.one_of(
-    st.tuples(st.just("register"), st.sampled_from(REQS), st.integers(1, 3)),
+    st.tuples(st.just("register"), st.sampled_from(REQS), st.integers(1, 3), st.integers(1, 3)),
+    st.tuples(st.just("expect"), st.sampled_from(REQS), st.integers(1, 3), st.integers(0, 4)),
     st.tuples(st.just("acquire"), st.sampled_from(REQS), st.integers(1, 3), st.sampled_from(ENGINES),
               st.sampled_from(RANKS), st.sampled_from(READS), st.integers(1, 2)),
     st.tuples(st.just("release"), st.sampled_from(REQS), st.integers(1, 3), st.sampled_from(ENGINES),
@@ -54,8 +57,9 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
     now = 0.0
     ended: dict[tuple[str, int], LeaseState] = {}
 
-    def check_ends(effects, before, released_key=None):
-        """Every lease that ended here had no pin held past ``now`` (except the one just released)."""
+    def check_ends(effects, before, released_key=None, live=None):
+        """Every lease that ended here had no pin held past ``now`` (except the one just released); one
+        FREED had as many claims as it expected, every one settled."""
         for e in effects:
             if isinstance(e, LeaseEnded) and e.state is not LeaseState.REPLACED:
                 lease = before.get(e.req_id)
@@ -63,17 +67,37 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
                 for key, pin in lease.pins.items():
                     assert key == released_key or pin.deadline <= now, (e, key, pin, now)
                 ended[(e.req_id, e.attempt)] = e.state
+                if e.state is LeaseState.FREED and live is not None:
+                    gone = live[e.req_id]  # the lease object as the event left it
+                    assert len(gone.claims) >= gone.reads == lease.reads, (e, gone.claims, gone.reads)
+                    assert all(gone.claim_settled(k) for k in gone.claims)
 
     for o in ops:
         kind = o[0]
         before = copy.deepcopy(t.leases)
+        live = dict(t.leases)
         if kind == "register":
-            _, rid, att = o
-            effects = t.register(rid, None, att, now)
+            _, rid, att, reads = o
+            effects = t.register(rid, None, att, now, reads=reads)
             assert all(isinstance(e, (PinEnded, LeaseEnded)) for e in effects)
             ended.update({(e.req_id, e.attempt): e.state for e in effects if isinstance(e, LeaseEnded)})
             ended.pop((rid, att), None)  # registered again: live
-            assert t.get(rid).state is LeaseState.RESERVED
+            assert t.get(rid).state is LeaseState.RESERVED and t.get(rid).reads == reads
+        elif kind == "expect":
+            _, rid, att, reads = o
+            lease = t.get(rid)
+            snap = snapshot(t)
+            if reads < 1:
+                with pytest.raises(ValueError):
+                    t.expect(rid, att, reads, now)
+                assert snapshot(t) == snap
+                continue
+            ok = t.expect(rid, att, reads, now)
+            assert ok == (lease is not None and lease.attempt == att)
+            if not ok:
+                assert snapshot(t) == snap  # no live lease of that attempt: nothing changes
+            else:  # only ever raised; never ends or unpins anything
+                assert lease.reads == max(reads, before[rid].reads) and set(lease.pins) == set(before[rid].pins)
         elif kind == "acquire":
             _, rid, att, eng, rank, read, readers = o
             snap = snapshot(t)
@@ -95,7 +119,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
             rid, att, (reader, read), readers = held[o[1] % len(held)]
             outcome, effects = t.release(rid, att, reader, read, readers, o[2], now)
             assert outcome is Outcome.RELEASED and (reader, read) not in getattr(t.get(rid), "pins", {})
-            check_ends(effects, before, (reader, read))
+            check_ends(effects, before, (reader, read), live)
         elif kind == "release":
             _, rid, att, eng, rank, read, readers, ok = o
             lease = t.get(rid)
@@ -106,7 +130,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
                 assert outcome in (Outcome.UNKNOWN, Outcome.STALE, Outcome.NOT_HOLDER) and not effects
                 assert snapshot(t) == snap
             elif outcome is Outcome.RELEASED:
-                check_ends(effects, before, ((eng, rank), read))
+                check_ends(effects, before, ((eng, rank), read), live)
             else:
                 assert outcome is Outcome.BAD_COUNT and snapshot(t) == snap
         elif kind == "decline":
@@ -115,7 +139,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
             outcome, effects = t.decline(rid, att, (eng, rank), read, readers, ok, now)
             if not outcome.effective:
                 assert not effects and snapshot(t) == snap
-            check_ends(effects, before)
+            check_ends(effects, before, live=live)
         elif kind == "heartbeat":
             _, rid, att, eng, rank, read = o
             lease = t.get(rid)
@@ -128,7 +152,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s):
         else:
             now += o[1]
             effects = t.tick(now)
-            check_ends(effects, before)
+            check_ends(effects, before, live=live)
         for lease in t.leases.values():  # a live lease's state says whether it is pinned
             assert lease.state is (LeaseState.PINNED if lease.pins else LeaseState.RESERVED)
         assert sum(len(lease.pins) for lease in t.leases.values()) == sum(t._pins_of.values())
@@ -195,6 +219,42 @@ def test_vllm_n2_two_reads_in_one_engine():
     assert not any(isinstance(e, LeaseEnded) for e in t.release("q", 1, r, "child-0", 1, True, 0.2)[1])
     assert t.get("q").state is LeaseState.PINNED
     assert t.release("q", 1, r, "child-1", 1, True, 0.3)[1][-1].state is LeaseState.FREED
+
+
+def test_vllm_n2_siblings_share_one_lease_until_every_read():
+    """vLLM n=2 on both sides: the prefill keeps one lease for its two children (``expect`` raises it to two
+    reads); the decode's two children read it one after the other. The first one's Done does not free it (the
+    second has not even acquired yet); the second's does. A Done from a non-holder, and a decline of the same
+    read twice, count for nothing."""
+    t = LeaseTable(lease_s=5, pin_s=60)
+    t.register("0_p", None, 9, 0.0)
+    assert t.expect("0_p", 9, 2, 0.01) and t.get("0_p").reads == 2
+    assert not t.expect("0_p", 8, 3, 0.01) and t.get("0_p").reads == 2  # another attempt: nothing
+    assert t.expect("0_p", 9, 1, 0.01) and t.get("0_p").reads == 2     # never lowered
+    r = ("dA", (0, 0))
+    t.acquire("0_p", 9, r, "0_d", 1, 0.1)
+    outcome, effects = t.release("0_p", 9, r, "0_d", 1, True, 0.2)
+    assert outcome is Outcome.RELEASED and not any(isinstance(e, LeaseEnded) for e in effects)
+    assert t.release("0_p", 9, ("dB", (0, 0)), "1_d", 1, True, 0.25)[0] is Outcome.NOT_HOLDER
+    assert t.get("0_p").state is LeaseState.RESERVED  # unpinned, still held for the second read
+    assert isinstance(t.acquire("0_p", 9, r, "1_d", 1, 3.0), Granted)
+    assert t.release("0_p", 9, r, "1_d", 1, True, 3.1)[1][-1] == LeaseEnded("0_p", 9, LeaseState.FREED)
+    # a second read that never comes: the lease expires lease_s after the first read's Done
+    t.register("0_q", None, 3, 10.0, reads=2)
+    t.acquire("0_q", 3, r, "0_e", 1, 10.1)
+    t.release("0_q", 3, r, "0_e", 1, True, 10.2)
+    assert not t.tick(15.1) and t.tick(15.3)[-1] == LeaseEnded("0_q", 3, LeaseState.EXPIRED)
+    # an aborted decode child declines: that settles its read
+    t.register("0_s", None, 4, 20.0, reads=2)
+    t.acquire("0_s", 4, r, "0_f", 1, 20.1)
+    assert t.decline("0_s", 4, r, "1_f", 1, False, 20.2)[0] is Outcome.DECLINED
+    assert t.release("0_s", 4, r, "0_f", 1, True, 20.3)[1][-1].state is LeaseState.FREED
+    # more reads than a lease takes claims count as max_reads; fewer than one is refused
+    small = LeaseTable(lease_s=5, max_reads=2)
+    small.register("0_t", None, 5, 0.0, reads=7)
+    assert small.get("0_t").reads == 2
+    with pytest.raises(ValueError):
+        small.register("0_u", None, 5, 0.0, reads=0)
 
 
 def test_a_dead_readers_pin_ends_on_pin_idle_scale_and_heartbeats_keep_it():

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -43,7 +44,10 @@ REPO = HERE.parents[1]
 
 # what docs/vllm_notes.md (e) measured to work on this machine; "nobind" lets the OS place the threads of
 # several engines sharing two cores (a TP=2 engine gets "0|1", see EngineSpec.env).
+# connector processes leave their pid here and dump their stacks on SIGUSR1 (EngineSet.stacks)
+STACKS_DIR = os.path.join(tempfile.gettempdir(), f"kvbridge-e2e-stacks-{os.getpid()}")
 ENGINE_ENV = {
+    "KVBRIDGE_STACKS_DIR": STACKS_DIR,
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OMP_NUM_THREADS": "1",
@@ -104,11 +108,27 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0, python: str = sys.ex
 _claimed_ports: set[int] = set()
 
 
-def free_ports(n: int = 1, start: int = 20000, stop: int = 60000) -> int:
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port the kernel hands out for outgoing connections and ``bind(0)`` (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_ports(n: int = 1, start: int = 20000, stop: int | None = None) -> int:
     """The first of ``n`` consecutive TCP ports free on 127.0.0.1 now (and not handed out before by this
-    process). Random start so parallel test runs rarely collide."""
+    process). Random start so parallel test runs rarely collide. Below the kernel's ephemeral range by
+    default: a port is chosen minutes before its engine binds it, and a port in that range is taken meanwhile
+    by any outgoing connection (this test's own HTTP requests, other engines) — seen as an engine failing at
+    start-up with "Address already in use"."""
     import random
 
+    if stop is None:
+        stop = min(60000, _ephemeral_low())
+        if stop - start < 1000:  # an unusual ephemeral range: fall back to the old range
+            stop = 60000
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
         base = rng.randrange(start, stop - n)
@@ -323,6 +343,11 @@ class Engine:
 def group_stats(pgid: int):
     """``/proc/<pid>/stat`` fields after the command name (state, ppid, pgrp, ...) of each process in group
     ``pgid``."""
+    return (fields for _, fields in _group_procs(pgid))
+
+
+def _group_procs(pgid: int):
+    """(pid, ``/proc/<pid>/stat`` fields after the command name) of each process in group ``pgid``."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -332,7 +357,7 @@ def group_stats(pgid: int):
             continue
         fields = stat[stat.rfind(")") + 2:].split()
         if len(fields) > 12 and int(fields[2]) == pgid:
-            yield fields
+            yield int(d.name), fields
 
 
 def group_alive(pgid: int) -> bool:
@@ -546,7 +571,45 @@ class EngineSet:
             e.stop()
 
     def tails(self, n: int = 40) -> str:
-        return "\n".join(f"===== {e.spec.name} ({e.log_path}) =====\n{e.log_tail(n)}" for e in self.engines.values())
+        """The last ``n`` lines of every engine's log, then (engines still alive) every connector process's
+        Python stacks: a failing test shows where each engine was (``KVBRIDGE_STACKS_DIR``)."""
+        out = "\n".join(f"===== {e.spec.name} ({e.log_path}) =====\n{e.log_tail(n)}" for e in self.engines.values())
+        return out + self.stacks()
+
+    def stacks(self, wait_s: float = 1.5) -> str:
+        """SIGUSR1 to the connector processes of the live engines (the pids they left in ``STACKS_DIR``), then
+        the stack dumps faulthandler wrote into their logs."""
+        sent = 0
+        for e in self.alive():
+            pids = {str(pid) for pid, _ in _group_procs(e.proc.pid)} if e.proc is not None else set()
+            for name in os.listdir(STACKS_DIR) if os.path.isdir(STACKS_DIR) else ():
+                if name in pids:
+                    try:
+                        os.kill(int(name), signal.SIGUSR1)
+                        sent += 1
+                    except (ProcessLookupError, ValueError):
+                        pass
+        if not sent:
+            return ""
+        time.sleep(wait_s)
+        parts = []
+        for e in self.engines.values():
+            lines = e.log_text().splitlines()
+            blocks, keep = [], False
+            for line in lines:
+                if line.startswith(("Thread 0x", "Current thread 0x")):
+                    keep = True
+                    blocks.append(line)
+                elif keep and line.startswith("  File "):
+                    blocks.append(line)
+                elif keep and line.strip() == "":
+                    blocks.append("")
+                else:
+                    keep = False
+            if blocks:
+                parts.append(f"===== {e.spec.name}: Python stacks of its connector processes =====\n" +
+                             "\n".join(blocks[-400:]))
+        return ("\n" + "\n".join(parts)) if parts else ""
 
     def __enter__(self) -> EngineSet:
         return self

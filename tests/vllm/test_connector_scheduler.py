@@ -374,3 +374,47 @@ def test_mamba_hybrid_decode_refuses_a_state_after_the_whole_prompt(tmp_path):
     _run_to_end(D, "req-D")
     step(D)
     assert_scheduler_empty(D)
+
+
+def test_n_gt_1_siblings_share_a_lease_only_with_the_same_prompt(tmp_path):
+    """vLLM ``n > 1``: children ``"{i}_{parent}"`` of one prompt share the first finished child's lease (its
+    blocks held; each later sibling's blocks freed in its own step, its params naming that lease, and the lease
+    told to wait for one more read). Not linked: a request whose id only looks like a sibling's but whose
+    prompt differs, a second finish of the same index, an id that is no child's, and a sibling after the
+    lease was freed (it gets a lease of its own)."""
+    P = _engine(tmp_path, "P")
+
+    def _finish(sched, rid, prompt=PROMPT):  # (a sibling may hit the prefix cache on the lease's blocks)
+        sched.add_request(make_request(rid, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True},
+                                       block_size=BLOCK))
+        _, outs = step(sched)
+        (eco,) = engine_outputs(outs)
+        assert eco.finish_reason is not None and eco.kv_transfer_params is not None
+        return None, json.loads(json.dumps(eco.kv_transfer_params))
+
+    a0, pa0 = _finish(P, "0_par-1")
+    so, _ = step(P)
+    assert so.kv_connector_metadata.send.keys() == {"0_par-1"} and not so.kv_connector_metadata.expect
+    a1, pa1 = _finish(P, "1_par-1")
+    assert "1_par-1" not in P.requests and "0_par-1" in P.requests  # the sibling's blocks went back at once
+    assert pa1["remote_request_id"] == "0_par-1" and pa1["remote_attempt"] == pa0["remote_attempt"]
+    assert pa1["remote_block_ids"] == pa0["remote_block_ids"]
+    so, _ = step(P)
+    assert not so.kv_connector_metadata.send
+    assert so.kv_connector_metadata.expect == {"0_par-1": (pa0["remote_attempt"], 2)}
+    # same parent id, another prompt (ids are only a hint): a lease of its own
+    _, pb = _finish(P, "2_par-1", prompt=list(range(100, 140)))
+    assert pb["remote_request_id"] == "2_par-1" and "2_par-1" in P.requests
+    so, _ = step(P)
+    assert set(so.kv_connector_metadata.send) == {"2_par-1"} and not so.kv_connector_metadata.expect
+    # not a child id: a lease of its own
+    _, pc = _finish(P, "par-1")
+    assert pc["remote_request_id"] == "par-1" and "par-1" in P.requests
+    # the shared lease ends (the worker reports it): a later sibling holds its own blocks
+    step(P, finished_sending={"0_par-1", "2_par-1", "par-1"})
+    _, p3 = _finish(P, "3_par-1")
+    assert p3["remote_request_id"] == "3_par-1" and "3_par-1" in P.requests
+    step(P, finished_sending={"3_par-1"})
+    step(P)
+    assert_scheduler_empty(P)
+    assert not P.connector.scheduler._siblings

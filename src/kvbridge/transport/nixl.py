@@ -100,8 +100,9 @@ class NixlTransport:
         self.agent_name = agent_name
         self.mem_type = mem_type
         self.device_id = device_id
-        # an initiator uses the agent from the caller's thread (poll, notify) and the post threads: RW
-        # sync; a target (prefill) only calls it from its event loop: no locking
+        # RW sync whenever more than one thread of ours calls the agent: an initiator (the caller's thread and
+        # the post threads) and a prefill served by PrefillServer (its thread and the engine's step); NONE
+        # only for an agent used by one thread
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if multi_threaded else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
         # backends: NIXL plugins to create (UCX; LIBFABRIC for EFA, GDS, ...); num_threads: their worker
         # threads (0: the plugin's default)

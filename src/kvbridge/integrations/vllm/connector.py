@@ -3,6 +3,10 @@
 (engine core) or :class:`.worker.ConnectorWorker` (each worker process). It holds no state of its own."""
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -28,6 +32,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = ConnectorWorker(vllm_config, kv_cache_config, self.cfg) \
             if role == KVConnectorRole.WORKER else None
         self._stats_delta = StatsDelta()
+        _stacks_on_signal()
 
     # ------------------------------------------------------------------ scheduler side
     def on_new_request(self, request):
@@ -112,3 +117,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self.worker is not None:
             self.worker.shutdown()
+
+
+def _stacks_on_signal() -> None:
+    """``KVBRIDGE_STACKS_DIR=/some/dir``: this process prints every thread's Python stack to stderr on SIGUSR1
+    (``faulthandler``: works while another thread holds the GIL) and leaves its pid in that directory, so an
+    operator or a test that sees a wedged engine can ask where each connector process is."""
+    where = os.environ.get("KVBRIDGE_STACKS_DIR")
+    if not where or not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        os.makedirs(where, exist_ok=True)
+        open(os.path.join(where, str(os.getpid())), "w").close()
+    except (OSError, RuntimeError, ValueError):  # a debugging aid: never fails the engine
+        pass

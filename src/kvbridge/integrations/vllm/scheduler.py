@@ -19,6 +19,16 @@ endpoint, no I/O). Tested against vLLM's real Scheduler (``tests/vllm/test_conne
   ``first_block`` counts those, as kvbridge's ``GroupBlocks`` does); ``build_connector_meta`` hands them with the remote params to the
   workers in :class:`KVBridgeConnectorMetadata`.
 
+**vLLM ``n > 1``** (parallel sampling): vLLM's front end fans a request with ``n`` choices out into ``n`` child
+requests ``"{i}_{parent id}"`` (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest.get_child_info``), each
+with ``sampling_params.n == 1``, on the prefill as on the decode; the prefill's answer carries the
+``kv_transfer_params`` of the child that finished last (the output processor aggregates the children's final
+outputs and returns that one's params), and the decode's ``n`` children all read with those params. So the
+prefill links the siblings of one parent with the same prompt (:class:`_Siblings`): the first one to finish
+holds its blocks under a lease, every later one returns params naming that lease (its own blocks are freed at
+once) and raises the lease's expected reads by one (``KVBridgeConnectorMetadata.expect``); the lease is freed
+when that many decode reads (each its own ``read_id``) are done or declined, or when it expires.
+
 **Mamba hybrids**: the decode recomputes the last prompt token after a load, so a prefill of a Mamba model
 computes all but the last prompt token (:meth:`ConnectorScheduler.on_new_request`, as vLLM's NixlConnector)
 and the decode loads that state and ``N - 1`` tokens; each Mamba group travels as the one block holding
@@ -27,6 +37,7 @@ the request's running state (:meth:`ConnectorScheduler.state_slot`).
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -56,6 +67,8 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
     send: dict[str, tuple] = field(default_factory=dict)  # prefill: req id -> (held block ids per group, attempt)
+    # prefill: leases (req id, registered before) that must now wait for more reads -> (attempt, reads)
+    expect: dict[str, tuple] = field(default_factory=dict)
     # decode: requests that finished (any status) or need nothing without reading: req id -> remote params
     release: dict[str, dict] = field(default_factory=dict)
     # decode: requests still queued here, whose prefill leases must not run out: req id -> remote params
@@ -63,6 +76,22 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     # decode: prefill engines of requests seen for the first time (the workers start their background
     # handshakes now, off the step that reads them): engine id -> remote params
     connect: dict[str, dict] = field(default_factory=dict)
+
+
+# vLLM's child request id of parallel sampling: f"{index}_{parent request id}" (ParentRequest.get_child_info)
+_CHILD_ID = re.compile(r"(\d+)_(.+)", re.S)
+
+
+@dataclass
+class _Siblings:
+    """Prefill: the children of one parent request (vLLM ``n > 1``) sharing one lease."""
+
+    lease_id: str          # the request whose blocks are held
+    attempt: int
+    prompt: tuple          # what the children must share to share KV (prompt ids, computed tokens, LoRA, salt, mm)
+    params: dict           # the kv_transfer_params every child returns
+    reads: int = 1
+    indices: set = field(default_factory=set)
 
 
 class ConnectorScheduler:
@@ -84,6 +113,8 @@ class ConnectorScheduler:
         self._pending_connect: dict[str, dict] = {}  # decode: prefill engine id -> params (handshake hint)
         self._next_heartbeat = 0.0
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
+        self._pending_expect: dict[str, tuple] = {}
+        self._siblings: dict[str, _Siblings] = {}     # prefill: parent request id -> its children's lease
 
     # ---- decode -----------------------------------------------------------------------------------
     def remote_token_count(self, num_prompt_tokens: int) -> int:
@@ -177,8 +208,10 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeConnectorMetadata:
         meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send,
-                                         release=self._pending_release, connect=self._pending_connect)
+                                         release=self._pending_release, connect=self._pending_connect,
+                                         expect=self._pending_expect)
         self._pending_recv, self._pending_send, self._pending_release, self._pending_connect = {}, {}, {}, {}
+        self._pending_expect = {}
         now = time.monotonic()
         if self._queued and now >= self._next_heartbeat:  # vLLM's NixlConnector beats every lease / 6
             meta.heartbeat = dict(self._queued)
@@ -207,12 +240,30 @@ class ConnectorScheduler:
         # a Mamba group's list -> its state slot (vLLM still holds every block of the request until
         # finished_sending; only that one is read)
         ids = [self.state_slot(g, x) if self.is_state_group(g) else x for g, x in enumerate(ids)]
+        child = _CHILD_ID.fullmatch(request.request_id)
+        key = _prompt_key(request) if child else ()
+        sib = self._siblings.get(child.group(2)) if child else None
+        if (sib is not None and sib.lease_id in self._held and sib.prompt == key
+                and int(child.group(1)) not in sib.indices):
+            # a sibling of a child whose blocks are held (vLLM n > 1, same prompt): its readers read those;
+            # its own blocks go back now
+            sib.reads += 1
+            sib.indices.add(int(child.group(1)))
+            self._pending_expect[sib.lease_id] = (sib.attempt, sib.reads)
+            return False, dict(sib.params)
         # one lease attempt id for every prefill rank, carried to the decode (53 bits: exact in any JSON)
         attempt = secrets.randbits(53) | 1
         self._held[request.request_id] = ids
         self._pending_send[request.request_id] = (ids, attempt)
+        params = self._lease_params(request, ids, attempt)
+        if child:
+            self._siblings[child.group(2)] = _Siblings(request.request_id, attempt, key, params,
+                                                       indices={int(child.group(1))})
+        return True, dict(params)
+
+    def _lease_params(self, request, ids: list[list[int]], attempt: int) -> dict:
         cfg = self.cfg
-        return True, {
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": cfg.engine_id,
@@ -233,12 +284,23 @@ class ConnectorScheduler:
         }
 
     def update_connector_output(self, connector_output) -> None:
-        for rid in connector_output.finished_sending or ():
+        done = set(connector_output.finished_sending or ())
+        for rid in done:
             self._held.pop(rid, None)
+        if done and self._siblings:
+            self._siblings = {k: v for k, v in self._siblings.items() if v.lease_id not in done}
 
     def held_requests(self) -> list[str]:
         """Prefill: requests whose blocks vLLM still holds for a remote read."""
         return sorted(self._held)
+
+
+def _prompt_key(request) -> tuple:
+    """What two requests must share for one's prompt KV to stand for the other's."""
+    lora = getattr(request, "lora_request", None)
+    mm = tuple(getattr(f, "identifier", None) for f in (getattr(request, "mm_features", None) or ()))
+    return (tuple(request.prompt_token_ids or ()), int(request.num_computed_tokens),
+            getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), mm)
 
 
 def _remote(p: dict) -> dict:

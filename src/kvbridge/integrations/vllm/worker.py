@@ -7,7 +7,8 @@ the lease attempt id its scheduler drew (``remote_attempt``); the decode reads u
 id (``remote_request_id``) and reports under its own. ``get_transfer_results`` reports failed reads in both
 ``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
 WAITING_FOR_REMOTE_KVS). Every read is keyed by this engine's own request id (``ReadRequest.read_id``), so
-the children of one prefill request (vLLM ``n > 1``) pin the lease separately. Handshakes never run on the
+the children of one prefill request (vLLM ``n > 1``) pin the lease separately; on the prefill, a lease the
+siblings of an ``n > 1`` request share is told to wait for one read per sibling (``meta.expect``). Handshakes never run on the
 engine's step: the scheduler hints a prefill engine when it first sees a request and the worker starts the
 runtime's background handshake (``DecodeEndpoint.connect``, returns at once); a read of an engine still
 connecting is queued by the runtime. A read that reaches the prefill before its worker registered the
@@ -163,6 +164,8 @@ class ConnectorWorker:
         if self.server is not None:
             for rid, (ids, attempt) in meta.send.items():
                 self.server.add(rid, self.blocks(ids), attempt)
+            for rid, (attempt, reads) in meta.expect.items():  # after the adds: in order
+                self.server.expect(rid, attempt, reads)
             self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self.decode is None:
             return
