@@ -90,7 +90,7 @@ def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
             assert all(isinstance(f, HandshakeFailed) and f.engine_id == "pD" for f in failed.values())
             assert _verify(dec, [(j.num, j.read()) for j in live])["mismatched_bytes"] == 0
             assert dec.metrics.failed_handshakes == 1 and dec.metrics.failed_requests == 2
-            assert not dec._peers and "pD" not in dec.remotes and not dec.busy
+            assert "pD" not in dec._peers and "pD" not in dec.remotes and not dec.busy
 
 
 def test_restarted_prefill_is_rehandshaken_without_failing_the_read():

@@ -91,7 +91,7 @@ def _loopback_read(mode, prepped, monkeypatch, torch=None, model=None, pools=Non
                              transport=LoopbackTransport(f"dl{k}", reg))
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pl", {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)})
-            assert bool(dec._prepped["pl"]) == (prepped and mode == "direct") or mode == "staged"
+            assert bool(dec._peers["pl"].prepped) == (prepped and mode == "direct") or mode == "staged"
             js = jobs.make("pl", 6)
             for j in js:
                 e = min(hold(p, lock, j) for p, lock in ((pres[0], lock0), (pres[1], lock1)))

@@ -4,7 +4,7 @@ At handshake :func:`prepare` asks the transport (when it has ``prepare``) to tur
 of each prefill rank this decode rank reads into prepared lists. Per request :func:`direct_reads`
 validates the request once and hands out, per prefill rank, either a :class:`PreppedWork` (no sizes
 and no descriptors are worked out on the caller's thread) or, where nothing was prepared, the
-lowered :class:`~kvbridge.lower.Descriptors` (the old path). :func:`post` posts either.
+lowered :class:`~kvbridge.lower.Descriptors`. The transport's ``post(peer, work, notif)`` posts either.
 
 ``KVBRIDGE_PREPPED=0`` turns the prepared path off (every direct read takes the old path).
 ``KVBRIDGE_PREPPED_SPANS`` sets the span levels of the prepared lists (:mod:`kvbridge.prepped`; default
@@ -24,11 +24,11 @@ ENABLED = os.environ.get("KVBRIDGE_PREPPED", "1") != "0"
 
 @dataclass(slots=True)
 class PreppedWork:
-    """A validated request for one prefill rank, to post through prepared lists (duck-types the
-    ``prefill``/``count``/``total_bytes`` of :class:`~kvbridge.lower.Descriptors`).
+    """A validated request for one prefill rank, to post through prepared lists (a work item: like
+    :class:`~kvbridge.lower.Descriptors` it has ``prefill``/``count``/``total_bytes``).
 
     ``nonempty`` is known on the caller's thread; the sizes (``count``, ``total_bytes``: descriptors before
-    merging, bytes) are worked out on first use, which is the post thread's (:func:`post` hands
+    merging, bytes) are worked out on first use, which is the post thread's (the transport's ``post`` hands
     :meth:`size` to the transport), so the caller's thread never computes them."""
 
     prefill: tuple
@@ -110,15 +110,3 @@ def direct_reads(preps: dict | None, remote, req, direct) -> dict:
                                          ranges=ranges):
             out[d.prefill] = d
     return out
-
-
-def post(transport, agent: str, d, notif: bytes, remote_device=None):
-    """Post one direct read. ``d``: a :class:`PreppedWork` or :class:`~kvbridge.lower.Descriptors`, or
-    decode.py's cancellable wrapper of either (``.d`` the wrapped read, ``.cancelled`` checked on the post
-    thread before anything is handed to the transport's library). ``remote_device``: where the prefill
-    rank's memory lives (prepared lists know it from the handshake)."""
-    w = getattr(d, "d", d)
-    if isinstance(w, PreppedWork):
-        return transport.read_prepped(w.prep, w.ranges, w.prefill_blocks, w.decode_blocks, notif,
-                                      w.size, cancel=None if w is d else d)
-    return transport.read_descs(agent, d, notif, remote_device=remote_device)

@@ -2,8 +2,12 @@
 
 Everything that changes a read's state is in :data:`TRANSITIONS` (``state -> event -> next state``);
 a missing entry is an illegal transition and raises :class:`~kvbridge.errors.IllegalTransition`
-naming the event and the state. The machine does no I/O: the decode rank feeds it events and acts on
-the state it returns.
+naming the event and the state. The machine does no I/O (h11's pattern): :class:`RankRead`
+owns all of one read's state (its deadlines, pin, staging slot and posted transfers) and
+:meth:`RankRead.handle` takes one frozen event (built from a ZMQ frame or a NIXL state by the decode
+rank's I/O loop, in one place) and returns the actions the loop must run (post a read, send a request,
+notify the prefill, fail the request); the loop never changes the read's fields itself. This
+module is the machine's vocabulary (table, events, actions); the machine is ``readmachine.py``.
 
 ::
 
@@ -19,8 +23,10 @@ DONE, FAILED and CANCELLED are terminal.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Any
 
-from ..errors import IllegalTransition
+from ..errors import IllegalTransition, ReadFailure
 
 
 class ReadState(enum.Enum):
@@ -93,3 +99,219 @@ class ReadMachine:
 
     def __repr__(self) -> str:
         return f"ReadMachine({self.state.name})"
+
+
+# ---- events: what happened (frozen; the decode rank builds them from ZMQ frames and NIXL states) -------
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """The acquire/stage request went out: a pin may exist on the prefill from now on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """The prefill pinned the lease for this read (an ``Acquired.granted`` entry)."""
+
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refreshed:
+    """A heartbeat was answered: the pin holds ``ttl_s`` from when the heartbeat went out."""
+
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The prefill refused the acquire (an ``Acquired.refused`` entry): no pin was made."""
+
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A packed segment was announced (``Staged``)."""
+
+    total: int
+    offset: int
+    nbytes: int
+    addr: int
+    last: bool
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailed:
+    """The stage request was answered with an error (``StageError``)."""
+
+    code: str
+    text: str
+    expired: bool
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AlignRetry:
+    """Another read of the same prefill request asks this rank again at ``at``: ask together."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class XferDone:
+    """Transfer ``index`` of :attr:`RankRead.reads` completed (NIXL state DONE)."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class XferFailed:
+    """The transport failed a transfer for another reason than a disconnect."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterDone:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterFailed:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: retries, heartbeats, completion and deadlines. ``peer_progress``: the last time any
+    read from this prefill rank completed; ``queued_locally``: an unfinished transfer of this read is
+    still in our own post queue (the clock stops: a long local queue is not the peer's fault);
+    ``posted_latest``: the latest time one of its unfinished transfers was posted."""
+
+    peer_progress: float = 0.0
+    queued_locally: bool = False
+    posted_latest: float = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The loop failed this read: ``event`` (DISCONNECT, REFUSED, ...) with a failure of ``kind``."""
+
+    event: ReadEvent
+    kind: type[ReadFailure]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """The request was aborted, or another rank of it failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinsReleased:
+    """The loop sent the Done that releases this read's pin (or a release of a pin it may hold)."""
+
+
+Event = (Sent | Granted | Refreshed | Refused | Segment | StageFailed | AlignRetry | XferDone | XferFailed
+         | ScatterDone | ScatterFailed | Tick | Failed | Abort | PinsReleased)
+
+
+# ---- actions: what the I/O loop must do -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Ask the prefill rank again: queue an acquire (``stage`` False) or re-send the stage request."""
+
+    stage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Queue a heartbeat for this read's pin."""
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """Post ``transfer`` (a direct read of ``transfer.work``; its Done rides on it)."""
+
+    transfer: Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class PostSegment:
+    """Read a packed segment at the prefill's ``addr`` into our staging at ``local`` (no notification)."""
+
+    transfer: Transfer
+    addr: int
+    local: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter:
+    """Scatter a read staged segment from staging into the KV memory."""
+
+    transfer: Transfer
+
+
+@dataclass(frozen=True, slots=True)
+class Notify:
+    """Send Done (ok) to this prefill rank: it releases our pin."""
+
+
+@dataclass(frozen=True, slots=True)
+class LetGo:
+    """A pin was granted for this read after it stopped needing it: release it (once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """The prefill rank answered "restarted": the loop re-queues the request or fails it."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Refused "not registered yet": asked again at ``at`` (the loop aligns other reads of the request)."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The read failed (the machine took the failing event): the loop fails the request."""
+
+    kind: type[ReadFailure]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Add one to the decode rank's counter ``name`` (``staging_fallbacks``, ``staged_transfers``, ...)."""
+
+    name: str
+
+
+Action = Ask | Heartbeat | Post | PostSegment | Scatter | Notify | LetGo | Restarted | Retry | Fail | Count
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One posted READ of this read. The machine creates it; the I/O loop stores its I/O handles in the
+    slots named below (``xfer``, ``scatter``) and reports on them through events.
+
+    ``cancelled`` is checked on the post thread before anything is handed to the transport's library."""
+
+    work: Any = None           # direct: what to post (a lowered work item); sizes counted at completion
+    nbytes: int | None = None  # staged: the segment's bytes
+    slot: int | None = None    # staged: our staging offset of the segment
+    runs: tuple[Any, Any] | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
+    xfer: Any = None           # the transport's handle (set by the loop when posted)
+    scatter: Any = None        # the scatter's Future (set by the loop)
+    done: bool = False         # the transfer completed
+    scattered: bool = False    # staged: the scatter finished
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.done and (self.runs is None or self.scattered)

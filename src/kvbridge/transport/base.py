@@ -66,8 +66,14 @@ class Transport(Protocol):
         """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory on ``remote_device``, "cpu"
         or "cuda:N") to ``local[i]``."""
 
-    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: str | None = None) -> XferHandle:
-        """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local)."""
+    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device: str | None = None,
+                   cancel=None) -> XferHandle:
+        """Post a READ of a :class:`~kvbridge.lower.Descriptors` (prefill side remote, decode side local).
+        ``cancel``: an object whose ``cancelled`` is checked before the read is handed to the library."""
+
+    def post(self, peer: str, work, notif: bytes = b"", cancel=None, remote_device: str | None = None) -> XferHandle:
+        """Post one direct read of a lowered work item (a ``Descriptors`` or a ``PreppedWork``), the
+        request's notification riding on it; ``cancel`` as in :meth:`read_descs`."""
 
     def prepare(self, peer: str, lowered, prank):
         """At handshake: prepared lists for reading ``prank`` of ``lowered`` (None: nothing to read)."""

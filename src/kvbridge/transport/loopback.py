@@ -138,11 +138,18 @@ class LoopbackTransport:
     def read(self, peer, remote, local, nbytes, notif=b"", remote_device=None):
         return self._copy(peer, remote, local, nbytes, notif)
 
-    def read_descs(self, peer, descs, notif=b"", remote_device=None):
-        if getattr(descs, "cancelled", False):
+    def read_descs(self, peer, descs, notif=b"", remote_device=None, cancel=None):
+        if cancel is not None and cancel.cancelled:
             raise TransferError("read cancelled before it was posted", peer=peer)
-        d = getattr(descs, "d", descs)  # decode.py hands reads over in a cancellable wrapper (``.d``)
-        return self._copy(peer, d.src, d.dst, d.nbytes, notif)
+        return self._copy(peer, descs.src, descs.dst, descs.nbytes, notif)
+
+    def post(self, peer, work, notif=b"", cancel=None, remote_device=None):
+        """See :meth:`NixlTransport.post`."""
+        from ..lower import Descriptors
+        if isinstance(work, Descriptors):
+            return self.read_descs(peer, work, notif, remote_device, cancel=cancel)
+        return self.read_prepped(work.prep, work.ranges, work.prefill_blocks, work.decode_blocks, notif, work.size,
+                                 cancel=cancel)
 
     def prepare(self, peer: str, lowered, prank):
         from ..prepped import Prepared, PreparedGeometry

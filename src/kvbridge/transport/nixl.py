@@ -218,12 +218,27 @@ class NixlTransport:
         ``remote_device``: where the peer's memory lives ("cpu" or "cuda:N", see :meth:`remote_mem`)."""
         return self.read_descs(peer, Descriptors(None, remote, local, nbytes), notif, remote_device)
 
-    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device=None) -> NixlXfer:
+    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device=None, cancel=None) -> NixlXfer:
         """Post a READ of a :class:`~kvbridge.lower.Descriptors`: its NIXL descriptor arrays are written
-        from the factored form on the post thread, in one pass (the caller only hands it over)."""
+        from the factored form on the post thread, in one pass (the caller only hands it over).
+        ``cancel``: as in :meth:`read_prepped`."""
         rtype, rdev = self.remote_mem(remote_device)
-        return self._post(peer, lambda: descs.nixl_arrays(self.device_id, rdev), descs.count,
-                          descs.total_bytes, notif, rtype)
+
+        def arrays():
+            if cancel is not None and cancel.cancelled:
+                raise TransferError("read cancelled before it was posted", peer=peer)
+            return descs.nixl_arrays(self.device_id, rdev)
+        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype)
+
+    def post(self, peer: str, work, notif: bytes = b"", cancel=None, remote_device=None) -> NixlXfer:
+        """Post one direct read of a lowered work item: a :class:`~kvbridge.lower.Descriptors`, or a
+        request validated against prepared lists (``prep``, ``ranges``, block ids, ``size``: see
+        :class:`~kvbridge.runtime.prepped_hook.PreppedWork`). ``cancel``: an object whose ``cancelled``
+        is checked on the post thread first (a cancelled read is never handed to NIXL)."""
+        if isinstance(work, Descriptors):
+            return self.read_descs(peer, work, notif, remote_device, cancel=cancel)
+        return self.read_prepped(work.prep, work.ranges, work.prefill_blocks, work.decode_blocks, notif, work.size,
+                                 cancel=cancel)
 
     def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes, remote_type: str) -> NixlXfer:
         def post(x: NixlXfer):

@@ -1,0 +1,244 @@
+"""The handshake of a decode rank with one prefill engine: metadata fetch per prefill rank, checks,
+plan, NIXL agents, prepared lists. Runs on a background thread (``DecodeRank.connect``) or on the
+caller's (``DecodeRank.handshake``); its result, a frozen :class:`RemoteEngine` and the prepared
+lists, is handed to a :class:`~kvbridge.runtime.peer.Peer`, which owns it from then on (and opens the
+side-channel sockets on the decode rank's own thread)."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError
+from ..layout import EngineLayout, engine_from_dict
+from ..lower import LoweredPlan
+from ..memory import KVMemory
+from ..plan import Rank, TransferPlan, plan_transfer
+from . import prepped_hook as _prepped_hook
+from .protocol import ErrorReply, GetMeta, RankMeta, pack, unpack
+
+log = logging.getLogger(__name__)
+Step = Callable[[str], None]  # names the step a handshake is at (diagnostics of a slow handshake)
+
+
+def _no_step(what: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """Everything learned at handshake with one prefill engine (no sockets: its :class:`Peer` owns them)."""
+
+    engine_id: str
+    layout: EngineLayout
+    plan: TransferPlan
+    lowered: LoweredPlan
+    agents: dict[Any, Any]          # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
+    readers: dict[Any, Any]         # prefill rank -> number of decode ranks reading it (for the notification)
+    endpoints: dict[Any, Any]       # prefill rank -> "host:port" of its side channel
+    digest0: str          # sha256 of rank (0, 0)'s NIXL metadata: a restarted engine has a new one
+    modes: dict[Any, Any]           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
+    shapes: dict[Any, Any]          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
+    digests: dict[Any, Any] = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restart check)
+    can_stage: frozenset[Rank] = frozenset()           # prefill ranks that can stage
+    # acquire (direct), stage and heartbeat requests go to every prefill rank this rank notifies (a rank
+    # with nothing to read here is acquired and released too: only a pin holder's Done counts)
+    side_ranks: tuple[Rank, ...] = ()
+
+    def summary(self) -> dict[Any, Any]:
+        """Plain-data view (what a handshake RPC returns)."""
+        return {"engine_id": self.engine_id, "prefill": str(self.layout),
+                "modes": {str(p): m for p, m in self.modes.items()}, "agents": {str(p): a for p, a in self.agents.items()}}
+
+
+def fetch_meta(ctx: zmq.Context[Any], endpoint: str, msg: GetMeta, timeout_s: float) -> RankMeta:
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        sock.connect(f"tcp://{endpoint}")
+        sock.send_multipart(pack(msg))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            raise HandshakeError(f"no answer from prefill rank {tuple(msg.prefill_rank)} at tcp://{endpoint} within "
+                                 f"{timeout_s:g} s; is the prefill engine running and is the address right?") from None
+        reply = unpack(frames)
+    finally:
+        sock.close(0)
+    if isinstance(reply, ErrorReply):
+        raise HandshakeError(f"prefill at {endpoint} refused the handshake: {reply.message}")
+    if not isinstance(reply, RankMeta):
+        raise HandshakeError(f"prefill at {endpoint} answered {type(reply).__name__}, expected rank_meta")
+    return reply
+
+
+@dataclass
+class Handshaker:
+    """What a handshake needs from the decode rank (a snapshot: the transfer mode at the time)."""
+
+    ctx: Any
+    transport: Any
+    engine: EngineLayout
+    rank: Rank
+    mem: KVMemory
+    engine_id: str                 # the decode engine's id
+    timeout_s: float               # per metadata fetch
+    staging_bytes: int
+    transfer_mode: str
+    cost_model: Any
+
+    def get_meta(self, prank: Rank) -> GetMeta:
+        return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
+
+    def same_agents(self, remote: RemoteEngine, endpoints: dict[Any, Any]) -> bool:
+        """Every rank this rank handshook with still has the NIXL agent (metadata) it had then."""
+        digests = remote.digests or {(0, 0): remote.digest0}
+        for prank, digest in digests.items():
+            try:
+                meta = fetch_meta(self.ctx, endpoints[prank], self.get_meta(prank), self.timeout_s)
+            except (HandshakeError, KeyError):
+                return False
+            if meta.metadata_sha256 != digest:
+                return False
+        return True
+
+    def probe(self, engine_id: str, endpoints: dict[Any, Any], step: Step = _no_step) -> None:
+        """A plain TCP connect to each endpoint: a dead process's closed port answers at once (refused),
+        where ZMQ would wait out ``timeout_s``."""
+        for prank, ep in sorted(endpoints.items()):
+            step(f"TCP connect to rank {prank} at {ep}")
+            host, _, port = ep.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=self.timeout_s).close()
+            except (OSError, ValueError) as e:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
+                                     f"({type(e).__name__}: {e}); is the prefill engine running?") from None
+
+    def background(self, engine_id: str, endpoints: dict[Any, Any],
+                   phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Any, Any]]:
+        """The whole handshake (a background thread): probe, handshake, prepared lists. ``phase[0]`` names
+        the step it is at (a handshake that runs past its bound says where it was stuck); one that takes
+        more than 2 s logs how long each step took."""
+        phase = phase if phase is not None else ["started"]
+        t0 = time.monotonic()
+        times: list[tuple[str, float]] = []
+
+        def step(what: str) -> None:
+            times.append((phase[0], time.monotonic()))
+            phase[0] = what
+
+        self.probe(engine_id, endpoints, step)
+        out = self.run(engine_id, endpoints, step)
+        step("done")
+        total = time.monotonic() - t0
+        if total > 2.0:  # an operator's first clue when a prefill engine is slow to reach
+            marks = [t0] + [t for _, t in times]
+            log.warning("kvbridge: handshake with prefill engine %r took %.1f s: %s", engine_id, total, "; ".join(
+                f"{what} {b - a:.2f} s" for (what, _), a, b in zip(times[1:], marks[1:], marks[2:])))
+        return out
+
+    def run(self, engine_id: str, endpoints: dict[Any, Any],
+            step: Step = _no_step) -> tuple[RemoteEngine, dict[Any, Any]]:
+        """Handshake and prepare the lists; on failure nothing it added stays (agents removed)."""
+        remote = self.handshake(engine_id, endpoints, step)
+        step("NIXL prepared descriptor lists")
+        try:
+            prepped = _prepped_hook.prepare(self.transport, remote, None)  # [i14]
+        except BaseException:
+            for agent in remote.agents.values():
+                self.transport.remove_peer(agent)
+            raise
+        return remote, prepped
+
+    def _get(self, engine_id: str, endpoints: dict[Any, Any], prank: Rank) -> RankMeta:
+        if prank not in endpoints:
+            raise HandshakeError(f"no endpoint given for prefill rank {prank} of engine {engine_id!r}; "
+                                 f"give one per rank, got {sorted(endpoints)}")
+        meta = fetch_meta(self.ctx, endpoints[prank], self.get_meta(prank), self.timeout_s)
+        if meta.engine_id != engine_id:
+            raise HandshakeError(f"endpoint {endpoints[prank]} is engine {meta.engine_id!r}, expected {engine_id!r}")
+        if tuple(meta.rank) != prank:
+            raise HandshakeError(f"endpoint {endpoints[prank]} is rank {tuple(meta.rank)}, expected {prank}")
+        return meta
+
+    def handshake(self, engine_id: str, endpoints: dict[Rank, str], step: Step = _no_step) -> RemoteEngine:
+        step("metadata from rank (0, 0)")
+        first = self._get(engine_id, endpoints, (0, 0))
+        try:
+            layout = engine_from_dict(first.layout)
+        except LayoutError as e:
+            raise HandshakeError(f"prefill engine {engine_id!r} sent an invalid layout description: {e}") from e
+        if first.model_fingerprint != layout.model.fingerprint:
+            raise HandshakeError("prefill layout does not match its own model fingerprint (corrupted metadata)")
+        if layout.model.fingerprint != self.engine.model.fingerprint:
+            plan_transfer(layout, self.engine)  # raises IncompatibleLayoutsError naming the difference
+            raise IncompatibleLayoutsError(f"prefill model {layout.model.name!r} differs from decode model "
+                                           f"{self.engine.model.name!r}; serve the same model on both")
+        step("planning")
+        plan = plan_transfer(layout, self.engine)
+        metas = {(0, 0): first}
+        needed = plan.ranks_to_notify(self.rank)
+        for prank in needed:
+            if prank not in metas:
+                step(f"metadata from rank {prank}")
+                metas[prank] = self._get(engine_id, endpoints, prank)
+        agents: dict[Any, Any] = {}
+        bases: dict[Any, Any] = {}
+        step("NIXL add_remote_agent")
+        try:
+            self._add_agents(engine_id, layout, first, metas, needed, agents, bases)
+        except BaseException:
+            for agent in agents.values():  # no half-added engine
+                self.transport.remove_peer(agent)
+            raise
+        step("lowering the plan")
+        lowered = LoweredPlan(plan, self.rank, prefill_mems=bases, decode_mem=self.mem)
+        readers = {p: len(plan.notifiers_of(p)) for p in needed}
+        modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed})
+        can_stage = {p for p in plan.prefill_ranks_for(self.rank)
+                     if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != "direct"}
+        side = tuple(sorted(set(needed) | set(plan.prefill_ranks_for(self.rank))))
+        missing = [p for p in side if p not in endpoints]
+        if missing:
+            for agent in agents.values():
+                self.transport.remove_peer(agent)
+            raise HandshakeError(f"no endpoint given for prefill ranks {missing} of engine {engine_id!r}; "
+                                 f"give one per rank, got {sorted(endpoints)}")
+        from ..cost import pair_shapes
+        return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
+                            modes, pair_shapes(lowered), digests={p: metas[p].metadata_sha256 for p in needed},
+                            can_stage=frozenset(can_stage), side_ranks=side)
+
+    def _add_agents(self, engine_id: str, layout: EngineLayout, first: RankMeta, metas: dict[Rank, RankMeta],
+                    needed: Sequence[Rank], agents: dict[Rank, str], bases: dict[Rank, KVMemory]) -> None:
+        for prank in needed:
+            m = metas[prank]
+            if m.model_fingerprint != first.model_fingerprint or m.layout != first.layout:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} reports a different layout than rank (0,0)")
+            try:
+                p_mem = KVMemory.from_wire(layout, m.memory)
+            except LayoutError as e:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} sent an invalid memory description: {e}") from e
+            if p_mem.rank != prank:
+                raise HandshakeError(f"prefill rank {prank} of {engine_id!r} describes the memory of rank {p_mem.rank}")
+            agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
+            bases[prank] = p_mem
+
+    def _modes(self, plan: TransferPlan, prefill_staging: dict[Any, Any]) -> dict[Any, Any]:
+        """Direct or staged per prefill rank this rank reads: forced, or chosen by the cost model."""
+        reads = plan.prefill_ranks_for(self.rank)
+        if self.transfer_mode == "direct" or not self.staging_bytes:
+            return {p: "direct" for p in reads}
+        if self.transfer_mode == "staged":
+            chosen = {p: "staged" for p in reads}
+        else:
+            from ..cost import choose_modes
+            chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank])}
+        return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}

@@ -1,0 +1,362 @@
+"""The read of one (request, prefill rank) as a sans-IO machine (h11's pattern).
+
+:class:`RankRead` owns all of a read's state: its :class:`~kvbridge.runtime.readstate.ReadMachine`
+(every state change goes through ``readstate.TRANSITIONS``), its pin and deadlines (this process's
+monotonic clock), its staging slot and its posted transfers. :meth:`RankRead.handle` takes one event of
+``readstate`` and returns the actions the decode rank's I/O loop must run; nothing else changes it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import LeaseExpired, NotRegistered, ReadFailure, RemoteError, TransferFailed, TransferTimeout
+from ..staging import offsets
+from .readstate import (
+    AWAITING_REPLY,
+    Abort,
+    Action,
+    AlignRetry,
+    Ask,
+    Count,
+    Event,
+    Fail,
+    Failed,
+    Granted,
+    Heartbeat,
+    LetGo,
+    Notify,
+    PinsReleased,
+    Post,
+    PostSegment,
+    ReadEvent,
+    ReadMachine,
+    ReadState,
+    Refreshed,
+    Refused,
+    Restarted,
+    Retry,
+    Scatter,
+    ScatterDone,
+    ScatterFailed,
+    Segment,
+    Sent,
+    StageFailed,
+    Tick,
+    Transfer,
+    XferDone,
+    XferFailed,
+)
+
+
+# ---- the machine --------------------------------------------------------------------------------------
+@dataclass
+class Staging:
+    """Our staging slot of a staged rank and the runs the packed stream feeds."""
+
+    slot: int
+    dst: Any       # run destinations (absolute), in packed order
+    nbytes: Any
+    starts: Any    # offset of each run in the packed stream
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What every read of a decode rank shares: its timeouts, staging allocator and staging address."""
+
+    stage_timeout_s: float
+    transfer_timeout_s: float
+    register_grace_s: float
+    slots: Any            # SlotAllocator
+    staging_addr: int
+
+
+# refusal codes of an acquire/stage request: no pin was made
+REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_reader", "done"})
+
+
+class RankRead:
+    """The read of one request from one prefill rank: state, pin, deadlines (this process's monotonic
+    clock), staging slot and posted transfers. :meth:`handle` is the only way in.
+
+    ``work``: the lowered work item of a direct rank (None: nothing to read, pin and release);
+    ``lower``: returns this rank's lowered descriptors, called at most once (a staged rank's first
+    segment and a fallback to direct reads use the same lowering); ``request``: the stage request the
+    loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator."""
+
+    def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
+                 work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
+                 slot_key: Hashable = None):
+        self.prefill, self.ctx = prefill, ctx
+        self.sm = ReadMachine(state)
+        self.sent_at = now               # when the acquire/stage request was made: the pin counts from here
+        self.progress_at = now           # last progress from this rank (its own deadline re-arms only on it)
+        self.first_sent = now            # the first request (not-registered retries count from here)
+        self.work = work                 # direct: posted once the pin is granted
+        self._lower, self._lowered = lower, None
+        self.request, self.slot_key = request, slot_key
+        self.pin_deadline = float("inf")
+        self.reads: list[Transfer] = []
+        self.staging: Staging | None = None
+        self.notify_at_end = False       # no read carries this rank's Done: send it when the request completes
+        self.pinned = False              # the prefill granted this rank's pin (only then is a Done sent for it)
+        self.asked = state is ReadState.STAGE_REQUESTED  # a request is out, unanswered (a pin may exist)
+        self.retry_at: float | None = None  # not registered yet: ask again at this time
+        self.refresh_at = float("inf")   # pinned: send a heartbeat (re-arms the pin) at this time
+        self.refresh_sent = 0.0          # when the last heartbeat went out (its answer counts from here)
+        # no Tick can change anything before this time (0: tick at the next poll); every other event resets
+        # it, a Tick sets it from the read's own deadlines: the loop skips idle reads' ticks
+        self.wake_at = 0.0
+
+    @property
+    def state(self) -> ReadState:
+        return self.sm.state
+
+    @property
+    def terminal(self) -> bool:
+        return self.sm.terminal
+
+    def lowered(self) -> Any:
+        if self._lowered is None:
+            assert self._lower is not None, "a staged rank needs its lowering"
+            self._lowered = self._lower()
+        return self._lowered
+
+    def __repr__(self) -> str:
+        return f"RankRead({self.prefill}, {self.state.name}, reads={len(self.reads)}, pinned={self.pinned})"
+
+    # ---- the one entry point ----------------------------------------------------------------------
+    def handle(self, ev: Event, now: float) -> list[Action]:
+        """Apply one event at ``now``; returns what the I/O loop must do."""
+        if isinstance(ev, Tick):
+            out = self._tick(ev, now)
+            self.wake_at = self._next_wake()
+            return out
+        self.wake_at = 0.0
+        if isinstance(ev, XferDone):
+            t = self.reads[ev.index]
+            t.done, self.progress_at = True, now
+            return [Scatter(t)] if t.runs is not None else []
+        if isinstance(ev, ScatterDone):
+            self.reads[ev.index].scattered = True
+            return []
+        if isinstance(ev, Sent):
+            if not self.terminal:
+                self.asked = True
+            return []
+        if isinstance(ev, PinsReleased):
+            self.pinned = self.asked = False
+            return []
+        if isinstance(ev, Granted):
+            return self._granted(ev, now)
+        if isinstance(ev, Refreshed):
+            if self.pinned and not self.terminal:
+                self.pin_deadline = max(self.pin_deadline, self.refresh_sent + ev.ttl_s)
+                self.refresh_at = self.refresh_sent + ev.ttl_s / 3
+            return []
+        if isinstance(ev, Refused):
+            if self.state is not ReadState.ACQUIRING or self.retry_at is not None:
+                return []
+            self.asked = False
+            return self._not_registered(ev.code, now) or self._refused(ev.code, ev.text)
+        if isinstance(ev, (Segment, StageFailed)):
+            return self._stage_reply(ev, now)
+        if isinstance(ev, AlignRetry):
+            if self.retry_at is not None:
+                self.retry_at = min(self.retry_at, ev.at)
+            return []
+        if isinstance(ev, XferFailed):
+            return self._fail(ReadEvent.NIXL_ERROR, TransferFailed, ev.text)
+        if isinstance(ev, ScatterFailed):
+            return self._fail(ReadEvent.PROTOCOL_ERROR, ReadFailure, f"scatter failed: {ev.text}")
+        if isinstance(ev, Failed):
+            return self._fail(ev.event, ev.kind, ev.text)
+        if isinstance(ev, Abort):
+            if self.terminal:
+                return []
+            self.sm.fire(ReadEvent.ABORT)
+            return self._cancel()
+        raise TypeError(f"not a read event: {ev!r}")
+
+    # ---- the cases ---------------------------------------------------------------------------------
+    def _fail(self, event: ReadEvent, kind: type[ReadFailure], text: str) -> list[Action]:
+        self.sm.fire(event)
+        return self._cancel() + [Fail(kind, text)]
+
+    def _cancel(self) -> list[Action]:
+        """Ended without completing: direct reads not finished are cancelled (one the post thread has not
+        reached yet is never handed to the transport's library)."""
+        out: list[Action] = []
+        for t in self.reads:
+            if t.work is not None and not t.done and not t.cancelled:
+                t.cancelled = True
+                out.append(Count("cancelled_reads"))
+        return out
+
+    def _granted(self, ev: Granted, now: float) -> list[Action]:
+        if self.state is not ReadState.ACQUIRING or self.retry_at is not None:
+            return [LetGo()]  # a pin no live read of ours will use
+        self.pinned, self.asked = True, False
+        if ev.ttl_s <= 0:
+            return self._fail(ReadEvent.REFUSED, LeaseExpired, "the pin was granted with no time left")
+        self.sm.fire(ReadEvent.GRANTED)
+        self.pin_deadline, self.progress_at = self.sent_at + ev.ttl_s, now
+        self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
+        if self.work is None:  # nothing to read from this rank: release the pin at once
+            self.pinned = False
+            self.sm.fire(ReadEvent.COMPLETED)
+            return [Notify()]
+        t = Transfer(work=self.work)
+        self.work = None
+        self.reads.append(t)
+        return [Post(t)]
+
+    def _not_registered(self, code: str, now: float) -> list[Action]:
+        """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
+        No pin exists and nothing is sent meanwhile."""
+        if code != "not_registered" or now - self.first_sent >= self.ctx.register_grace_s:
+            return []
+        self.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - self.first_sent) / 0.02)))
+        self.progress_at = now
+        return [Count("register_retries"), Retry(self.retry_at)]
+
+    def _refused(self, code: str, text: str) -> list[Action]:
+        if code == "restarted":
+            return [Restarted(text)]
+        if code == "not_registered":
+            return self._fail(ReadEvent.REFUSED, NotRegistered,
+                              f"{text} (asked for {self.ctx.register_grace_s:g} s: register_grace_s)")
+        if code in ("lease_expired", "done"):
+            return self._fail(ReadEvent.REFUSED, LeaseExpired, text)
+        return self._fail(ReadEvent.REFUSED, RemoteError, f"[{code}] {text}")
+
+    def _stage_reply(self, ev: Segment | StageFailed, now: float) -> list[Action]:
+        pins = isinstance(ev, Segment) or ev.code not in REFUSALS
+        if self.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING) or self.retry_at is not None:
+            # failed or aborted meanwhile, or fell back to direct reads: a pin made for a read no longer
+            # live here is released (once)
+            return [LetGo()] if pins and self.terminal else []
+        self.progress_at = now
+        self.pinned, self.asked = self.pinned or pins, False
+        if isinstance(ev, StageFailed):
+            if self.state is ReadState.STAGE_REQUESTED:
+                retry = self._not_registered(ev.code, now)
+                if retry:
+                    return retry
+            if ev.expired or ev.code in REFUSALS:
+                return self._refused(ev.code or "lease_expired", ev.text)
+            if self.state is ReadState.STAGE_REQUESTED and ev.ttl_s > 0:  # no room: read directly, pinned
+                self.pin_deadline = self.sent_at + ev.ttl_s
+                self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
+                return self._direct_fallback()
+            return self._fail(ReadEvent.REFUSED, RemoteError, ev.text)
+        out: list[Action] = []
+        if self.staging is None and self.state is ReadState.STAGE_REQUESTED:  # first segment
+            self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + max(ev.ttl_s, 0.0) / 3
+            if ev.total == 0:
+                self.notify_at_end = True  # nothing to read: Done goes out when the request completes
+                self.pin_deadline = now + 1e9  # nothing read: nothing to trust
+                self.sm.fire(ReadEvent.STAGE_LAST)
+                return []
+            d = self.lowered()
+            if d.total_bytes != ev.total:
+                return self._fail(ReadEvent.PROTOCOL_ERROR, RemoteError,
+                                  f"the prefill packed {ev.total} B but this rank expects {d.total_bytes} B: "
+                                  "the two sides lower differently (same kvbridge release?)")
+            if ev.ttl_s <= 0:
+                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged with no pin time left")
+            self.pin_deadline = self.sent_at + ev.ttl_s
+            off = self.ctx.slots.alloc(self.slot_key, ev.total)
+            if off is None:  # our staging is full: read directly (under the pin), ignore the rest
+                return self._direct_fallback()
+            self.staging = Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
+            self.notify_at_end = True
+            out.append(Count("staged_transfers"))
+        st = self.staging
+        if st is None:
+            return out
+        a, b = (int(i) for i in np.searchsorted(st.starts, [ev.offset, ev.offset + ev.nbytes]))
+        if (ev.offset + ev.nbytes > ev.total or a >= st.starts.size or st.starts[a] != ev.offset
+                or int(st.nbytes[a:b].sum()) != ev.nbytes):
+            return out + self._fail(ReadEvent.PROTOCOL_ERROR, RemoteError,
+                                    f"the prefill sent a segment [{ev.offset}, +{ev.nbytes}) that does not start "
+                                    "and end on run boundaries of this rank's lowering")
+        self.sm.fire(ReadEvent.STAGE_LAST if ev.last else ReadEvent.STAGE_SEGMENT)
+        # no notification on segment reads: Done is sent once every segment is read (the prefill frees
+        # its staging slot on Done, and segments may complete out of order)
+        t = Transfer(nbytes=int(ev.nbytes), slot=st.slot + ev.offset, runs=(st.dst[a:b], st.nbytes[a:b]))
+        self.reads.append(t)
+        return out + [PostSegment(t, ev.addr, self.ctx.staging_addr + st.slot + ev.offset)]
+
+    def _direct_fallback(self) -> list[Action]:
+        self.sm.fire(ReadEvent.STAGE_FULL)
+        out: list[Action] = [Count("staging_fallbacks")]
+        d = self.lowered()  # the lowering the staged path made (or makes now), not a second one
+        if d.count:
+            t = Transfer(work=d)
+            self.reads.append(t)
+            out.append(Post(t))
+        else:
+            self.notify_at_end = True
+        return out
+
+    def _tick(self, ev: Tick, now: float) -> list[Action]:
+        if self.terminal:
+            return []
+        out: list[Action] = []
+        if self.retry_at is not None:  # refused "not registered yet": nothing is held, nothing is sent
+            if now < self.retry_at:
+                return out
+            self.retry_at, self.sent_at = None, now
+            if self.state is ReadState.ACQUIRING:
+                out.append(Ask(stage=False))
+            elif self.request is not None:
+                out.append(Ask(stage=True))
+        if self.pinned and now >= self.refresh_at:  # keep our pin alive on the prefill (its idle timeout)
+            self.refresh_sent = now
+            self.refresh_at = now + max(0.05, (self.pin_deadline - now) / 2)  # again then if nobody answers
+            out.append(Heartbeat())
+        finished = all(t.finished for t in self.reads)
+        if finished and self.state in (ReadState.POSTED, ReadState.SCATTERING):
+            if now > self.pin_deadline:  # the read ended after the pin the prefill granted: not trusted
+                return out + self._fail(ReadEvent.TIMEOUT, LeaseExpired,
+                                        "the read ended after the lease pin the prefill granted ran out; its "
+                                        "blocks may have been reused, the data is not trusted")
+            self.sm.fire(ReadEvent.COMPLETED)
+            return out
+        waiting = self.state in AWAITING_REPLY and not (self.state is ReadState.STAGING and not finished)
+        limit = self.ctx.stage_timeout_s if waiting else self.ctx.transfer_timeout_s
+        if now - self._progress_ref(ev, now, waiting) > limit:
+            what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
+                    else "made no progress within transfer_timeout_s")
+            return out + self._fail(ReadEvent.TIMEOUT, TransferTimeout,
+                                    f"{what}={limit:g} s (state {self.state.name}; frozen, overloaded or "
+                                    "unreachable)")
+        if now > self.pin_deadline:
+            return out + self._fail(ReadEvent.TIMEOUT, LeaseExpired,
+                                    "the lease pin the prefill granted ran out before the read ended")
+        return out
+
+    def _next_wake(self) -> float:
+        """The earliest time a Tick could act: a retry, a heartbeat, the pin's end, or the earliest a
+        progress deadline can run out (peer progress and posting times only push those later)."""
+        if self.terminal:
+            return float("inf")
+        if self.retry_at is not None:
+            return self.retry_at
+        wake = min(self.pin_deadline, self.progress_at + min(self.ctx.stage_timeout_s, self.ctx.transfer_timeout_s))
+        return min(wake, self.refresh_at) if self.pinned else wake
+
+    def _progress_ref(self, ev: Tick, now: float, waiting: bool) -> float:
+        """When this read last showed the peer alive: its deadline runs from there. Waiting for an answer:
+        the request or the last answer. Reading: the latest of the last progress, the last read completed
+        from the same prefill rank, and the time each unfinished transfer was posted; a transfer still in
+        our own post queue stops the clock."""
+        if waiting:
+            return self.progress_at
+        if ev.queued_locally:
+            return now
+        return max(self.progress_at, ev.peer_progress, ev.posted_latest)

@@ -1,0 +1,321 @@
+"""The read of one (request, prefill rank) as a sans-IO machine (:class:`RankRead` in
+``runtime/readmachine.py``, its vocabulary in ``readstate.py``), driven only through
+``handle(event, now) -> actions``, without sockets or NIXL: every live cell of the transition table is
+reached by the event that causes it, terminal states take no failing event, and the machine's own
+decisions (retries, heartbeats, pins, deadlines, staging fallback, one lowering per read) come back as
+actions."""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import (
+    IllegalTransition,
+    LeaseExpired,
+    NotRegistered,
+    PeerDisconnected,
+    ReadFailure,
+    RemoteError,
+    TransferFailed,
+    TransferTimeout,
+)
+from kvbridge.runtime.readmachine import RankRead, ReadContext
+from kvbridge.runtime.readstate import (
+    TERMINAL,
+    TRANSITIONS,
+    Abort,
+    AlignRetry,
+    Ask,
+    Count,
+    Fail,
+    Failed,
+    Granted,
+    Heartbeat,
+    LetGo,
+    Notify,
+    PinsReleased,
+    Post,
+    PostSegment,
+    ReadEvent,
+    ReadState,
+    Refreshed,
+    Refused,
+    Restarted,
+    Retry,
+    Scatter,
+    ScatterDone,
+    ScatterFailed,
+    Segment,
+    Sent,
+    StageFailed,
+    Tick,
+    XferDone,
+    XferFailed,
+)
+from kvbridge.runtime.slots import SlotAllocator
+
+S, E = ReadState, ReadEvent
+P = (0, 1)
+WORK = SimpleNamespace(count=3, total_bytes=300)  # a direct rank's work item (opaque to the machine)
+TTL = 10.0
+
+
+def lowered():
+    return SimpleNamespace(total_bytes=300, count=3, dst=np.array([1000, 2000, 3000]), nbytes=np.array([100, 100, 100]))
+
+
+def ctx(staging=1 << 20):
+    return ReadContext(stage_timeout_s=5.0, transfer_timeout_s=20.0, register_grace_s=1.0,
+                       slots=SlotAllocator(staging), staging_addr=1 << 30)
+
+
+def machine(state, c=None, lower=None):
+    """A fresh read driven into ``state`` through handle() alone."""
+    c = c or ctx()
+    if state is S.ACQUIRING:
+        rr = RankRead(P, S.ACQUIRING, 0.0, c, work=WORK)
+        rr.handle(Sent(), 0.0)
+    elif state is S.STAGE_REQUESTED:
+        rr = RankRead(P, S.STAGE_REQUESTED, 0.0, c, lower=lower or lowered, request="stage-msg", slot_key=("k", P))
+    elif state is S.POSTED:
+        rr = machine(S.ACQUIRING, c)
+        assert isinstance(rr.handle(Granted(TTL), 0.1)[0], Post)
+    elif state is S.STAGING:
+        rr = machine(S.STAGE_REQUESTED, c)
+        rr.handle(Segment(300, 0, 100, 7000, False, TTL), 0.1)
+    elif state is S.SCATTERING:
+        rr = machine(S.STAGING, c)
+        rr.handle(Segment(300, 100, 200, 7100, True, TTL), 0.2)
+    elif state is S.DONE:
+        rr = machine(S.POSTED, c)
+        rr.handle(XferDone(0), 0.3)
+        rr.handle(Tick(), 0.3)
+    elif state is S.FAILED:
+        rr = machine(S.ACQUIRING, c)
+        rr.handle(Refused("lease_expired", "gone"), 0.1)
+    else:
+        rr = machine(S.ACQUIRING, c)
+        rr.handle(Abort(), 0.1)
+    assert rr.state is state
+    return rr
+
+
+def cause(state, event):
+    """The events (and time) that make a read in ``state`` take table event ``event``."""
+    staged = state in (S.STAGE_REQUESTED, S.STAGING)
+    return {
+        E.GRANTED: ([Granted(TTL)], 0.2),
+        E.REFUSED: ([StageFailed("lease_expired", "gone", True, 0.0)] if staged
+                    else [Refused("lease_expired", "gone")] if state is S.ACQUIRING
+                    else [Failed(E.REFUSED, LeaseExpired, "refused")], 0.2),
+        E.STAGE_SEGMENT: ([Segment(300, 100, 100, 7100, False, TTL)] if state is S.STAGING
+                          else [Segment(300, 0, 100, 7000, False, TTL)], 0.2),
+        E.STAGE_LAST: ([Segment(300, 100, 200, 7100, True, TTL)] if state is S.STAGING
+                       else [Segment(300, 0, 300, 7000, True, TTL)], 0.2),
+        E.STAGE_FULL: ([StageFailed("full", "no room", False, TTL)], 0.2),
+        E.COMPLETED: ([XferDone(0), Tick()] if state is S.POSTED
+                      else [XferDone(0), XferDone(1), ScatterDone(0), ScatterDone(1), Tick()], 0.3),
+        E.NIXL_ERROR: ([XferFailed("transport failed")], 0.2),
+        E.PROTOCOL_ERROR: ([Segment(999, 0, 100, 7000, False, TTL)] if state is S.STAGE_REQUESTED
+                           else [Segment(300, 150, 10, 7000, False, TTL)] if state is S.STAGING
+                           else [ScatterFailed("bug")], 0.2),
+        E.DISCONNECT: ([Failed(E.DISCONNECT, PeerDisconnected, "agent went away")], 0.2),
+        E.TIMEOUT: ([Tick()], 1000.0),
+        E.ABORT: ([Abort()], 0.2),
+    }[event]
+
+
+LIVE_CELLS = [(s, e) for s in S if s not in TERMINAL for e in TRANSITIONS[s]]
+KINDS = {E.REFUSED: LeaseExpired, E.NIXL_ERROR: TransferFailed, E.DISCONNECT: PeerDisconnected}
+
+
+@pytest.mark.parametrize("state, event", LIVE_CELLS, ids=[f"{s.name}-{e.name}" for s, e in LIVE_CELLS])
+def test_every_live_cell_through_handle(state, event):
+    rr = machine(state)
+    events, now = cause(state, event)
+    actions = []
+    for ev in events:
+        actions += rr.handle(ev, now)
+    assert rr.state is TRANSITIONS[state][event]
+    fails = [a for a in actions if isinstance(a, Fail)]
+    if TRANSITIONS[state][event] is S.FAILED:  # exactly one failure, of the right kind
+        assert len(fails) == 1
+        kind = fails[0].kind
+        if event in KINDS:
+            assert kind is KINDS[event]
+        elif event is E.TIMEOUT:
+            assert kind in (TransferTimeout, LeaseExpired)
+        else:
+            assert kind in (RemoteError, ReadFailure)
+    else:
+        assert not fails
+    if event is E.GRANTED:
+        assert [type(a) for a in actions] == [Post] and actions[0].transfer.work is WORK and rr.pinned
+    if event is E.STAGE_FULL:  # read directly, under the pin, what the staged path lowered
+        assert any(isinstance(a, Post) for a in actions) and rr.pinned and rr.pin_deadline == pytest.approx(TTL)
+    if event in (E.STAGE_SEGMENT, E.STAGE_LAST) and state is S.STAGE_REQUESTED:
+        seg = [a for a in actions if isinstance(a, PostSegment)]
+        assert len(seg) == 1 and seg[0].local == (1 << 30) + rr.staging.slot and rr.notify_at_end
+    if event is E.COMPLETED and state is S.SCATTERING:
+        assert sum(isinstance(a, Scatter) for a in actions) == 2
+
+
+@pytest.mark.parametrize("state", sorted(TERMINAL, key=lambda s: s.name))
+@pytest.mark.parametrize("ev", [XferFailed("x"), ScatterFailed("x"), Failed(E.DISCONNECT, PeerDisconnected, "x")],
+                         ids=["nixl", "scatter", "disconnect"])
+def test_terminal_states_take_no_failing_event(state, ev):
+    rr = machine(state)
+    with pytest.raises(IllegalTransition):
+        rr.handle(ev, 1.0)
+    assert rr.state is state
+    assert rr.handle(Tick(), 1e6) == [] and rr.handle(Abort(), 1.0) == [] and rr.state is state
+
+
+@pytest.mark.parametrize("state", sorted(TERMINAL, key=lambda s: s.name))
+def test_late_grant_or_staging_for_an_ended_read_is_let_go(state):
+    rr = machine(state)
+    assert rr.handle(Granted(TTL), 1.0) == [LetGo()]
+    assert rr.handle(Segment(300, 0, 100, 7000, False, TTL), 1.0) == [LetGo()]
+    assert rr.handle(StageFailed("lease_expired", "x", True, 0.0), 1.0) == []  # a refusal pins nothing
+
+
+@pytest.mark.parametrize("ev", [Abort(), XferFailed("x"), Failed(E.DISCONNECT, PeerDisconnected, "x")],
+                         ids=["abort", "nixl", "disconnect"])
+def test_an_ended_read_cancels_its_unfinished_direct_reads_once(ev):
+    rr = machine(S.POSTED)
+    acts = rr.handle(ev, 0.5)
+    assert acts[0] == Count("cancelled_reads") and rr.reads[0].cancelled and rr.terminal
+    done = machine(S.DONE)
+    assert done.handle(Abort(), 0.5) == [] and not done.reads[0].cancelled  # finished: nothing to cancel
+
+
+@pytest.mark.parametrize("state", [s for s in S if s not in TERMINAL])
+@pytest.mark.parametrize("pinned_heartbeat", [False, True])
+def test_no_tick_before_wake_at_can_act(state, pinned_heartbeat):
+    """The loop skips ticks before ``wake_at``: a tick at any earlier time returns nothing and changes
+    nothing; an event other than a tick asks for a tick at the next poll."""
+    rr = machine(state)
+    if pinned_heartbeat and rr.pinned:
+        rr.handle(Tick(queued_locally=True), rr.refresh_at)  # heartbeat sent: the next one is later
+    before = rr.handle(Tick(queued_locally=True), 0.5)
+    wake = rr.wake_at
+    assert wake > 0.5 or before, (rr, wake)
+    for t in np.linspace(0.5, min(wake, 1e4), 7)[:-1]:
+        for tick in (Tick(), Tick(queued_locally=True), Tick(peer_progress=t, posted_latest=t)):
+            assert rr.handle(tick, float(t)) == [] and rr.state is state
+    rr.handle(Sent(), 1.0)
+    assert rr.wake_at == 0.0
+    rr.handle(Abort(), 1.0)
+    rr.handle(Tick(), 2.0)
+    assert rr.wake_at == float("inf")
+
+
+def test_nothing_to_read_is_pinned_then_released_at_once():
+    rr = RankRead(P, S.ACQUIRING, 0.0, ctx(), work=None)
+    assert rr.handle(Granted(TTL), 0.1) == [Notify()] and rr.state is S.DONE and not rr.pinned
+
+
+def test_granted_without_time_fails():
+    rr = machine(S.ACQUIRING)
+    (a,) = rr.handle(Granted(0.0), 0.1)
+    assert isinstance(a, Fail) and a.kind is LeaseExpired and rr.state is S.FAILED
+
+
+def test_not_registered_retries_within_grace_then_fails_typed():
+    rr = machine(S.ACQUIRING)
+    acts = rr.handle(Refused("not_registered", "no lease yet"), 0.01)
+    assert acts[0] == Count("register_retries") and isinstance(acts[1], Retry) and rr.state is S.ACQUIRING
+    assert not rr.asked and rr.retry_at == acts[1].at > 0.01
+    assert rr.handle(Granted(TTL), 0.012) == [LetGo()]  # a grant racing a scheduled retry is not used
+    rr.handle(AlignRetry(0.011), 0.0)  # another reader of the request retries earlier: together
+    assert rr.retry_at == 0.011
+    assert rr.handle(Tick(), 0.0105) == []  # nothing is sent, no deadline runs before the retry
+    assert rr.handle(Tick(), 0.011) == [Ask(stage=False)] and rr.retry_at is None and rr.sent_at == 0.011
+    rr.handle(Sent(), 0.011)
+    (a,) = rr.handle(Refused("not_registered", "still none"), 1.5)  # past register_grace_s (1 s)
+    assert isinstance(a, Fail) and a.kind is NotRegistered and "register_grace_s" in a.text
+
+
+def test_staged_not_registered_resends_the_stage_request():
+    rr = machine(S.STAGE_REQUESTED)
+    acts = rr.handle(StageFailed("not_registered", "no lease yet", False, 0.0), 0.01)
+    assert isinstance(acts[-1], Retry)
+    assert rr.handle(Tick(), acts[-1].at) == [Ask(stage=True)] and rr.request == "stage-msg"
+
+
+def test_restarted_refusal_is_the_loops_decision():
+    rr = machine(S.ACQUIRING)
+    assert rr.handle(Refused("restarted", "new process"), 0.1) == [Restarted("new process")]
+    assert rr.state is S.ACQUIRING  # the loop re-queues (Abort) or fails it (Failed REFUSED)
+
+
+def test_pin_heartbeats_and_refresh():
+    rr = machine(S.POSTED)  # request sent at 0.0, granted 10 s: heartbeat due at 10/3
+    assert rr.pin_deadline == pytest.approx(TTL) and rr.refresh_at == pytest.approx(TTL / 3)
+    assert Heartbeat() not in rr.handle(Tick(queued_locally=True), 3.0)
+    assert Heartbeat() in rr.handle(Tick(queued_locally=True), 3.5) and rr.refresh_sent == 3.5
+    rr.handle(Refreshed(TTL), 3.6)  # answered: the pin holds 10 s from when the heartbeat went out
+    assert rr.pin_deadline == pytest.approx(13.5) and rr.refresh_at == pytest.approx(3.5 + TTL / 3)
+
+
+def test_read_that_ends_after_its_pin_is_not_trusted():
+    rr = machine(S.POSTED)
+    rr.handle(XferDone(0), 11.0)
+    acts = rr.handle(Tick(), 11.0)
+    assert acts[0] == Heartbeat()  # (the pin was due a heartbeat too)
+    (a,) = acts[1:]
+    assert isinstance(a, Fail) and a.kind is LeaseExpired and "not trusted" in a.text and rr.state is S.FAILED
+
+
+def test_local_queue_stops_the_clock_peer_progress_restarts_it():
+    rr = machine(S.POSTED, ReadContext(5.0, 2.0, 1.0, SlotAllocator(0), 0))
+    rr.handle(Refreshed(1e6), 0.2)  # (keep the pin out of the way)
+    assert rr.handle(Tick(queued_locally=True), 9.0) == []  # 9 s queued here: not the peer's fault
+    assert not [a for a in rr.handle(Tick(posted_latest=8.0), 9.0) if isinstance(a, Fail)]  # posted 1 s ago
+    assert not [a for a in rr.handle(Tick(peer_progress=8.5, posted_latest=1.0), 9.0) if isinstance(a, Fail)]
+    (a,) = [a for a in rr.handle(Tick(peer_progress=1.0, posted_latest=1.0), 9.0) if isinstance(a, Fail)]
+    assert a.kind is TransferTimeout and "transfer_timeout_s=2" in a.text
+
+
+def test_staging_full_falls_back_on_the_same_lowering():
+    calls = []
+
+    def lower():
+        calls.append(1)
+        return lowered()
+
+    rr = machine(S.STAGE_REQUESTED, ctx(staging=0), lower=lower)  # our staging has no room
+    acts = rr.handle(Segment(300, 0, 100, 7000, False, TTL), 0.1)
+    assert Count("staging_fallbacks") in acts and rr.state is S.POSTED
+    (post,) = [a for a in acts if isinstance(a, Post)]
+    assert post.transfer.work.total_bytes == 300 and len(calls) == 1  # lowered once, for both decisions
+    assert rr.handle(Segment(300, 100, 200, 7100, True, TTL), 0.2) == []  # further segments: ignored
+
+
+def test_empty_stage_completes_and_notifies_at_end():
+    rr = machine(S.STAGE_REQUESTED)
+    assert rr.handle(Segment(0, 0, 0, 0, True, TTL), 0.1) == [] and rr.state is S.SCATTERING and rr.notify_at_end
+    assert rr.handle(Tick(), 0.2) == [] and rr.state is S.DONE and rr.pinned
+    rr.handle(PinsReleased(), 0.2)
+    assert not rr.pinned and not rr.asked
+
+
+def test_staged_segments_must_follow_run_boundaries():
+    rr = machine(S.STAGING)
+    (a,) = [a for a in rr.handle(Segment(300, 100, 150, 7100, True, TTL), 0.2) if isinstance(a, Fail)]
+    assert a.kind is RemoteError and "run boundaries" in a.text
+
+
+@pytest.mark.parametrize("a, b", list(itertools.permutations([0, 1])))
+def test_scattering_completes_only_when_every_segment_is_read_and_scattered(a, b):
+    rr = machine(S.SCATTERING)
+    rr.handle(XferDone(a), 0.3)
+    rr.handle(ScatterDone(a), 0.3)
+    rr.handle(XferDone(b), 0.3)
+    assert rr.handle(Tick(), 0.3) == [] and rr.state is S.SCATTERING  # b read, not scattered yet
+    rr.handle(ScatterDone(b), 0.3)
+    rr.handle(Tick(), 0.3)
+    assert rr.state is S.DONE
