@@ -53,6 +53,7 @@ from .handshake import Handshaker, RemoteEngine, fetch_meta
 from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, to_host, transport_device
 from .metrics import Metrics
 from .peer import Peer, PeerEvent, PeerState
+from .peers import PeerTable, Ready
 from .protocol import (
     STAGE_SEGMENT_BYTES,
     Acquire,
@@ -139,17 +140,16 @@ class DecodeRank:
         # an acquire/stage request that finds no lease yet ("not registered": the prefill engine registers
         # a request when its step ends, the router may be faster) is asked again for this long
         self.register_grace_s = float(register_grace_s)
-        # engine id -> its current Peer (CONNECTING or LIVE); a background handshake is bounded as a whole
-        # by connect_timeout_s (default: 2 x handshake_timeout_s + 5 s)
-        self._peers: dict[str, Peer] = {}
-        self._old: list[Peer] = []  # LOST peers not reaped yet, and retired ones whose handshake still runs
-        self._endpoints: dict[str, dict] = {}  # engine id -> the endpoints last given (re-handshake on restart)
-        self._hs_pool = None
         self._requeued: set = set()  # read keys already re-queued once after a restart
-        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None
-                                       else 2 * handshake_timeout_s + 5.0)
-        # reads re-queued after their engine restarted or disconnected wait at most this long for it
-        self.rehandshake_timeout_s = float(rehandshake_timeout_s)
+        self.ctx = zmq.Context.instance()
+        self.metrics = Metrics()
+        self.handshake_timeout_s = handshake_timeout_s
+        # the prefill peers and their lifecycle; a background handshake is bounded as a whole by
+        # connect_timeout_s (default: 2 x handshake_timeout_s + 5 s); reads re-queued after their engine
+        # restarted or disconnected wait at most rehandshake_timeout_s for it
+        self.peers = PeerTable(self.ctx, self.transport, self.metrics, self._handshaker, engine_id,
+                               float(connect_timeout_s if connect_timeout_s is not None
+                                     else 2 * handshake_timeout_s + 5.0), float(rehandshake_timeout_s))
         self._released: OrderedDict = OrderedDict()  # (read key, prefill rank, attempt): pins of ended reads let go
         self._failed_keys: OrderedDict = OrderedDict()  # reads that failed (a retry failing again counts once)
         self._linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
@@ -161,20 +161,28 @@ class DecodeRank:
         self.staging_bytes = staging_nbytes(self.staging)
         self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
         self.slots = SlotAllocator(self.staging_bytes)
-        self.ctx = zmq.Context.instance()
         self.inflight: dict[str, InFlight] = {}
         self.finished: list[str] = []
         self.failed: dict[str, ReadFailure] = {}
-        self.metrics = Metrics()
-        self.handshake_timeout_s = handshake_timeout_s
 
-    # ---- peers: handshake, background connect, lifecycle ------------------------------------------
-
-    # ---- peers: handshake, background connect, lifecycle ------------------------------------------
+    # ---- peers: handshake, background connect, lifecycle (the table: peers.py) -----------------------
     @property
     def remotes(self) -> dict[str, Peer]:
         """{engine id: live :class:`~kvbridge.runtime.peer.Peer`} (each owns its handshake's result)."""
-        return {eid: p for eid, p in self._peers.items() if p.state is PeerState.LIVE}
+        return self.peers.remotes
+
+    @property
+    def _peers(self) -> dict[str, Peer]:
+        """engine id -> its current peer (CONNECTING or LIVE)."""
+        return self.peers.current
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return self.peers.connect_timeout_s
+
+    @property
+    def rehandshake_timeout_s(self) -> float:
+        return self.peers.rehandshake_timeout_s
 
     def _handshaker(self) -> Handshaker:
         return Handshaker(self.ctx, self.transport, self.engine, self.rank, self.mem, self.engine_id,
@@ -183,8 +191,8 @@ class DecodeRank:
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> Peer:
         """Contact the prefill engine's ranks this rank needs, on this thread; cached per engine id."""
         endpoints = {tuple(k): v for k, v in endpoints.items()}
-        self._endpoints[engine_id] = endpoints
-        cur = self._peers.get(engine_id)
+        self.peers.endpoints[engine_id] = endpoints
+        cur = self.peers.get(engine_id)
         pending: list = []
         if cur is not None and cur.live:
             # still the same engine? (same endpoints and the same NIXL agent behind every rank)
@@ -193,7 +201,7 @@ class DecodeRank:
             self.forget(engine_id)
         elif cur is not None:  # connecting in the background: this handshake replaces it
             pending, cur.pending = cur.pending, []
-            self._abandon(cur)
+            self.peers.abandon(cur)
         self._reap(engine_id=engine_id)  # its agents go before they are added again
         try:
             remote, prepped = self._handshaker().run(engine_id, endpoints)
@@ -201,24 +209,11 @@ class DecodeRank:
             self.metrics.failed_handshakes += 1
             raise
         peer = Peer(engine_id, endpoints, started=time.monotonic(), pending=pending)
-        self._peers[engine_id] = peer
-        self._install(peer, remote, prepped)
+        self._start_queued(peer, self.peers.install(peer, remote, prepped))
         return peer
 
-    def _open_sock(self, endpoint: str) -> tuple:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # the side channel's TCP connection closing is the earliest sign of a dead prefill process
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(f"tcp://{endpoint}")
-        return sock, mon
-
-    def _install(self, peer: Peer, remote, prepped: dict) -> None:
-        """CONNECTING -> LIVE: the peer owns the handshake's result and opens its sockets (on this thread);
-        its queued reads start."""
-        peer.connected(remote, prepped, self._open_sock)
-        self.metrics.handshakes += 1
-        pending, peer.pending = peer.pending, []
+    def _start_queued(self, peer: Peer, pending: list[ReadRequest]) -> None:
+        """Start the reads that waited for ``peer``'s handshake."""
         for req in pending:
             try:
                 self.start(req)
@@ -236,8 +231,8 @@ class DecodeRank:
         if the handshake fails or runs past the bound. Idempotent: call it before every :meth:`start`
         (vLLM: when the scheduler first sees the request)."""
         endpoints = {tuple(k): v for k, v in endpoints.items()}
-        self._endpoints[engine_id] = endpoints
-        cur = self._peers.get(engine_id)
+        self.peers.endpoints[engine_id] = endpoints
+        cur = self.peers.get(engine_id)
         if cur is not None and cur.endpoints == endpoints:
             return  # live, or connecting to the same endpoints
         pending = []
@@ -245,73 +240,28 @@ class DecodeRank:
             self.forget(engine_id, "the prefill engine's endpoints changed (connect)")
         elif cur is not None:
             pending, cur.pending = cur.pending, []
-            self._abandon(cur)
+            self.peers.abandon(cur)
         self._connect(engine_id, endpoints, pending)
 
     def _connect(self, engine_id: str, endpoints: dict, pending: list, bound_s: float | None = None) -> Peer:
-        if self._hs_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._hs_pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
-        cur = self._peers.get(engine_id)
+        cur = self.peers.get(engine_id)
         if cur is not None and cur.live:
             self.forget(engine_id, "the prefill engine is handshaken again")
         elif cur is not None:
-            self._abandon(cur)
+            self.peers.abandon(cur)
         self._reap(engine_id=engine_id)
-        phase = ["queued behind another handshake"]
-        fut = self._hs_pool.submit(self._handshaker().background, engine_id, endpoints, phase)
-        peer = self._peers[engine_id] = Peer(
-            engine_id, endpoints, started=time.monotonic(), future=fut, pending=pending,
-            bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
-        return peer
-
-    def _abandon(self, peer: Peer) -> None:
-        """A connecting peer nobody waits for any more: retired now; what its handshake thread still
-        adds is released when it returns (:meth:`_reap`)."""
-        if self._peers.get(peer.engine_id) is peer:
-            del self._peers[peer.engine_id]
-        peer.close(self.transport, self._live_agents())
-        if not peer.settled and peer not in self._old:
-            self._old.append(peer)
-
-    def _live_agents(self) -> set:
-        return {a for p in self._peers.values() if p.live for a in p.agents.values()}
+        return self.peers.begin(engine_id, endpoints, pending, bound_s)
 
     def _advance_peers(self, now: float) -> None:
         """Install engines whose background handshake finished and start their queued reads; fail the
         queued reads of a handshake that failed or ran past its bound (``connect_timeout_s``)."""
-        for peer in list(self._peers.values()):
-            if not peer.connecting:
+        for r in self.peers.advance(now):
+            if isinstance(r, Ready):
+                self._start_queued(r.peer, r.pending)
                 continue
-            assert peer.future is not None
-            if peer.future.done():
-                try:
-                    remote, prepped = peer.future.result()
-                except (HandshakeError, IncompatibleLayoutsError, TransferError) as e:
-                    self._handshake_failed(peer, PeerEvent.HANDSHAKE_FAILED, str(e), now)
-                    continue
-                except Exception as e:  # noqa: BLE001 - a bug in the handshake fails its reads, not the engine
-                    self._handshake_failed(peer, PeerEvent.HANDSHAKE_FAILED,
-                                           f"internal error: {type(e).__name__}: {e}", now)
-                    continue
-                self._install(peer, remote, prepped)
-            elif now - peer.started > peer.bound_s:
-                self._handshake_failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"no handshake within {peer.bound_s:g} s "
-                                       "(prefill engine dead, frozen or unreachable; the handshake was at: "
-                                       f"{peer.phase[0]})", now)
-
-    def _handshake_failed(self, peer: Peer, event: PeerEvent, why: str, now: float) -> None:
-        del self._peers[peer.engine_id]
-        peer.lose(event, now, why)
-        self.metrics.failed_handshakes += 1
-        before = f"{peer.why}; re-handshake failed: " if peer.why else ""
-        pending, peer.pending = peer.pending, []
-        for req in pending:
-            self._count_failed(req)
-            self.failed[req.key] = HandshakeFailed(
-                f"request {req.req_id!r}: {before}cannot reach prefill engine {peer.engine_id!r}: {why}",
-                req_id=req.req_id, engine_id=peer.engine_id)
-        self._old.append(peer)  # closed by _reap (at once, or when an abandoned handshake returns)
+            for req, failure in r.failures:
+                self._count_failed(req)
+                self.failed[req.key] = failure
 
     def _can_requeue(self, f: InFlight) -> bool:
         return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
@@ -331,8 +281,8 @@ class DecodeRank:
         engine's other reads that hold nothing yet go with it (the old peer is lost)."""
         old = f.peer
         eid = old.engine_id
-        endpoints = self._endpoints.get(eid, old.endpoints)
-        cur = self._peers.get(eid)
+        endpoints = self.peers.endpoints.get(eid, old.endpoints)
+        cur = self.peers.get(eid)
         connecting = cur is not None and cur.connecting
         group = [f]
         if not connecting:
@@ -351,7 +301,7 @@ class DecodeRank:
                 if g.peer is old:
                     self._fail(rid, g, self._failure(PeerDisconnected, g, None, f"{why}; its reads in progress "
                                                                                "cannot continue"))
-            self._retire(old, event)
+            self.peers.retire(old, event)
             # reaps the old peer (its reads that held pins fail); a re-handshake is bounded by
             # rehandshake_timeout_s: a restarted engine answers at once, a dead one must fail fast
             cur = self._connect(eid, endpoints, [], min(self.connect_timeout_s, self.rehandshake_timeout_s))
@@ -367,10 +317,7 @@ class DecodeRank:
             if f.peer.engine_id == engine_id:
                 cls = PeerDisconnected if dead else Aborted
                 self._fail(rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead)
-        peer = self._peers.get(engine_id)
-        if peer is not None and peer.live:
-            del self._peers[engine_id]
-            peer.close(self.transport, self._live_agents())
+        self.peers.drop_live(engine_id)
 
     def _peer_died(self, peer: Peer, prank: Rank, detail: str) -> None:
         """NIXL reported the agent of ``prank`` disconnected: every request still reading it fails now (its
@@ -389,51 +336,24 @@ class DecodeRank:
                             ReadEvent.DISCONNECT, PeerDisconnected,
                             f"disconnected: prefill agent {agent!r} went away ({detail})"), time.monotonic()))
                     break
-        self._retire(peer, PeerEvent.DISCONNECTED)
+        self.peers.retire(peer, PeerEvent.DISCONNECTED)
         peer.remove_agent(prank, self.transport)
         for f in requeue:
             if self.inflight.get(f.req.key) is f:  # (an earlier one may have taken it along)
                 self._requeue(f, f"prefill agent {agent!r} disconnected ({detail})", PeerEvent.DISCONNECTED)
 
-    def _retire(self, peer: Peer, event: PeerEvent, grace_s: float = 0.5) -> None:
-        """LIVE/LOST -> LOST: no new reads; closed by :meth:`_reap` once nothing references it."""
-        if peer.state is PeerState.RETIRED:
-            return
-        peer.lose(event, time.monotonic() + grace_s)
-        if self._peers.get(peer.engine_id) is peer:
-            del self._peers[peer.engine_id]
-        if peer not in self._old:
-            self._old.append(peer)
-
     def _reap(self, engine_id: str | None = None) -> None:
-        """Close lost peers once nothing references them (or now, for ``engine_id``, which is about to be
+        """Close lost peers once no read references them (or now, for ``engine_id``, which is about to be
         handshaken again: its reads fail), and release what abandoned handshakes made once they return."""
-        if not self._old:
-            return
-        now, keep = time.monotonic(), []
-        for peer in self._old:
-            forced = peer.engine_id == engine_id
-            if peer.state is PeerState.LOST:
-                if not forced and (now < peer.not_before or not peer.settled
-                                   or any(f.peer is peer for f in self.inflight.values())):
-                    keep.append(peer)
-                    continue
-                for rid, f in list(self.inflight.items()):
-                    if f.peer is peer:
-                        self._fail(rid, f, self._failure(Aborted, f, None, "the prefill engine is handshaken again"),
-                                   notify=False)
-            peer.close(self.transport, self._live_agents())
-            if not peer.settled:
-                keep.append(peer)  # an abandoned handshake still running: released when it returns
-        self._old = keep
+        self.peers.reap(engine_id, self._in_use, self._drop_reads)
 
-    def _active_peers(self) -> list[Peer]:
-        """Peers with open sockets: live ones, and lost ones not yet reaped (reads may still use them)."""
-        out = [p for p in self._peers.values() if p.live]
-        return out + [p for p in self._old if p.state is PeerState.LOST and p.remote is not None] if self._old else out
+    def _in_use(self, peer: Peer) -> bool:
+        return any(f.peer is peer for f in self.inflight.values())
 
-    def _connecting(self) -> bool:
-        return any(p.connecting for p in self._peers.values())
+    def _drop_reads(self, peer: Peer, why: str = "the prefill engine is handshaken again") -> None:
+        for rid, f in list(self.inflight.items()):
+            if f.peer is peer:
+                self._fail(rid, f, self._failure(Aborted, f, None, why), notify=False)
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
@@ -444,7 +364,7 @@ class DecodeRank:
         if key in self.inflight:
             raise RequestError(f"read {key!r} is already in flight on decode rank {self.rank}; give each read of "
                                "one prefill request its own ReadRequest.read_id")
-        peer = self._peers.get(req.engine_id)
+        peer = self.peers.get(req.engine_id)
         if peer is None or not peer.live:
             if peer is not None and peer.connecting:  # started once the engine is live
                 if any(p.key == key for p in peer.pending):
@@ -510,7 +430,7 @@ class DecodeRank:
         for req in reqs:
             if req.key in self.inflight:
                 continue
-            peer = self._peers.get(req.engine_id)
+            peer = self.peers.get(req.engine_id)
             if peer is None or not peer.live:
                 continue
             for prank in peer.agents:
@@ -535,7 +455,7 @@ class DecodeRank:
             self.abort(req.key)
             return
         self.metrics.aborted_requests += 1
-        peer = self._peers.get(req.engine_id)
+        peer = self.peers.get(req.engine_id)
         if peer is None or not peer.live:
             return
         for p, agent in peer.agents.items():
@@ -586,13 +506,13 @@ class DecodeRank:
     def waiting(self) -> int:
         """Reads queued behind a background handshake (started while their engine was connecting, or
         re-queued after it restarted or disconnected); :meth:`poll` starts or fails them."""
-        return sum(len(p.pending) for p in self._peers.values() if p.connecting)
+        return self.peers.waiting
 
     @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
-        return bool(self.inflight or self._zombies or self._old or self._connecting()
-                    or any(p.outbox or p.unsent or p.heartbeats for p in self._peers.values())
+        return bool(self.inflight or self._zombies or self.peers.old or self.peers.connecting()
+                    or any(p.outbox or p.unsent or p.heartbeats for p in self.peers.current.values())
                     or time.monotonic() < self._linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
@@ -634,7 +554,7 @@ class DecodeRank:
     def flush(self) -> None:
         """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
         messages ZMQ could not take, of every peer with open sockets."""
-        for peer in self._active_peers():
+        for peer in self.peers.active():
             if peer.unsent:
                 peer.retry_unsent()
             if peer.outbox:
@@ -726,7 +646,7 @@ class DecodeRank:
                     return True
                 failed = self._apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
                                                       time.monotonic()))
-                self._retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+                self.peers.retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
                 return failed
             elif isinstance(a, Fail):
                 self._fail(f.req.key, f, self._failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
@@ -801,7 +721,7 @@ class DecodeRank:
             self.metrics.failed_notifications += 1
 
     def _drain_replies(self) -> None:
-        for peer in self._active_peers():
+        for peer in self.peers.active():
             for prank, sock in list(peer.socks.items()):
                 if peer.disconnected(prank, _monitor_event) and prank not in peer.gone and prank in peer.agents:
                     self._peer_died(peer, prank, "its side-channel connection closed")
@@ -963,7 +883,7 @@ class DecodeRank:
             d, f = self.poll()
             done += d
             failed |= f
-            if not (self.inflight or self._connecting()) or time.monotonic() > deadline:
+            if not (self.inflight or self.peers.connecting()) or time.monotonic() > deadline:
                 return done, failed
             time.sleep(sleep_s)
 
@@ -971,31 +891,21 @@ class DecodeRank:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self._zombies),
-                "retired_engines": len(self._old),
+                "retired_engines": len(self.peers.old),
                 "staging_used": self.slots.bytes_used,
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
-        for eid, peer in list(self._peers.items()):
+        for eid, peer in list(self.peers.current.items()):
             if peer.live:
                 self.forget(eid, "decode rank closing")
             else:  # a background handshake: let it end (bounded), then release what it made
-                self._abandon(peer)
-        for peer in list(self._old):
-            if peer.future is not None and not peer.future.done():
-                try:
-                    peer.future.result(timeout=self.connect_timeout_s)
-                except Exception:  # noqa: BLE001 - failed or stuck: nothing of it was kept
-                    pass
+                self.peers.abandon(peer)
+        self.peers.wait_abandoned()
         self._reap(engine_id=None)
-        for peer in self._old:
-            for rid, f in list(self.inflight.items()):
-                if f.peer is peer:
-                    self._fail(rid, f, self._failure(Aborted, f, None, "decode rank closing"), notify=False)
-            peer.close(self.transport)
-        self._old.clear()
-        if self._hs_pool is not None:
-            self._hs_pool.shutdown(wait=False)
+        for peer in self.peers.old:
+            self._drop_reads(peer, "decode rank closing")
+        self.peers.close_old()
         self.transport.close()
 
     # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------
