@@ -1,0 +1,561 @@
+"""The decode rank's read loop: ZMQ frames and NIXL states -> read events, actions -> I/O.
+
+:class:`ReadLoop` owns the reads in flight (``inflight``: one :class:`~kvbridge.runtime.request.InFlight`
+per read key, each holding a sans-IO :class:`~kvbridge.runtime.readmachine.RankRead` per prefill rank),
+what they finished or failed since the last :meth:`ReadLoop.take`, the reads parked after a failure
+until NIXL lets go of them, and the pins of ended reads already let go. It is the thin I/O half of the
+read machines: it turns side-channel replies (:meth:`ReadLoop.drain`) and NIXL transfer/scatter states
+(:meth:`ReadLoop.advance`) into their events and runs the actions they return (:meth:`ReadLoop.apply`).
+
+It never changes a peer's lifecycle itself: a prefill rank that answered "restarted", or whose side
+channel or NIXL agent went away, is handed to the caller's callbacks (``restarted``, ``retire``,
+``died``); the peers it reads from are passed in (:meth:`ReadLoop.flush`, :meth:`ReadLoop.drain`).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..errors import HandshakeError, LeaseExpired, PeerGoneError, PeerRestarted, ReadFailure, TransferError
+from ..plan import Rank
+from . import prepped_hook as _prepped_hook
+from .memhost import KVBytes
+from .metrics import Metrics
+from .peer import Peer, PeerEvent
+from .protocol import (
+    Acquire,
+    Acquired,
+    Done,
+    Stage,
+    Staged,
+    StageError,
+    blocks_to_wire,
+    encode_notif,
+    pack,
+    unpack,
+)
+from .readmachine import REFUSALS, RankRead, ReadContext
+from .readstate import (
+    Abort,
+    AlignRetry,
+    Ask,
+    Count,
+    Fail,
+    Failed,
+    Granted,
+    Heartbeat,
+    LetGo,
+    Notify,
+    PinsReleased,
+    Post,
+    PostSegment,
+    ReadEvent,
+    ReadState,
+    Refreshed,
+    Refused,
+    Restarted,
+    Retry,
+    Scatter,
+    ScatterDone,
+    ScatterFailed,
+    Segment,
+    Sent,
+    StageFailed,
+    Tick,
+    Transfer,
+    XferDone,
+    XferFailed,
+)
+from .request import InFlight, ReadRequest
+from .slots import SlotAllocator
+
+
+class ReadLoop:
+    """The reads in flight of one decode rank and their I/O (see the module docstring).
+
+    ``restarted(f)``: a prefill rank of ``f`` answered "restarted"; True if the caller re-queued ``f``
+    (it left ``inflight``). ``retire(peer, event)``: the peer is lost (no new reads). ``died(peer,
+    prank, detail)``: the prefill rank's side channel or NIXL agent went away (the caller fails or
+    re-queues the reads that use it)."""
+
+    def __init__(self, *, engine_id: str, rank: Rank, transport: Any, metrics: Metrics, kv: KVBytes,
+                 staging: Any, staging_addr: int, slots: SlotAllocator, layout_dict: dict[str, Any],
+                 mem_wire: Any, stage_segment_bytes: int, stage_timeout_s: float, transfer_timeout_s: float,
+                 register_grace_s: float, restarted: Callable[[InFlight], bool],
+                 retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None]):
+        self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
+        self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
+        self.layout_dict, self.mem_wire = layout_dict, mem_wire  # sent with stage requests
+        self.stage_segment_bytes = stage_segment_bytes
+        self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
+        self.register_grace_s = register_grace_s
+        self.restarted, self.retire, self.died = restarted, retire, died
+        self.inflight: dict[str, InFlight] = {}
+        self.finished: list[str] = []
+        self.failed: dict[str, ReadFailure] = {}
+        self.zombies: list[Any] = []  # (req_id, staged ranks, reads still in progress after a failure)
+        self._released: OrderedDict[Any, bool] = OrderedDict()  # (read key, prefill rank, attempt): let go
+        self._failed_keys: OrderedDict[Any, bool] = OrderedDict()  # reads that failed (a retry counts once)
+        self.linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
+
+    def take(self) -> tuple[list[str], dict[str, ReadFailure]]:
+        """(finished read keys, {failed read key: typed failure}) since the last call."""
+        out, failed = self.finished, self.failed
+        self.finished, self.failed = [], {}
+        return out, failed
+
+    def start(self, peer: Peer, req: ReadRequest, modes: dict[Rank, str], t0: float) -> None:
+        """Start ``req`` on live ``peer`` with these transfer modes per prefill rank: ask its prefill ranks
+        to pin the lease (direct reads are posted when the pin is granted; staged ranks pack on the stage
+        request, which pins too; a rank with nothing to read is pinned and released at once)."""
+        key = req.key
+        direct = [p for p, m in modes.items() if m == "direct"]
+        staged = [p for p, m in modes.items() if m == "staged"]
+        descs = _prepped_hook.direct_reads(peer.prepped, peer, req, direct)  # [i14]
+        missing = [p for p in peer.agents if not req.attempt_for(p) and (
+            p in staged or _prepped_hook.reads_something(descs.get(p)))]
+        if missing:  # nothing to present to the prefill: it would refuse; do not even ask
+            self.count_failed(req)
+            self.failed[key] = LeaseExpired(
+                f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
+                f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
+                req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
+            return
+        f = InFlight(req, peer, {}, t0)
+        now = time.monotonic()
+        ctx = self.read_ctx()
+        for prank in peer.agents:
+            if prank in staged:
+                continue
+            d = descs.get(prank)
+            if not _prepped_hook.reads_something(d):  # nothing to read here (prefix hit, unread replica)
+                if not req.attempt_for(prank) or prank not in peer.socks:
+                    continue  # nothing to present: the prefill's lease expires on its own
+                d = None  # pinned, then released at once: only a pin holder's Done settles a read
+            f.ranks[prank] = RankRead(prank, ReadState.ACQUIRING, now, ctx, work=d)
+            queue_read(peer.outbox, peer, prank, req)
+        if staged:
+            wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
+            layout = self.layout_dict
+            for prank in staged:
+                msg = Stage(
+                    req.req_id, self.engine_id, self.rank, layout, self.mem_wire, req.num_tokens, wire_p, wire_d,
+                    self.stage_segment_bytes, req.attempt_for(prank), peer.readers[prank],
+                    peer.digests.get(prank, ""), key, self.transport.agent_name)
+                # lowered at most once, when the first segment is announced (or on a fallback to direct)
+                f.ranks[prank] = RankRead(prank, ReadState.STAGE_REQUESTED, now, ctx, request=msg, slot_key=(key, prank),
+                                          lower=partial(lower_one, peer.lowered, req, prank))
+                peer.send(prank, pack(msg))
+            f.stage_sent = time.perf_counter()
+        self.metrics.post_seconds_sum += time.perf_counter() - t0
+        if not f.ranks:
+            self.finished.append(key)
+            self.metrics.finished_requests += 1
+            return
+        self.inflight[key] = f
+
+    def abort(self, key: str) -> bool:
+        """Abort the read ``key`` if it is in flight (False if not): its reads are cancelled (one still in
+        progress is parked with its memory until it ends), every pin this rank holds for it is released,
+        and ranks where no pin is known get a decline."""
+        f = self.inflight.pop(key, None)
+        if f is None:
+            return False
+        self.metrics.aborted_requests += 1
+        unpinned = [p for p, rr in f.ranks.items() if not rr.terminal and not rr.pinned]
+        self.abort_ranks(f)
+        self.release_reads(f)
+        self.notify_failed(f)
+        # ranks where we know of no pin (acquire not sent or not answered yet, refused): decline too.
+        # If our request was answered meanwhile with a pin (a parked stage request), the release
+        # above ends it and the prefill ignores the decline; if not, the release is ignored and the
+        # decline settles our part (a pin granted after both is let go when its grant arrives)
+        for p in unpinned:
+            agent = f.peer.agent(p)
+            if agent is not None and f.req.attempt_for(p):
+                self.notify(agent, self.done_msg(f.req, f.peer, p, ok=False, decline=True))
+        return True
+
+    def decline(self, peer: Peer, req: ReadRequest) -> None:
+        """A read not started here is given up: every prefill rank this rank notifies gets a decline."""
+        for p, agent in peer.agents.items():
+            if req.attempt_for(p):
+                self.notify(agent, self.done_msg(req, peer, p, ok=False, decline=True))
+
+    def advance(self, now: float) -> None:
+        """Drive every read in flight (transfer and scatter states, then a tick); complete the requests
+        whose ranks are all done; release parked reads that have settled."""
+        for rid, f in list(self.inflight.items()):
+            if rid not in self.inflight:  # failed meanwhile (a dead peer fails all of its requests)
+                continue
+            failed = False
+            for rr in f.ranks.values():
+                if rr.terminal:
+                    continue
+                if self._advance(f, rr, now):
+                    failed = True
+                    break
+            if failed or rid not in self.inflight:
+                continue
+            if all(rr.state is ReadState.DONE for rr in f.ranks.values()):
+                self._complete(rid, f)
+        self._reap_zombies()
+
+    def read_ctx(self) -> ReadContext:
+        return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
+                           self.staging_addr)
+
+    def flush(self, peers: Iterable[Peer]) -> None:
+        """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
+        messages ZMQ could not take, of ``peers`` (every peer with open sockets)."""
+        for peer in peers:
+            if peer.unsent:
+                peer.retry_unsent()
+            if peer.outbox:
+                out, peer.outbox = peer.outbox, {}
+                for prank, reqs in out.items():
+                    live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
+                    now = time.monotonic()
+                    for _, _, k in live:
+                        rr = self.inflight[k].ranks.get(prank)
+                        if rr is not None:
+                            rr.handle(Sent(), now)
+                    if live and prank in peer.socks:
+                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
+                                                      peer.digests.get(prank, ""), live, self.transport.agent_name)))
+            if peer.heartbeats:
+                out, peer.heartbeats = peer.heartbeats, {}
+                for prank, reqs in out.items():
+                    if prank in peer.socks:
+                        self.metrics.heartbeats += len(reqs)
+                        peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
+                                                      peer.digests.get(prank, ""), reqs, self.transport.agent_name,
+                                                      heartbeat=True)))
+
+    def done_msg(self, req: ReadRequest, remote: Peer, prank: Rank, ok: bool = True,
+              decline: bool = False) -> bytes:
+        return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
+                                 req.attempt_for(prank), req.key, decline))
+
+    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+        """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
+        or answered twice): release that pin once, so it does not hold the blocks until it times out."""
+        key = (read_id, prank, attempt)
+        if key in self._released or prank not in remote.agents:
+            return
+        self._released[key] = True
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)
+        agent = remote.agent(prank)
+        if agent is not None:
+            self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+                                                  attempt, read_id)))
+
+    def apply(self, f: InFlight, rr: RankRead, actions: list, ids: tuple | None = None) -> bool:
+        """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
+        prank, peer = rr.prefill, f.peer
+        for a in actions:
+            if isinstance(a, Post):
+                a.transfer.xfer = self.transport.post(
+                    peer.agents[prank], a.transfer.work, self.done_msg(f.req, peer, prank), cancel=a.transfer,
+                    remote_device=_device_of(peer, prank))
+                # sizes of a direct read are worked out on the post thread: counted when the request completes
+                self.metrics.transfers += 1
+            elif isinstance(a, PostSegment):
+                t, one = a.transfer, np.ones(1, dtype=np.int64)
+                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * t.nbytes, b"",
+                                             remote_device=_device_of(peer, prank))
+                f.nbytes += t.nbytes
+                f.ndescs += 1
+                self.metrics.transfers += 1
+            elif isinstance(a, Scatter):
+                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer)
+            elif isinstance(a, Ask):
+                if not a.stage:
+                    queue_read(peer.outbox, peer, prank, f.req)
+                elif prank in peer.socks:
+                    peer.send(prank, pack(rr.request))
+                    rr.handle(Sent(), time.monotonic())
+            elif isinstance(a, Heartbeat):
+                queue_read(peer.heartbeats, peer, prank, f.req)
+            elif isinstance(a, Notify):
+                self.notify(peer.agents[prank], self.done_msg(f.req, peer, prank))
+            elif isinstance(a, LetGo):
+                self._let_go(peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+            elif isinstance(a, Count):
+                setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
+            elif isinstance(a, Retry):
+                # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each
+                # child is a reader) ask together, in one message: the prefill pins them all before any of
+                # them can end and free the lease under the others (a refused acquire leaves no trace there)
+                for g in self.inflight.values():
+                    sib = g.ranks.get(prank) if g is not f else None
+                    if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
+                            and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
+                        at = min(a.at, sib.retry_at)
+                        rr.handle(AlignRetry(at), 0.0)
+                        sib.handle(AlignRetry(at), 0.0)
+            elif isinstance(a, Restarted):
+                if self.restarted(f):
+                    return True
+                failed = self.apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
+                                                      time.monotonic()))
+                self.retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+                return failed
+            elif isinstance(a, Fail):
+                self.fail(f.req.key, f, self.failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
+                return True
+        return False
+
+    def failure(self, cls, f: InFlight, prank: Rank | None, text: str) -> ReadFailure:
+        where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
+            f"prefill engine {f.peer.engine_id!r}"
+        return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
+                   engine_id=f.peer.engine_id, prefill_rank=prank)
+
+    def _on_acquired(self, peer: Peer, prank: Rank, msg: Acquired) -> None:
+        """An ``Acquired`` frame -> one event per read it names."""
+        now = time.monotonic()
+        if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
+            for rid, attempt, read_id, ttl_s in msg.granted:
+                f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+                if rr is not None:
+                    rr.handle(Refreshed(ttl_s), now)
+            return
+        for rid, attempt, read_id, ttl_s in msg.granted:
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is None:
+                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
+                continue
+            self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
+        for rid, attempt, read_id, code, text in msg.refused:
+            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
+            if rr is not None:
+                self.apply(f, rr, rr.handle(Refused(code, text), now))
+
+    def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
+                   read_id: str = ""):
+        f = self.inflight.get(read_id or rid)
+        if (f is None or f.peer is not remote or f.req.req_id != rid
+                or (attempt is not None and attempt != f.req.attempt_for(prank))):
+            return None, None
+        return f, f.ranks.get(prank)
+
+    def _on_stage_reply(self, peer: Peer, prank: Rank, msg: Staged | StageError) -> None:
+        """A ``Staged``/``StageError`` frame -> one event for the read it names."""
+        f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
+        ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
+        if rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
+            if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
+                self._let_go(peer, prank, *ids)
+            return
+        now = time.monotonic()
+        if isinstance(msg, Staged):
+            ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
+        else:
+            ev = StageFailed(msg.code, msg.message, msg.expired, msg.ttl_s)
+        actions = rr.handle(ev, now)
+        if not msg.attempt:
+            actions = [a for a in actions if not isinstance(a, LetGo)]
+        if isinstance(msg, Staged) and msg.last and any(isinstance(a, PostSegment) for a in actions):
+            self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
+        self.apply(f, rr, actions, ids)
+
+    def _scatter(self, r: Transfer) -> None:
+        """Staging -> KV buffer for one staged segment (runs on a post thread)."""
+        t0 = time.perf_counter()
+        dst, nbytes = r.runs
+        self.kv.scatter(self.staging, dst, nbytes, r.slot)
+        self.metrics.scatter_seconds_sum += time.perf_counter() - t0
+
+    def notify(self, agent: str, msg: bytes) -> None:
+        try:
+            self.transport.send_notif(agent, msg)
+        except TransferError:
+            self.metrics.failed_notifications += 1
+
+    def drain(self, peers: Iterable[Peer]) -> None:
+        """Replies of ``peers`` (every peer with open sockets) -> read events; a closed side channel -> ``died``."""
+        for peer in peers:
+            for prank, sock in list(peer.socks.items()):
+                if peer.disconnected(prank, _monitor_event) and prank not in peer.gone and prank in peer.agents:
+                    self.died(peer, prank, "its side-channel connection closed")
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except (zmq.Again, zmq.ZMQError):
+                        break
+                    try:
+                        msg = unpack(frames)
+                    except HandshakeError:
+                        continue
+                    if isinstance(msg, Acquired):
+                        self._on_acquired(peer, prank, msg)
+                    elif isinstance(msg, (Staged, StageError)):
+                        self._on_stage_reply(peer, prank, msg)
+
+    def _advance(self, f: InFlight, rr: RankRead, now: float) -> bool:
+        """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
+        place), then a tick (retries, heartbeats, completion, deadlines). True if the request failed."""
+        peer, prank = f.peer, rr.prefill
+        try:
+            for i, t in enumerate(rr.reads):
+                if not t.done and self.transport.check(t.xfer) == "DONE":
+                    peer.progress[prank] = now
+                    self.apply(f, rr, rr.handle(XferDone(i), now))
+                if t.scatter is not None and not t.scattered and t.scatter.done():
+                    e = t.scatter.exception()
+                    if e is not None:
+                        return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+                    rr.handle(ScatterDone(i), now)
+        except TransferError as e:
+            # typed: the transport's PeerGoneError, or the side channel's ZMQ disconnect event (never text)
+            if prank in peer.agents and (isinstance(e, PeerGoneError) or peer.disconnected(prank, _monitor_event)):
+                self.died(peer, prank, f"NIXL: {e}")
+                return True
+            return self.apply(f, rr, rr.handle(XferFailed(str(e)), now))
+        except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
+            return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+        if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
+            return False
+        queued, latest = False, float("-inf")
+        for t in rr.reads:
+            if not t.done:
+                posted = getattr(t.xfer, "posted_at", latest)  # set by the post thread when it posts
+                if posted is None:
+                    queued = True
+                else:
+                    latest = max(latest, posted)
+        return self.apply(f, rr, rr.handle(Tick(peer.progress.get(prank, 0.0), queued, latest), now))
+
+    def _complete(self, rid: str, f: InFlight) -> None:
+        self.release_reads(f)
+        del self.inflight[rid]
+        now = time.monotonic()
+        for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
+            if rr.notify_at_end and rr.pinned:
+                self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank))
+            rr.handle(PinsReleased(), now)  # direct reads' Done rode on the read
+        self.metrics.observe_transfer(time.perf_counter() - f.started)
+        for rr in f.ranks.values():
+            for t in rr.reads:
+                if t.work is not None:
+                    f.nbytes += t.work.total_bytes
+                    f.ndescs += t.work.count
+        self.metrics.transfer_bytes += f.nbytes
+        self.metrics.descriptors += f.ndescs
+        self.metrics.finished_requests += 1
+        self.finished.append(rid)
+
+    def release_reads(self, f: InFlight) -> set:
+        """Release a request's reads and staging slots without waiting (never blocks the loop).
+
+        Returns the prefill ranks whose reads did not all complete. A read not yet posted is cancelled; one
+        still in progress (or whose scatter runs) is parked with its slot until it settles, so a late
+        write can never land in memory that was handed to someone else.
+        """
+        incomplete, parked = set(), []
+        for prank, rr in f.ranks.items():
+            if rr.state is not ReadState.DONE and (rr.reads or rr.state is ReadState.POSTED):
+                incomplete.add(prank)
+            for r in rr.reads:  # (unfinished direct reads were cancelled by their machine when it ended)
+                state = self.transport.settle(r.xfer, 0)
+                if state is None or (r.scatter is not None and not r.scatter.done()):
+                    parked.append(r)
+                    continue
+                self.transport.release(r.xfer)
+        slots = [(f.req.key, p) for p, rr in f.ranks.items() if rr.staging is not None]
+        if parked:
+            self.zombies.append((f.req.req_id, slots, parked))
+        else:
+            for key in slots:
+                self.slots.free(key)
+        return incomplete
+
+    def _reap_zombies(self) -> None:
+        for item in list(self.zombies):
+            rid, slots, reads = item
+            if all(self.transport.settle(r.xfer, 0) is not None and (r.scatter is None or r.scatter.done())
+                   for r in reads):
+                for r in reads:
+                    self.transport.release(r.xfer)
+                for key in slots:
+                    self.slots.free(key)
+                self.zombies.remove(item)
+
+    def count_failed(self, req: ReadRequest) -> None:
+        """One failed request per read (key and attempt): an engine that starts the same read again after
+        a failure (a retry) and fails again is counted in ``retried_failures``, not again."""
+        k = (req.key, req.attempt if isinstance(req.attempt, int) else tuple(sorted(req.attempt.items())))
+        if k in self._failed_keys:
+            self.metrics.retried_failures += 1
+            return
+        self._failed_keys[k] = True
+        while len(self._failed_keys) > 4096:
+            self._failed_keys.popitem(last=False)
+        self.metrics.failed_requests += 1
+
+    def fail(self, rid: str, f: InFlight, failure: ReadFailure, notify: bool = True) -> None:
+        """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
+        tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
+        self.abort_ranks(f)
+        incomplete = self.release_reads(f)
+        self.inflight.pop(rid, None)
+        self.failed[rid] = failure
+        self.metrics.failed_transfers += max(1, len(incomplete))
+        self.count_failed(f.req)
+        if notify:
+            self.notify_failed(f)
+
+    def abort_ranks(self, f: InFlight) -> None:
+        now = time.monotonic()
+        for rr in f.ranks.values():
+            self.apply(f, rr, rr.handle(Abort(), now))  # (counts of cancelled reads only)
+
+    def notify_failed(self, f: InFlight) -> None:
+        """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
+        alive: it releases that pin (only the holder's Done can). Nothing is sent for a rank that refused
+        the acquire or was never asked (it holds nothing of ours); a pin granted after this is released
+        when its grant arrives (``_let_go``)."""
+        peers, now = self.transport.peers, time.monotonic()
+        for p, rr in f.ranks.items():
+            agent = f.peer.agent(p)
+            if (rr.pinned or rr.asked) and agent is not None and agent in peers:
+                # asked, unanswered: a pin may exist already (the prefill ignores a release of none)
+                self.notify(agent, self.done_msg(f.req, f.peer, p, ok=False))
+                if rr.asked:  # the answer may still come: keep draining replies a while to let it go
+                    self.linger_until = max(self.linger_until, time.monotonic() + self.stage_timeout_s)
+                else:
+                    self._released[(f.req.key, p, f.req.attempt_for(p))] = True
+            rr.handle(PinsReleased(), now)
+
+
+def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: Rank, req: ReadRequest) -> None:
+    """Queue ``req`` in one of ``peer``'s batches (``outbox``: acquires, ``heartbeats``) for ``prank``."""
+    peer.queue(box, prank, (req.req_id, req.attempt_for(prank), req.key))
+
+
+def _monitor_event(mon) -> int | None:
+    """The next event on a ZMQ monitor socket, or None when there is none."""
+    try:
+        return int(recv_monitor_message(mon, zmq.NOBLOCK)["event"])
+    except (zmq.Again, zmq.ZMQError):
+        return None
+
+
+def lower_one(lowered, req: ReadRequest, prank: Rank):
+    """The lowered descriptors of ``req`` for one prefill rank (a staged rank's work item)."""
+    (d,) = lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
+    return d
+
+
+def _device_of(remote: Peer, prank: Rank) -> str:
+    """The device of a prefill rank's KV memory and staging buffer ("cpu" or "cuda:N"), from its handshake."""
+    return getattr(remote.lowered.p_mem(prank), "device", "cpu")
