@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -258,7 +258,7 @@ class ReadLoop:
             self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
                                                   attempt, read_id)))
 
-    def apply(self, f: InFlight, rr: RankRead, actions: list, ids: tuple | None = None) -> bool:
+    def apply(self, f: InFlight, rr: RankRead, actions: list[Any], ids: tuple[str, int, str] | None = None) -> bool:
         """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
         prank, peer = rr.prefill, f.peer
         for a in actions:
@@ -270,9 +270,10 @@ class ReadLoop:
                 self.metrics.transfers += 1
             elif isinstance(a, PostSegment):
                 t, one = a.transfer, np.ones(1, dtype=np.int64)
-                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * t.nbytes, b"",
+                nbytes = cast(int, t.nbytes)  # set on a segment's transfer
+                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
                                              remote_device=_device_of(peer, prank))
-                f.nbytes += t.nbytes
+                f.nbytes += nbytes
                 f.ndescs += 1
                 self.metrics.transfers += 1
             elif isinstance(a, Scatter):
@@ -314,7 +315,7 @@ class ReadLoop:
                 return True
         return False
 
-    def failure(self, cls, f: InFlight, prank: Rank | None, text: str) -> ReadFailure:
+    def failure(self, cls: type[ReadFailure], f: InFlight, prank: Rank | None, text: str) -> ReadFailure:
         where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
             f"prefill engine {f.peer.engine_id!r}"
         return cls(f"request {f.req.req_id!r} from {where}: {text}", req_id=f.req.req_id,
@@ -331,18 +332,18 @@ class ReadLoop:
             return
         for rid, attempt, read_id, ttl_s in msg.granted:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-            if rr is None:
+            if f is None or rr is None:
                 self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
             self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-            if rr is not None:
+            if f is not None and rr is not None:
                 self.apply(f, rr, rr.handle(Refused(code, text), now))
 
     def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
-                   read_id: str = ""):
-        f = self.inflight.get(read_id or rid)
+                   read_id: str = "") -> tuple[InFlight | None, RankRead | None]:
+        f = self.inflight.get(read_id or rid)  # (a RankRead is only ever returned with its InFlight)
         if (f is None or f.peer is not remote or f.req.req_id != rid
                 or (attempt is not None and attempt != f.req.attempt_for(prank))):
             return None, None
@@ -352,11 +353,12 @@ class ReadLoop:
         """A ``Staged``/``StageError`` frame -> one event for the read it names."""
         f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
         ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
-        if rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
+        if f is None or rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
             if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
                 self._let_go(peer, prank, *ids)
             return
         now = time.monotonic()
+        ev: Segment | StageFailed
         if isinstance(msg, Staged):
             ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
         else:
@@ -371,8 +373,8 @@ class ReadLoop:
     def _scatter(self, r: Transfer) -> None:
         """Staging -> KV buffer for one staged segment (runs on a post thread)."""
         t0 = time.perf_counter()
-        dst, nbytes = r.runs
-        self.kv.scatter(self.staging, dst, nbytes, r.slot)
+        dst, nbytes = cast(tuple[Any, Any], r.runs)  # set on a staged segment's transfer
+        self.kv.scatter(self.staging, dst, nbytes, cast(int, r.slot))
         self.metrics.scatter_seconds_sum += time.perf_counter() - t0
 
     def notify(self, agent: str, msg: bytes) -> None:
@@ -454,7 +456,7 @@ class ReadLoop:
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 
-    def release_reads(self, f: InFlight) -> set:
+    def release_reads(self, f: InFlight) -> set[Rank]:
         """Release a request's reads and staging slots without waiting (never blocks the loop).
 
         Returns the prefill ranks whose reads did not all complete. A read not yet posted is cancelled; one
@@ -542,7 +544,7 @@ def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: R
     peer.queue(box, prank, (req.req_id, req.attempt_for(prank), req.key))
 
 
-def _monitor_event(mon) -> int | None:
+def _monitor_event(mon: Any) -> int | None:
     """The next event on a ZMQ monitor socket, or None when there is none."""
     try:
         return int(recv_monitor_message(mon, zmq.NOBLOCK)["event"])
@@ -550,7 +552,7 @@ def _monitor_event(mon) -> int | None:
         return None
 
 
-def lower_one(lowered, req: ReadRequest, prank: Rank):
+def lower_one(lowered: Any, req: ReadRequest, prank: Rank) -> Any:
     """The lowered descriptors of ``req`` for one prefill rank (a staged rank's work item)."""
     (d,) = lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks, only=(prank,))
     return d
