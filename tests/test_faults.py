@@ -106,9 +106,9 @@ def test_clock_skew_neither_corrupts_nor_fails(side, skew):
 # a prefill rank dies or freezes mid-transfer
 # =================================================================================================
 def _mid_transfer(mode: str, fault: str):
-    n = 120
-    pl = layout("prefill", 2, blocks_for([64] * n, 64))
-    dl = layout("decode", 1, blocks_for([64] * n, 64))
+    n, n_late = 120, 8
+    pl = layout("prefill", 2, blocks_for([64] * (n + n_late), 64))
+    dl = layout("decode", 1, blocks_for([64] * (n + n_late), 64))
     jobs = Jobs(dl, seed=22 if mode == "direct" else 23)
     # a kill must surface as PeerDisconnected, not as a timeout: on a loaded machine the timeout is kept
     # well above the bound asserted for the disconnect (5 s); a freeze is only seen by the 2 s timeout
@@ -118,10 +118,17 @@ def _mid_transfer(mode: str, fault: str):
         P, D = c.start_many([("prefill", pl, "pF"), ("decode", dl, "dF", dkw)])
         D.call_all("handshake", "pF", P.endpoints())
         jobs.engine("pF", pl)
-        js = jobs.make("pF", n, lengths=[64] * n, prefix_p=0.0)
-        publish(P, js, lease_s=60.0)
+        js = jobs.make("pF", n + n_late, lengths=[64] * (n + n_late), prefix_p=0.0)
+        publish(P, js[:n], lease_s=60.0)
+        # (a late read refused at start, its engine already known dead, never tells the live rank: its lease
+        # there ends by expiry, so it is short)
+        publish(P, js[n:], lease_s=5.0)
         victim = P.workers[(0, 1)]
-        start(D, [j.read() for j in js])
+        # on a fast, quiet machine every read may be pinned and done before the fault lands (a frozen process's
+        # memory is even still readable over cma); the last few reads are started only after the fault, so
+        # some reads always need the rank that went away, whatever the machine's speed
+        late = js[n:]
+        start(D, [j.read() for j in js[:n]])
         early, early_failed = {}, {}
 
         def first():
@@ -134,13 +141,19 @@ def _mid_transfer(mode: str, fault: str):
             until(first, 20, "first reads", 0.002)
         t0 = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        start_errors: dict = {}
+        for r in D.call_all("start_many", [j.read() for j in late]).values():
+            start_errors |= r
+        # a killed rank may already be known dead: a read of its engine is then refused at start, typed
+        assert all(fault == "kill" and e.startswith("HandshakeError") and "'pF'" in e for e in start_errors.values()), \
+            start_errors
         try:
-            finished, failed = take_until(D, {j.rid for j in js}, 30, early, early_failed)
+            finished, failed = take_until(D, {j.rid for j in js} - set(start_errors), 30, early, early_failed)
             elapsed = time.monotonic() - t0
             kinds = sorted({type(f).__name__ for f in failed.values()})
             print(f"{fault} {mode}: {len(finished)} finished, {len(failed)} failed {kinds}, all settled "
                   f"{elapsed:.2f} s after the {fault}")
-            assert failed, "nothing was in flight when the rank went away; make the batch larger"
+            assert failed or start_errors, "no read needed the rank that went away"
             expected = PeerDisconnected if fault == "kill" else TransferTimeout
             for rid, why in failed.items():
                 assert isinstance(why, expected) and why.req_id == rid and why.engine_id == "pF", repr(why)
@@ -151,7 +164,7 @@ def _mid_transfer(mode: str, fault: str):
             assert ver["mismatched_bytes"] <= needed_bytes(pl, dl, bad)  # only failed requests' blocks differ
             # the live rank got Done(failed) for every failed request: its leases and slots come back now
             live = P.workers[(0, 0)]
-            until(lambda: live.call("stats")["leases"] == 0, 10, "the live prefill rank to free every lease")
+            until(lambda: live.call("stats")["leases"] == 0, 15, "the live prefill rank to free every lease")
             assert live.call("stats")["staging_used"] == 0
             if fault == "kill":
                 no_leaks(D)
