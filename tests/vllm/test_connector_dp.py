@@ -132,6 +132,22 @@ def test_a_worker_binds_its_dp_ranks_port():
     assert c.endpoint((1, 1)) == ("127.0.0.1", 9000 + 3 * 4 + 1 * 2 + 1)
 
 
+def test_decode_timeouts_from_the_extra_config_reach_the_endpoint():
+    """The decode's time bounds, ``connect_timeout_s`` (the whole background handshake) among them, come from
+    ``kv_connector_extra_config``, typed; keys that are not decode options (``lease_s``) are not passed."""
+    import tempfile
+
+    extra = {"connect_timeout_s": "240", "stage_timeout_s": 90, "handshake_timeout_s": 7.5, "lease_s": 3}
+    cfg = make_vllm_config(tempfile.mkdtemp(), TINY_LLAMA, block_size=BLOCK, kv_transfer_config=dict(
+        kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
+        kv_role="kv_consumer", engine_id="d", kv_connector_extra_config=extra))
+    c = ConnectorConfig.from_vllm(cfg, environ={})
+    assert c.decode_options == {"connect_timeout_s": 240.0, "stage_timeout_s": 90.0, "handshake_timeout_s": 7.5}
+    from kvbridge.runtime.config import DecodeConfig
+
+    assert DecodeConfig.from_mapping(c.decode_options).connect_timeout_s == 240.0
+
+
 # ---------------------------------------------------------------------- worker side, over NIXL
 @pytest.mark.parametrize("p_tp", [1, 2], ids=["prefill-dp4-tp1", "prefill-dp2-tp2"])
 def test_prefill_dp_ranks_on_one_host_to_decode_dp_ranks_byte_exact(p_tp):

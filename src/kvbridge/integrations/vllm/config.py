@@ -152,7 +152,7 @@ class ConnectorConfig:
             # decode endpoint options (kvbridge.DecodeEndpoint): timeouts on this engine's clock, transfer mode
             decode_options={k: type_(extra[k]) for k, type_ in (
                 ("handshake_timeout_s", float), ("stage_timeout_s", float), ("transfer_timeout_s", float),
-                ("transfer_mode", str)) if k in extra},
+                ("connect_timeout_s", float), ("transfer_mode", str)) if k in extra},
             speculative=speculative_fingerprint(vllm_config),
         )
 
