@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..errors import IllegalTransition
+from .readstate import step
 
 if TYPE_CHECKING:
     from .handshake import RemoteEngine
@@ -77,11 +78,7 @@ TERMINAL = frozenset(s for s, t in TRANSITIONS.items() if not t)
 
 
 def next_state(state: PeerState, event: PeerEvent) -> PeerState:
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalTransition(f"peer state machine: event {event.name} is not allowed in state {state.name} "
-                                f"(allowed: {sorted(e.name for e in TRANSITIONS.get(state, {}))})") from None
+    return step(TRANSITIONS, state, event, "peer")
 
 
 class Peer:

@@ -23,8 +23,9 @@ DONE, FAILED and CANCELLED are terminal.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import IllegalTransition, ReadFailure
 
@@ -73,12 +74,22 @@ TERMINAL = frozenset(s for s, t in TRANSITIONS.items() if not t)
 AWAITING_REPLY = frozenset({S.ACQUIRING, S.STAGE_REQUESTED, S.STAGING})
 
 
-def next_state(state: ReadState, event: ReadEvent) -> ReadState:
+_S = TypeVar("_S", bound=enum.Enum)
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def step(table: Mapping[_S, Mapping[_E, _S]], state: _S, event: _E, machine: str) -> _S:
+    """``table[state][event]``; an event the state does not accept raises :class:`IllegalTransition` naming
+    ``machine``, the event, the state and what it accepts (shared by every transition table here)."""
     try:
-        return TRANSITIONS[state][event]
+        return table[state][event]
     except KeyError:
-        raise IllegalTransition(f"read state machine: event {event.name} is not allowed in state {state.name} "
-                                f"(allowed: {sorted(e.name for e in TRANSITIONS.get(state, {}))})") from None
+        raise IllegalTransition(f"{machine} state machine: event {event.name} is not allowed in state {state.name} "
+                                f"(allowed: {sorted(e.name for e in table.get(state, {}))})") from None
+
+
+def next_state(state: ReadState, event: ReadEvent) -> ReadState:
+    return step(TRANSITIONS, state, event, "read")
 
 
 class ReadMachine:
