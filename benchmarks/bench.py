@@ -109,7 +109,9 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
     reqs = {}
     for alloc in allocs:
         shuffled = alloc == "shuffled"
-        req = make_request(0, sc.tokens, prefill, decode, BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled))
+        req = make_request(
+            0, sc.tokens, prefill, decode, BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled)
+        )
         descs = lp0.descriptors(sc.tokens, req.prefill_blocks, req.decode_blocks)
         reqs[alloc] = (req, descs)
     stage_bytes = {p: max(d.total_bytes for _, ds in reqs.values() for d in ds if d.prefill == p) for p in needed}
@@ -141,7 +143,8 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
         for i, w in enumerate(workers.values()):
             w.call("fill_random", seed + i)
         endpoints = {r: f"127.0.0.1:{w.info['port']}" for r, w in workers.items()}
-        log(f"  [{sc.name} {layout}] {len(workers)} prefill + 1 decode processes ready in {time.perf_counter() - t0:.1f} s")
+        log(f"  [{sc.name} {layout}] {len(workers)} prefill + 1 decode processes ready "
+            f"in {time.perf_counter() - t0:.1f} s")
         k = 0
         for alloc in allocs:
             req, descs = reqs[alloc]
@@ -189,7 +192,8 @@ def run_scenario(sc: Scenario, layout: str, reps: int = 3, allocs=ALLOCS, seed: 
             }
             row["descriptor_reduction"] = row["descriptors_vllm"] / max(ours, 1)
             rows.append(row)
-            log(f"  [{sc.name} {layout} {alloc}] {nbytes / 2**20:.0f} MiB, {ours} descs (vLLM {row['descriptors_vllm']}); "
+            log(f"  [{sc.name} {layout} {alloc}] {nbytes / 2**20:.0f} MiB, {ours} descs "
+                f"(vLLM {row['descriptors_vllm']}); "
                 f"direct {gb(ds['best']):.2f} GB/s, staged {gb(ss['best']):.2f} GB/s, memcpy {ms['best']:.2f} GB/s; "
                 f"model: {chosen}, measured: {measured}, staged==direct: {row['staged_equals_direct']}")
     finally:
@@ -230,7 +234,10 @@ def hot_path(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, tokens:
             count = 0
             layout_dict = engine_to_dict(decode)
             from kvbridge.memory import KVMemory, rank_memory
-            mem_wire = KVMemory.from_buffer(decode, DECODE_RANK, np.empty(rank_memory(decode, *DECODE_RANK).size, np.uint8)).to_wire()
+
+            mem_wire = KVMemory.from_buffer(
+                decode, DECODE_RANK, np.empty(rank_memory(decode, *DECODE_RANK).size, np.uint8)
+            ).to_wire()
             for _ in range(reps + 2):
                 # staged posting path (what DecodeRank.start does for a staged prefill rank): encode the
                 # stage request; when the reply comes, one descriptor per prefill rank
@@ -298,8 +305,12 @@ def startup(model: str = "llama-3.1-70b", p_tp: int = 8, d_tp: int = 4, num_bloc
         tracemalloc.start()
         t0 = time.perf_counter()
         m = load_model(model)
-        prefill = EngineLayout(m, tp=p_tp, block_size=16, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="prefill")
-        decode = EngineLayout(m, tp=d_tp, block_size=16, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="decode")
+        prefill = EngineLayout(
+            m, tp=p_tp, block_size=16, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="prefill"
+        )
+        decode = EngineLayout(
+            m, tp=d_tp, block_size=16, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="decode"
+        )
         plan = plan_transfer(prefill, decode)
         t1 = time.perf_counter()
         lp = LoweredPlan(plan, DECODE_RANK)
@@ -417,8 +428,12 @@ def run_all(quick: bool = False, reps: int = 3, only: str | None = None, layouts
                                              hot_path(reps=reps * 10, transport=transport)
                                              + hot_path(p_tp=4, d_tp=4, reps=reps * 10, transport=transport)]
             for h in res["hot_path"]:
-                log(f"  [hot path {h['layout']} {h['alloc']} malloc {h.get('malloc', 'default')}] {h['descriptors']} descs: descriptors() "
-                    f"{h['descriptors_us']['median']:.0f} us, + NIXL dlists {h['with_nixl_dlists_us']['median']:.0f} us (median)")
+                log(
+                    f"  [hot path {h['layout']} {h['alloc']} malloc {h.get('malloc', 'default')}] "
+                    f"{h['descriptors']} descs: descriptors() "
+                    f"{h['descriptors_us']['median']:.0f} us, "
+                    f"+ NIXL dlists {h['with_nixl_dlists_us']['median']:.0f} us (median)"
+                )
         if do_startup:
             if quick:
                 res["startup"] = startup("tiny-dense", 2, 1, num_blocks=1000, transport=transport, log=log)
@@ -453,10 +468,22 @@ def print_results(res: dict) -> None:
         t.add_column(c, justify="left" if c in ("scenario", "layout", "alloc", "model picks", "auto picks", "faster")
                      else "right")
     for r in res["scenarios"]:
-        t.add_row(r["scenario"], r["layout"], r["alloc"], f"{r['bytes'] / 2**20:.0f}", f"{r['descriptors']:,}",
-                  f"{r['descriptors_vllm']:,}", f"{r['direct_gbps_best']:.2f}", f"{r['staged_gbps_best']:.2f}",
-                  f"{r['memcpy_gbps']['best']:.2f}", f"{r['ratio_best_mode']:.2f}", r["cost_model_choice"],
-                  r.get("auto_choice", "-"), r["measured_faster"], "[green]yes" if r["staged_equals_direct"] else "[red]NO")
+        t.add_row(
+            r["scenario"],
+            r["layout"],
+            r["alloc"],
+            f"{r['bytes'] / 2**20:.0f}",
+            f"{r['descriptors']:,}",
+            f"{r['descriptors_vllm']:,}",
+            f"{r['direct_gbps_best']:.2f}",
+            f"{r['staged_gbps_best']:.2f}",
+            f"{r['memcpy_gbps']['best']:.2f}",
+            f"{r['ratio_best_mode']:.2f}",
+            r["cost_model_choice"],
+            r.get("auto_choice", "-"),
+            r["measured_faster"],
+            "[green]yes" if r["staged_equals_direct"] else "[red]NO",
+        )
     con.print(t)
     if res["hot_path"]:
         h = Table(title="hot path: LoweredPlan.descriptors (+ NIXL descriptor lists) per request, per decode rank")
@@ -464,22 +491,45 @@ def print_results(res: dict) -> None:
                   "+ dlists us med/best", "staged post us med/best"):
             h.add_column(c)
         for r in res["hot_path"]:
-            h.add_row(r["model"], f"tp{r['prefill_tp']}->tp{r['decode_tp']}", str(r["tokens"]), r["layout"], r["alloc"],
-                      r.get("malloc", "default"),
-                      f"{r['descriptors']:,}", f"{r['descriptors_us']['median']:.0f} / {r['descriptors_us']['best']:.0f}",
-                      f"{r['with_nixl_dlists_us']['median']:.0f} / {r['with_nixl_dlists_us']['best']:.0f}",
-                      f"{r['staged_post_us']['median']:.0f} / {r['staged_post_us']['best']:.0f}")
+            h.add_row(
+                r["model"],
+                f"tp{r['prefill_tp']}->tp{r['decode_tp']}",
+                str(r["tokens"]),
+                r["layout"],
+                r["alloc"],
+                r.get("malloc", "default"),
+                f"{r['descriptors']:,}",
+                f"{r['descriptors_us']['median']:.0f} / {r['descriptors_us']['best']:.0f}",
+                f"{r['with_nixl_dlists_us']['median']:.0f} / {r['with_nixl_dlists_us']['best']:.0f}",
+                f"{r['staged_post_us']['median']:.0f} / {r['staged_post_us']['best']:.0f}",
+            )
         con.print(h)
     if res["startup"]:
         s = Table(title="start-up: plan + lowered plan + NIXL registration vs vLLM per-(layer,K/V,block) table")
-        for c in ("layout", "blocks", "ours ms", "ours MB (tracemalloc)", "vLLM rows", "vLLM ms", "vLLM MB (RSS)", "note"):
+        for c in (
+            "layout",
+            "blocks",
+            "ours ms",
+            "ours MB (tracemalloc)",
+            "vLLM rows",
+            "vLLM ms",
+            "vLLM MB (RSS)",
+            "note",
+        ):
             s.add_column(c)
         for r in res["startup"]:
             o, v = r["ours"], r["vllm_per_layer_kv_block"]
             note = f"measured at {v['blocks_measured']:,} blocks, scaled" if v["extrapolated_to_blocks"] else "measured"
-            s.add_row(r["layout"], f"{r['num_blocks']:,}", f"{o['total_ms']:.1f}", f"{o['tracemalloc_peak_mb']:.2f}",
-                      f"{v['rows'] * (r['num_blocks'] // v['blocks_measured']):,}", f"{v['total_ms_at_num_blocks']:.0f}",
-                      f"{v['rss_delta_mb_at_num_blocks']:.0f}", note)
+            s.add_row(
+                r["layout"],
+                f"{r['num_blocks']:,}",
+                f"{o['total_ms']:.1f}",
+                f"{o['tracemalloc_peak_mb']:.2f}",
+                f"{v['rows'] * (r['num_blocks'] // v['blocks_measured']):,}",
+                f"{v['total_ms_at_num_blocks']:.0f}",
+                f"{v['rss_delta_mb_at_num_blocks']:.0f}",
+                note,
+            )
         con.print(s)
 
 
@@ -527,7 +577,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--calibrate", action="store_true", help="measure the cost-model constants and save them")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (best and median)")
     p.add_argument("--only", help="only scenarios whose name or model contains this")
-    p.add_argument("--layout", action="append", help="memory layout(s) to run (default: flash_attn_hnd, cross_layer, universal)")
+    p.add_argument(
+        "--layout", action="append", help="memory layout(s) to run (default: flash_attn_hnd, cross_layer, universal)"
+    )
     p.add_argument("--tokens", type=int, help="override tokens per request")
     p.add_argument("--no-hot-path", action="store_true")
     p.add_argument("--no-startup", action="store_true")
@@ -541,36 +593,51 @@ __all__ = ["Scenario", "SCENARIOS", "run_scenario", "hot_path", "startup", "run_
 
 def results_markdown(res: dict) -> str:
     """Markdown tables of a results dict (for benchmarks/RESULTS.md)."""
-    L = ["| scenario | layout | alloc | MiB | descs (ours) | descs (vLLM) | direct GB/s best/med | staged GB/s best/med "
-         "| memcpy GB/s best/med | ratio best mode | cost model (handshake) | auto (this request) | faster | staged==direct |",
-         "|" + "---|" * 14]
+    L = [
+        "| scenario | layout | alloc | MiB | descs (ours) | descs (vLLM) | direct GB/s best/med | staged GB/s best/med "
+        "| memcpy GB/s best/med | ratio best mode | cost model (handshake) | auto (this request) | faster "
+        "| staged==direct |",
+        "|" + "---|" * 14,
+    ]
     for r in res["scenarios"]:
-        L.append(f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['bytes'] / 2**20:.0f} | {r['descriptors']:,} | "
-                 f"{r['descriptors_vllm']:,} | {r['direct_gbps_best']:.2f} / {r['direct_gbps_median']:.2f} | "
-                 f"{r['staged_gbps_best']:.2f} / {r['staged_gbps_median']:.2f} | "
-                 f"{r['memcpy_gbps']['best']:.2f} / {r['memcpy_gbps']['median']:.2f} | {r['ratio_best_mode']:.2f} | "
-                 f"{r['cost_model_choice']} | {r.get('auto_choice', '-')} | {r['measured_faster']} | "
-                 f"{'yes' if r['staged_equals_direct'] else 'NO'} |")
+        L.append(
+            f"| {r['scenario']} | {r['layout']} | {r['alloc']} | {r['bytes'] / 2**20:.0f} | {r['descriptors']:,} | "
+            f"{r['descriptors_vllm']:,} | {r['direct_gbps_best']:.2f} / {r['direct_gbps_median']:.2f} | "
+            f"{r['staged_gbps_best']:.2f} / {r['staged_gbps_median']:.2f} | "
+            f"{r['memcpy_gbps']['best']:.2f} / {r['memcpy_gbps']['median']:.2f} | {r['ratio_best_mode']:.2f} | "
+            f"{r['cost_model_choice']} | {r.get('auto_choice', '-')} | {r['measured_faster']} | "
+            f"{'yes' if r['staged_equals_direct'] else 'NO'} |"
+        )
     out = "\n".join(L) + "\n"
     if res.get("hot_path"):
         H = ["| model | P->D | tokens | layout | alloc | malloc | descriptors (direct) | descriptors() µs med / best "
              "| + NIXL dlists µs med / best | staged posting µs med / best |",
              "|" + "---|" * 10]
         for h in res["hot_path"]:
-            H.append(f"| {h['model']} | tp{h['prefill_tp']}->tp{h['decode_tp']} | {h['tokens']} | {h['layout']} | {h['alloc']} | "
-                     f"{h.get('malloc', 'default')} | "
-                     f"{h['descriptors']:,} | {h['descriptors_us']['median']:.0f} / {h['descriptors_us']['best']:.0f} | "
-                     f"{h['with_nixl_dlists_us']['median']:.0f} / {h['with_nixl_dlists_us']['best']:.0f} | "
-                     f"{h['staged_post_us']['median']:.0f} / {h['staged_post_us']['best']:.0f} |")
+            H.append(
+                f"| {h['model']} | tp{h['prefill_tp']}->tp{h['decode_tp']} | {h['tokens']} | {h['layout']} | "
+                f"{h['alloc']} | "
+                f"{h.get('malloc', 'default')} | "
+                f"{h['descriptors']:,} | {h['descriptors_us']['median']:.0f} / {h['descriptors_us']['best']:.0f} | "
+                f"{h['with_nixl_dlists_us']['median']:.0f} / {h['with_nixl_dlists_us']['best']:.0f} | "
+                f"{h['staged_post_us']['median']:.0f} / {h['staged_post_us']['best']:.0f} |"
+            )
         out += "\n" + "\n".join(H) + "\n"
     if res.get("startup"):
-        S = ["| layout | blocks | ours: plan / lowered / register / total ms | ours tracemalloc peak MB | ours RSS Δ MB "
-             "| vLLM rows | vLLM build / prep_xfer_dlist / total ms | vLLM tracemalloc MB | vLLM RSS Δ MB |", "|" + "---|" * 9]
+        S = [
+            "| layout | blocks | ours: plan / lowered / register / total ms | ours tracemalloc peak MB | ours RSS Δ MB "
+            "| vLLM rows | vLLM build / prep_xfer_dlist / total ms | vLLM tracemalloc MB | vLLM RSS Δ MB |",
+            "|" + "---|" * 9,
+        ]
         for r in res["startup"]:
             o, v = r["ours"], r["vllm_per_layer_kv_block"]
             prep = f"{v['prep_xfer_dlist_ms']:.0f}" if v["prep_xfer_dlist_ms"] is not None else "-"
-            S.append(f"| {r['layout']} | {r['num_blocks']:,} | {o['plan_ms']:.1f} / {o['lowered_ms']:.1f} / {o['register_ms']:.1f} / "
-                     f"{o['total_ms']:.1f} | {o['tracemalloc_peak_mb']:.2f} | {o['rss_delta_mb']:.1f} | {v['rows']:,} | "
-                     f"{v['table_build_ms']:.0f} / {prep} / {v['total_ms']:.0f} | {v['tracemalloc_peak_mb']:.0f} | {v['rss_delta_mb']:.0f} |")
+            S.append(
+                f"| {r['layout']} | {r['num_blocks']:,} | {o['plan_ms']:.1f} / {o['lowered_ms']:.1f} / "
+                f"{o['register_ms']:.1f} / "
+                f"{o['total_ms']:.1f} | {o['tracemalloc_peak_mb']:.2f} | {o['rss_delta_mb']:.1f} | {v['rows']:,} | "
+                f"{v['table_build_ms']:.0f} / {prep} / {v['total_ms']:.0f} | {v['tracemalloc_peak_mb']:.0f} | "
+                f"{v['rss_delta_mb']:.0f} |"
+            )
         out += "\n" + "\n".join(S) + "\n"
     return out

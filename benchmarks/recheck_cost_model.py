@@ -39,10 +39,14 @@ def main() -> int:
         modes = sorted({m.mode for m in choose_modes(plan, cm) if m.decode == DECODE_RANK})
         handshake = modes[0] if len(modes) == 1 else "mixed"
         rng = np.random.default_rng(0)  # the same requests as run_scenario: allocations in ALLOCS order
-        reqs = {a: make_request(0, sc.tokens, p, d, BlockPool(p, rng, a == "shuffled"), BlockPool(d, rng, a == "shuffled"))
-                for a in ALLOCS}
+        reqs = {
+            a: make_request(0, sc.tokens, p, d, BlockPool(p, rng, a == "shuffled"), BlockPool(d, rng, a == "shuffled"))
+            for a in ALLOCS
+        }
         req = reqs[row["alloc"]]
-        chunks, frac = request_chunks(p.model.groups, req.decode_blocks, req.prefill_blocks, d.block_size, lp.chunk_tokens)
+        chunks, frac = request_chunks(
+            p.model.groups, req.decode_blocks, req.prefill_blocks, d.block_size, lp.chunk_tokens
+        )
         picked = set(request_modes(cm, pair_shapes(lp), chunks, frac, lambda _: True).values())
         auto = picked.pop() if len(picked) == 1 else "mixed"
         hits_h += handshake == row["measured_faster"]
@@ -50,7 +54,9 @@ def main() -> int:
         if auto != row["measured_faster"]:
             print(f"  auto picks {auto}, measured faster {row['measured_faster']}: {row['scenario']} {row['layout']} "
                   f"{row['alloc']} (direct {row['direct_gbps_best']:.2f}, staged {row['staged_gbps_best']:.2f} GB/s)")
-    print(f"handshake-time choice matched {hits_h} of {len(rows)} rows; per-request auto choice {hits_a} of {len(rows)}")
+    print(
+        f"handshake-time choice matched {hits_h} of {len(rows)} rows; per-request auto choice {hits_a} of {len(rows)}"
+    )
     return 0
 
 

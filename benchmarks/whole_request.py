@@ -6,7 +6,8 @@ over real registered memory (address space reserved with MAP_NORESERVE; in-proce
 ``transfer()`` is not called: the bytes (GBs at 32k tokens) would not fit this machine, and the copy is
 the same for both systems. The two systems alternate request by request; medians and minima.
 
-* kvbridge prepped: ``runtime.prepped_hook.direct_reads`` (the caller's thread: validate + sizes), then ``request`` (index
+* kvbridge prepped: ``runtime.prepped_hook.direct_reads`` (the caller's thread: validate + sizes), then
+  ``request`` (index
   arrays) + ``make_prepped_xfer`` per prefill rank (the post thread), lists prepared once (strided), with
   span lists (``KVBRIDGE_PREPPED_SPANS``, default 64) where runs are whole blocks on both sides.
 * kvbridge prepped, no spans: the same on lists prepared with span levels () (the path before span lists).
@@ -73,7 +74,9 @@ def stats(xs):
 def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps, cdi, log=print):
     m = load_model(model)
     bs = 16
-    P = EngineLayout(m, tp=p_tp, block_size=bs, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="prefill")
+    P = EngineLayout(
+        m, tp=p_tp, block_size=bs, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="prefill"
+    )
     D = EngineLayout(m, tp=d_tp, block_size=bs, memory=MemoryLayout.parse(layout), num_blocks=num_blocks, role="decode")
     plan = plan_transfer(P, D)
     pranks = plan.prefill_ranks_for(DR)
@@ -124,7 +127,9 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
     for p in v_reads:
         p_blk = psize[p] // (R * num_blocks)
         seg = d_blk // ratio if ratio > 1 else (p_blk if p_tp >= d_tp else d_blk)
-        rr = np.array([[bases[p] + r * num_blocks * p_blk, seg, 0, p_blk, num_blocks] for r in range(R)], dtype=np.uint64)
+        rr = np.array(
+            [[bases[p] + r * num_blocks * p_blk, seg, 0, p_blk, num_blocks] for r in range(R)], dtype=np.uint64
+        )
         v_remote[p] = api.prep_xfer_dlist(agents[p], rr, "DRAM")
     stub = SimpleNamespace(_has_mamba=False, _transfer_layer_group_ids=[], num_regions=R,
                            block_len_per_layer=[d_blk] * R, region_group_ids=[0] * R,
@@ -151,11 +156,11 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
     def run_prepped(preps=preps):
         t = time.perf_counter()
         # caller's thread: the runtime's own hand-over (runtime/prepped_hook.direct_reads): validate once,
-        # sizes by arithmetic, one PreppedWork per prefill rank
+        # sizes by arithmetic, one DirectRead per prefill rank
         works = direct_reads(preps, remote_stub, req_stub, pranks)
         t_caller = time.perf_counter() - t
         hs, cnt = [], 0
-        for _p, w in works.items():  # the post thread's part (run inline here, as NixlTransport.read_prepped)
+        for _p, w in works.items():  # the post thread's part (run inline here, as NixlTransport.post)
             req = w.prep.geometry.request(w.ranges, w.prefill_blocks, w.decode_blocks)
             pr = w.prep
             local, remote = (pr.local_span, pr.remote_span) if req.spans else (pr.local, pr.remote)
@@ -213,14 +218,30 @@ def scenario(name, model, p_tp, d_tp, layout, tokens, num_blocks, shuffled, reps
             if mm is not None:
                 tm.append(mm)
     best_kv = statistics.median(tp)  # the runtime posts prepped (see RESULTS.md: prepped vs merged)
-    row = {"scenario": name, "layout": layout, "alloc": "shuffled" if shuffled else "contiguous",
-           "vllm_descs": cv, "kvb_prepped_ids": cp, "kvb_merged_descs": cm,
-           "vllm_ms": stats(tv), "kvb_prepped_ms": stats(tp), "kvb_caller_ms": stats(tc), "kvb_merged_ms": stats(tm),
-           "staged_post_ms": stats(ts),
-           "ratio": statistics.median(tv) / best_kv, "prep_ms": prep_ms,
-           "nospan_ids": cn, "nospan_ms": stats(tn), "nospan_ratio": statistics.median(tv) / statistics.median(tn),
-           "warm_ms": f"{statistics.median(wp) * 1e3:.3f} / {statistics.median(wn) * 1e3:.3f}",
-           "prep_nospan_ms": prep_ns_ms, "rows": rows, "span_rows": span_rows, "rss_mib": rss_sp, "rss_nospan_mib": rss_ns}
+    row = {
+        "scenario": name,
+        "layout": layout,
+        "alloc": "shuffled" if shuffled else "contiguous",
+        "vllm_descs": cv,
+        "kvb_prepped_ids": cp,
+        "kvb_merged_descs": cm,
+        "vllm_ms": stats(tv),
+        "kvb_prepped_ms": stats(tp),
+        "kvb_caller_ms": stats(tc),
+        "kvb_merged_ms": stats(tm),
+        "staged_post_ms": stats(ts),
+        "ratio": statistics.median(tv) / best_kv,
+        "prep_ms": prep_ms,
+        "nospan_ids": cn,
+        "nospan_ms": stats(tn),
+        "nospan_ratio": statistics.median(tv) / statistics.median(tn),
+        "warm_ms": f"{statistics.median(wp) * 1e3:.3f} / {statistics.median(wn) * 1e3:.3f}",
+        "prep_nospan_ms": prep_ns_ms,
+        "rows": rows,
+        "span_rows": span_rows,
+        "rss_mib": rss_sp,
+        "rss_nospan_mib": rss_ns,
+    }
     log(row)
     for p in pranks:
         dec.unprepare(preps[p])

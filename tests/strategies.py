@@ -31,9 +31,17 @@ def random_models(draw, max_layers: int = 12, max_window: int = 40):
                 n_groups=draw(st.sampled_from([0] + [d for d in HEADS if nh % d == 0])),
                 ssm_dtype=draw(st.sampled_from(["float32", "bfloat16"])))))
         else:
-            groups.append(CacheGroup(name, kind, layers, dtype, num_heads=draw(st.sampled_from(HEADS)),
-                                     head_dim=draw(st.integers(1, 8)),
-                                     sliding_window=draw(st.integers(1, max_window)) if kind == "sliding_window" else None))
+            groups.append(
+                CacheGroup(
+                    name,
+                    kind,
+                    layers,
+                    dtype,
+                    num_heads=draw(st.sampled_from(HEADS)),
+                    head_dim=draw(st.integers(1, 8)),
+                    sliding_window=draw(st.integers(1, max_window)) if kind == "sliding_window" else None,
+                )
+            )
     return ModelSpec("rand", nl, tuple(groups))
 
 

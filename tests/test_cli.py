@@ -84,9 +84,34 @@ def test_plan_pcp_ranks_and_refusal(capsys):
 
 
 def test_verify_cp_flags(capsys):
-    assert main(["verify", "--model", "tiny-mla", "--prefill-tp", "2", "--prefill-dcp", "2", "--prefill-block-size", "8",
-                 "--prefill-cp-interleave", "4", "--decode-tp", "3", "--decode-dcp", "3", "--decode-block-size", "4",
-                 "--decode-cp-interleave", "2", "--requests", "3"]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--model",
+                "tiny-mla",
+                "--prefill-tp",
+                "2",
+                "--prefill-dcp",
+                "2",
+                "--prefill-block-size",
+                "8",
+                "--prefill-cp-interleave",
+                "4",
+                "--decode-tp",
+                "3",
+                "--decode-dcp",
+                "3",
+                "--decode-block-size",
+                "4",
+                "--decode-cp-interleave",
+                "2",
+                "--requests",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "PASS" in out and "dcp2x4" in out and "dcp3x2" in out
 
@@ -132,7 +157,20 @@ def test_demo_prints_labelled_latency_burst_and_large_request(monkeypatch, capsy
     assert "large request: 4096 tokens" in next(k for k in rows if k.startswith("large request: "))
     got, memcpy, ratio = re.fullmatch(r"([0-9.]+) vs ([0-9.]+) GB/s \(([0-9.]+)x of memcpy\)",
                                       row("large request GB/s vs one-thread numpy memcpy")).groups()
-    assert float(got) > 0 and float(memcpy) > 0 and abs(float(got) / float(memcpy) - float(ratio)) < 0.01 + 0.01 * float(ratio)
+    assert (
+        float(got) > 0
+        and float(memcpy) > 0
+        and abs(float(got) / float(memcpy) - float(ratio)) < 0.01 + 0.01 * float(ratio)
+    )
+    # beside kvbridge's own latency, NIXL's READ of the same bytes between the same processes
+    kv_ms, nixl_ms, diff = re.fullmatch(r"([0-9.]+) vs ([0-9.]+) ms \(([+-][0-9.]+) ms\)",
+                                        row("the same single requests timed inside the decode processes")).groups()
+    assert float(kv_ms) > 0 and float(nixl_ms) > 0
+    assert abs(float(kv_ms) - float(nixl_ms) - float(diff)) < 0.02
+    same, one = re.fullmatch(r"([0-9.]+) / ([0-9.]+) GB/s \([0-9]+ / [0-9]+ ms\)",
+                             row("NIXL's own READ of the large request's bytes")).groups()
+    assert float(same) > 0 and float(one) > 0
+    assert "report" in row("large request: where the time went")
     assert row("requests finished / sent (all phases)") == "9 / 9"  # 1 untimed + 3 warm + 4 burst + 1 large
     assert row("mismatched bytes") == "0" and row("leaked transfer handles") == "0"
     assert row("result") == "PASS"

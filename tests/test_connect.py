@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, wait_freed
+from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, until, wait_freed
 
 from kvbridge.errors import HandshakeFailed
 from kvbridge.runtime.decode import PeerState
@@ -127,3 +127,21 @@ def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
             assert dec.metrics.handshakes == 2
             assert _verify(dec, [(j.num, j.read()) for j in first + again])["mismatched_bytes"] == 0
             wait_freed(P2, {j.rid for j in again})
+
+
+def test_handshake_asks_only_the_prefill_ranks_this_rank_reads():
+    """Prefill TP2, decode TP2: decode rank 1 reads prefill rank 1 only. Its handshake fetches metadata
+    from (and binds as a reader on) that rank alone: prefill rank 0 never hears of it; an endpoint given
+    for a rank it does not ask is not even probed (a dead port there does not fail the handshake)."""
+    pl, dl = layout("prefill", 2, 64), layout("decode", 2, 64)
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pR")])
+        with inproc_decode(dl, "dR", rank=(0, 1)) as dec:
+            peer = dec.handshake("pR", P.endpoints())
+            assert sorted(peer.agents) == [(0, 1)]
+            readers = {r: s["readers"] for r, s in P.call_all("stats").items()}
+            assert readers == {(0, 0): 0, (0, 1): 1}, readers
+            dec.forget("pR")
+            eps = dict(P.endpoints()) | {(0, 0): f"127.0.0.1:{free_port()}"}  # nothing listens there
+            dec.connect("pR", eps)
+            until(lambda: (dec.poll(), "pR" in dec.remotes)[1], 20, "the handshake with rank (0, 1) only")

@@ -17,7 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import cp_topologies
 
-from kvbridge.layout import CacheGroup, ContextParallelError, EngineLayout, LayoutError, MambaSpec, MemoryLayout, ModelSpec
+from kvbridge.layout import (
+    CacheGroup,
+    ContextParallelError,
+    EngineLayout,
+    LayoutError,
+    MambaSpec,
+    MemoryLayout,
+    ModelSpec,
+)
 from kvbridge.lower import GroupBlocks, LoweredPlan
 from kvbridge.models import preset
 from kvbridge.plan import TransferPlan, plan_to_json, plan_transfer
@@ -90,7 +98,9 @@ def check_cp_plan(plan: TransferPlan) -> None:
                     expected.update((dr, g.name, l, ci, u, t) for u in range(a, b) for t in mine)
     twice = [k for k, n in cover.items() if n != 1]
     assert not twice, f"read more than once: {twice[:5]}"
-    assert set(cover) == expected, f"missing {sorted(expected - set(cover))[:5]} extra {sorted(set(cover) - expected)[:5]}"
+    assert set(cover) == expected, (
+        f"missing {sorted(expected - set(cover))[:5]} extra {sorted(set(cover) - expected)[:5]}"
+    )
 
 
 def min_hitting_set(sets, universe: int) -> int:
@@ -137,37 +147,81 @@ def check_cp_minimal(plan: TransferPlan) -> None:
 
 PAIRS = {
     # MLA P TP4 -> D TP4 x DCP4 (vLLM NIXL: interleave = block size), and with token-level interleave
-    "mla-p4-d4dcp4": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=4, cp_interleave=16, block_size=16)),
+    "mla-p4-d4dcp4": (
+        E(MLA, "prefill", tp=4, block_size=16),
+        E(MLA, "decode", tp=4, dcp=4, cp_interleave=16, block_size=16),
+    ),
     "mla-p4-d4dcp4-il1-bs8": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=4, block_size=8)),
     # decode DCP smaller than the transfer TP (vLLM NIXL: DCP must be 1 or the TP)
-    "mla-p4-d4dcp2": (E(MLA, "prefill", tp=4, block_size=16), E(MLA, "decode", tp=4, dcp=2, cp_interleave=16, block_size=16)),
+    "mla-p4-d4dcp2": (
+        E(MLA, "prefill", tp=4, block_size=16),
+        E(MLA, "decode", tp=4, dcp=2, cp_interleave=16, block_size=16),
+    ),
     # PCP on the decode side (vLLM NIXL: PCP is producer only), DCP over TP x PCP
-    "mla-p2-d2pcp2dcp4": (E(MLA, "prefill", tp=2, block_size=16),
-                          E(MLA, "decode", tp=2, pcp=2, dcp=4, cp_interleave=4, block_size=8)),
+    "mla-p2-d2pcp2dcp4": (
+        E(MLA, "prefill", tp=2, block_size=16),
+        E(MLA, "decode", tp=2, pcp=2, dcp=4, cp_interleave=4, block_size=8),
+    ),
     # DCP on both sides, sizes that do not divide each other, different interleaves and block sizes
-    "mla-p2dcp2-d3dcp3": (E(MLA, "prefill", tp=2, dcp=2, cp_interleave=4, block_size=8),
-                          E(MLA, "decode", tp=3, dcp=3, cp_interleave=2, block_size=4, layout="flash_attn_hnd")),
+    "mla-p2dcp2-d3dcp3": (
+        E(MLA, "prefill", tp=2, dcp=2, cp_interleave=4, block_size=8),
+        E(MLA, "decode", tp=3, dcp=3, cp_interleave=2, block_size=4, layout="flash_attn_hnd"),
+    ),
     # GQA: P PCP2 (replicated copies) -> D DCP2 (1 KV head: TP2 > heads), different block sizes
-    "gqa-p1pcp2-d2dcp2": (E(GQA1, "prefill", tp=1, pcp=2, block_size=16),
-                          E(GQA1, "decode", tp=2, dcp=2, cp_interleave=8, block_size=8)),
-    "gqa2-p1pcp2-d4dcp2": (E(GQA2, "prefill", tp=1, pcp=2, block_size=16),
-                           E(GQA2, "decode", tp=4, dcp=2, cp_interleave=4, block_size=8, layout="LBHNC")),
+    "gqa-p1pcp2-d2dcp2": (
+        E(GQA1, "prefill", tp=1, pcp=2, block_size=16),
+        E(GQA1, "decode", tp=2, dcp=2, cp_interleave=8, block_size=8),
+    ),
+    "gqa2-p1pcp2-d4dcp2": (
+        E(GQA2, "prefill", tp=1, pcp=2, block_size=16),
+        E(GQA2, "decode", tp=4, dcp=2, cp_interleave=4, block_size=8, layout="LBHNC"),
+    ),
     # PCP x DCP (TP1, DCP = PCP) -> TP2 x PP2, larger blocks
-    "mla-p1pcp2dcp2-d2pp2": (E(MLA, "prefill", tp=1, pcp=2, dcp=2, cp_interleave=16, block_size=16),
-                             E(MLA, "decode", tp=2, pp=2, block_size=32)),
+    "mla-p1pcp2dcp2-d2pp2": (
+        E(MLA, "prefill", tp=1, pcp=2, dcp=2, cp_interleave=16, block_size=16),
+        E(MLA, "decode", tp=2, pp=2, block_size=32),
+    ),
     # DCP spanning TP x PCP -> DCP with an interleave that does not divide the other's
-    "mla-p2pcp2dcp4-d2dcp2": (E(MLA, "prefill", tp=2, pcp=2, dcp=4, cp_interleave=2, block_size=16),
-                              E(MLA, "decode", tp=2, dcp=2, cp_interleave=3, block_size=6)),
+    "mla-p2pcp2dcp4-d2dcp2": (
+        E(MLA, "prefill", tp=2, pcp=2, dcp=4, cp_interleave=2, block_size=16),
+        E(MLA, "decode", tp=2, dcp=2, cp_interleave=3, block_size=6),
+    ),
     # DCP prefill -> plain decode (CP on the prefill side only)
-    "mla-p4dcp2-d1": (E(MLA, "prefill", tp=4, dcp=2, cp_interleave=8, block_size=8), E(MLA, "decode", tp=1, block_size=16)),
+    "mla-p4dcp2-d1": (
+        E(MLA, "prefill", tp=4, dcp=2, cp_interleave=8, block_size=8),
+        E(MLA, "decode", tp=1, block_size=16),
+    ),
     # MLA + Mamba hybrid with DCP on the decode (Mamba state is replicated over DCP ranks)
-    "hybrid-p2-d4dcp2": (E(ModelSpec("mla-mamba", 4, (
-        CacheGroup("mla", "mla", (0, 2), "bfloat16", head_dim=8),
-        CacheGroup("ssm", "mamba", (1, 3), "bfloat16", mamba=MambaSpec(4, 2, 4, 3, n_groups=2)))), "prefill", tp=2, block_size=8),
-        E(ModelSpec("mla-mamba", 4, (
-            CacheGroup("mla", "mla", (0, 2), "bfloat16", head_dim=8),
-            CacheGroup("ssm", "mamba", (1, 3), "bfloat16", mamba=MambaSpec(4, 2, 4, 3, n_groups=2)))),
-          "decode", tp=4, dcp=2, cp_interleave=4, block_size=4)),
+    "hybrid-p2-d4dcp2": (
+        E(
+            ModelSpec(
+                "mla-mamba",
+                4,
+                (
+                    CacheGroup("mla", "mla", (0, 2), "bfloat16", head_dim=8),
+                    CacheGroup("ssm", "mamba", (1, 3), "bfloat16", mamba=MambaSpec(4, 2, 4, 3, n_groups=2)),
+                ),
+            ),
+            "prefill",
+            tp=2,
+            block_size=8,
+        ),
+        E(
+            ModelSpec(
+                "mla-mamba",
+                4,
+                (
+                    CacheGroup("mla", "mla", (0, 2), "bfloat16", head_dim=8),
+                    CacheGroup("ssm", "mamba", (1, 3), "bfloat16", mamba=MambaSpec(4, 2, 4, 3, n_groups=2)),
+                ),
+            ),
+            "decode",
+            tp=4,
+            dcp=2,
+            cp_interleave=4,
+            block_size=4,
+        ),
+    ),
 }
 
 

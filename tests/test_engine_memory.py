@@ -52,14 +52,27 @@ def _move(p_eng, d_eng, p_form, d_form, n_requests=3, seed=0, tamper=None):
     bad = cells = 0
     for i, req in enumerate(reqs):
         for r, c in d_caches.items():
-            bad += write_request(c, d_eng, r, i + 1, req.num_tokens, {g: b.block_ids for g, b in req.decode_blocks.items()},
-                                 {g: b.first_block for g, b in req.decode_blocks.items()}, check=True)
+            bad += write_request(
+                c,
+                d_eng,
+                r,
+                i + 1,
+                req.num_tokens,
+                {g: b.block_ids for g, b in req.decode_blocks.items()},
+                {g: b.first_block for g, b in req.decode_blocks.items()},
+                check=True,
+            )
             cells += 1
     return bad, cells
 
 
-TOPOLOGIES = [("tiny-dense", 2, 1, 16, 1, 1, 32), ("tiny-dense", 1, 1, 32, 4, 1, 16), ("tiny-dense", 4, 1, 16, 2, 2, 16),
-              ("gemma-4-mini", 4, 1, 16, 2, 1, 32), ("gemma-4-mini", 2, 2, 16, 8, 1, 16)]
+TOPOLOGIES = [
+    ("tiny-dense", 2, 1, 16, 1, 1, 32),
+    ("tiny-dense", 1, 1, 32, 4, 1, 16),
+    ("tiny-dense", 4, 1, 16, 2, 2, 16),
+    ("gemma-4-mini", 4, 1, 16, 2, 1, 32),
+    ("gemma-4-mini", 2, 2, 16, 8, 1, 16),
+]
 
 
 @pytest.mark.parametrize("p_form, d_form", [(f, g) for f, g in zip(FORMS, FORMS[3:] + FORMS[:3])])
@@ -75,7 +88,9 @@ def test_engine_forms_byte_exact(p_form, d_form, model, ptp, ppp, pbs, dtp, dpp,
 def test_mla_and_mamba_byte_exact(model, ptp, dtp, form):
     if model == "tiny-mla" and form == "split":
         form = "scattered"
-    bad, cells = _move(_engine(model, ptp), _engine(model, dtp, bs=32), form, "flash_attn" if form != "vllm-LBNHC" else "vllm-BLNHC")
+    bad, cells = _move(
+        _engine(model, ptp), _engine(model, dtp, bs=32), form, "flash_attn" if form != "vllm-LBNHC" else "vllm-BLNHC"
+    )
     assert cells > 0 and bad == 0
 
 
@@ -140,20 +155,42 @@ def test_hybrid_allocator_groups_overlay_the_same_bytes():
     mem = kvbridge.describe_memory(eng, (0, 0), layers)
     assert len(mem.allocations) == 1
     # the two groups' layer 0 start at the same address
-    assert mem.region(g_sw.name).components[0].layer_offsets[0] == mem.region(g_full.name).components[0].layer_offsets[0]
+    assert (
+        mem.region(g_sw.name).components[0].layer_offsets[0] == mem.region(g_full.name).components[0].layer_offsets[0]
+    )
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda L, e: {**L, 0: kvbridge.LayerKV(L[0].tensor[:, :8], "KBTHD")}, r"layer 0 .*field 'shape'.*num_blocks"),
-    (lambda L, e: {**L, 1: kvbridge.LayerKV(L[1].tensor.astype(np.float32), "KBTHD")}, r"layer 1 .*field 'dtype'"),
-    (lambda L, e: {**L, 2: kvbridge.LayerKV(L[2].tensor, "KBHTD")}, r"layer 2 .*field 'shape'"),
-    (lambda L, e: {**L, 3: kvbridge.LayerKV(L[3].tensor[..., ::2], "KBTHD")}, r"layer 3 .*field 'shape'"),
-    (lambda L, e: {k: v for k, v in L.items() if k != 2}, r"no memory given for layer 2"),
-    (lambda L, e: {**L, 0: kvbridge.LayerKV(np.zeros((2, 24, 16, 4, 16), np.int32)[..., :16].view(np.float16)[..., ::2], "KBTHD")},
-     r"layer 0 .*field 'strides'"),
-    (lambda L, e: {**L, 0: kvbridge.LayerKV(k=L[0].tensor[0], v=L[0].tensor[0], axes="BTHD")}, r"overlap"),
-    (lambda L, e: {**L, 0: kvbridge.LayerKV("not a tensor", "KBTHD")}, r"cannot use str"),
-], ids=["too-few-blocks", "dtype", "axes-vs-shape", "head-dim", "missing-layer", "strided-elements", "k-is-v", "not-a-tensor"])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda L, e: {**L, 0: kvbridge.LayerKV(L[0].tensor[:, :8], "KBTHD")}, r"layer 0 .*field 'shape'.*num_blocks"),
+        (lambda L, e: {**L, 1: kvbridge.LayerKV(L[1].tensor.astype(np.float32), "KBTHD")}, r"layer 1 .*field 'dtype'"),
+        (lambda L, e: {**L, 2: kvbridge.LayerKV(L[2].tensor, "KBHTD")}, r"layer 2 .*field 'shape'"),
+        (lambda L, e: {**L, 3: kvbridge.LayerKV(L[3].tensor[..., ::2], "KBTHD")}, r"layer 3 .*field 'shape'"),
+        (lambda L, e: {k: v for k, v in L.items() if k != 2}, r"no memory given for layer 2"),
+        (
+            lambda L, e: {
+                **L,
+                0: kvbridge.LayerKV(
+                    np.zeros((2, 24, 16, 4, 16), np.int32)[..., :16].view(np.float16)[..., ::2], "KBTHD"
+                ),
+            },
+            r"layer 0 .*field 'strides'",
+        ),
+        (lambda L, e: {**L, 0: kvbridge.LayerKV(k=L[0].tensor[0], v=L[0].tensor[0], axes="BTHD")}, r"overlap"),
+        (lambda L, e: {**L, 0: kvbridge.LayerKV("not a tensor", "KBTHD")}, r"cannot use str"),
+    ],
+    ids=[
+        "too-few-blocks",
+        "dtype",
+        "axes-vs-shape",
+        "head-dim",
+        "missing-layer",
+        "strided-elements",
+        "k-is-v",
+        "not-a-tensor",
+    ],
+)
 def test_bad_descriptions_name_layer_component_field(mutate, match):
     eng = _engine("tiny-dense", 1)
     layers = allocate(eng, (0, 0), "flash_attn").layers

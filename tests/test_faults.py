@@ -13,6 +13,7 @@ import builtins
 import os
 import re
 import signal
+import threading
 import time
 
 import numpy as np
@@ -177,7 +178,7 @@ def _mid_transfer(mode: str, fault: str):
             no_leaks(D, P, timeout=15)
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
 def test_prefill_rank_killed_mid_transfer(mode):
     _mid_transfer(mode, "kill")
 
@@ -190,7 +191,7 @@ def test_prefill_rank_frozen_mid_transfer(mode):
 # =================================================================================================
 # a decode engine dies mid-transfer
 # =================================================================================================
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
 def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
     """The decode rank is frozen (SIGSTOP, by itself, at a moment it reports reads in flight) and then
     killed (SIGKILL). The prefill hears nothing more: requests read before are freed by their Done,
@@ -288,12 +289,16 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
                 jobs.engine(e, pl)
                 js[e] = jobs.make(e, n, lengths=[tokens] * n, prefix_p=0.0)
                 publish(p, js[e])
+            # the post thread is held until pA is frozen: pA's reads are posted (queued there) before the
+            # freeze by construction, not by timing (a completed read is never asked about again)
+            gate = threading.Event()
+            dec.transport._pool.submit(gate.wait, 60)
             for e in ("pA", "pB"):
                 for j in js[e]:
                     dec.start(j.read())
             done, failed = set(), {}
-            while not any(r for f in dec.inflight.values() for rr in f.ranks.values() for r in rr.reads
-                          if not r.done):
+            while not any(r for f in dec.inflight.values() if f.peer.engine_id == "pA" for rr in f.ranks.values()
+                          for r in rr.reads if not r.done):
                 d, f = dec.poll()
                 done.update(d)
                 failed |= f
@@ -301,6 +306,7 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
             t0 = time.monotonic()
             for w in pa.workers.values():
                 os.kill(w.proc.pid, signal.SIGSTOP)
+            gate.set()
             try:
                 a_left = len(a_ids - done)
                 assert a_left, "pA had finished before it was frozen"
@@ -609,6 +615,8 @@ def test_load_1000_requests_two_prefill_engines(mode):
         for e, p in P.items():
             D.call_all("handshake", e, p.endpoints())
             jobs.engine(e, pl)
+        # the link probes' reads at handshake, per decode rank: every later handle is a request's read
+        probed = {r: s["nixl"]["handles_created"] for r, s in D.call_all("stats").items()}
         per = {e: jobs.make(e, n // 2, lengths=lengths[i::2], tag=f"{e}-") for i, e in enumerate(P)}
         exp = {}
         for e, js in per.items():
@@ -617,8 +625,11 @@ def test_load_1000_requests_two_prefill_engines(mode):
         assert len(alljobs) == n and len({j.rid for j in alljobs}) == n
         start(D, [j.read(exp[j.rid]) for j in alljobs])  # everything posted before anyone waits
         if mode == "direct":  # one read per request per decode rank (tp=2 -> tp=2), posted as pins are granted
-            until(lambda: all(s["nixl"]["handles_created"] == n for s in D.call_all("stats").values()), 60,
-                  "every read to be posted")
+            until(
+                lambda: all(s["nixl"]["handles_created"] - probed[r] == n for r, s in D.call_all("stats").items()),
+                60,
+                "every read to be posted",
+            )
         t0 = time.monotonic()
         finished, failed = collect(D, 120)
         wall = time.monotonic() - t0
@@ -639,9 +650,9 @@ def test_load_1000_requests_two_prefill_engines(mode):
                 assert s["metrics"]["staging_fallbacks"] == 0
                 assert s["metrics"]["descriptors"] == s["metrics"]["transfers"]
         assert sum(s["metrics"]["transfer_bytes"] for s in stats.values()) == ver["needed_bytes"]
-        for s in stats.values():
+        for r, s in stats.items():
             assert s["live_handles"] == 0 and s["inflight"] == 0
-            assert s["nixl"]["handles_created"] == s["nixl"]["handles_released"] == n
+            assert s["nixl"]["handles_created"] == s["nixl"]["handles_released"] == n + probed[r]
             assert s["metrics"]["finished_requests"] == n and s["metrics"]["failed_requests"] == 0
         for e, js in per.items():
             wait_freed(P[e], {j.rid for j in js}, timeout=30)

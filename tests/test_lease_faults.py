@@ -81,7 +81,7 @@ def _poll_until(dec, pred, timeout: float, what: str):
     return done, failed
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
 def test_early_acquire_is_retried_not_freed(mode):
     """The decode asks before the prefill registered the request (the router was faster than the
     prefill engine's step): refused ``not_registered``, asked again, read exactly once registered. The
@@ -120,7 +120,7 @@ def test_early_acquire_is_retried_not_freed(mode):
         assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
 @pytest.mark.parametrize("other", ["finishes", "aborts"])
 def test_two_decode_engines_read_one_request(mode, other):
     """Decode engine dA holds its pin on a request (granted, not read yet: it has not polled); decode
@@ -339,3 +339,124 @@ def test_heartbeats_keep_a_queued_request_and_a_dead_decodes_pins_end_on_lease_s
               f"{ended[z.rid] - t0:.2f} s after it was granted (pin_s 60 s)")
         assert ended[z.rid] - t0 < 6.0
         dead.abort(z.rid)
+
+
+class _SlowReader:
+    """A decode rank's side channel driven by hand (real ZMQ, the real protocol): what a reader on a slow
+    link sends while its bytes trickle in, without the bytes (NIXL reports none until a transfer ends)."""
+
+    def __init__(self, ep: str, engine: str):
+        self.reader = (engine, (0, 0))
+        self.agent = f"{engine}-agent"
+        meta = fetch_meta(zmq.Context.instance(), ep, protocol.GetMeta(engine, (0, 0), (0, 0), self.agent), 5)
+        self.incarnation = meta.metadata_sha256
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
+        self.sock.connect(f"tcp://{ep}")
+
+    def ask(self, j, heartbeat=False, progress=()):
+        msg = protocol.Acquire(self.reader[0], self.reader[1], 1, self.incarnation, [(j.rid, j.attempt, j.rid)],
+                               self.agent, heartbeat, list(progress))
+        self.sock.send_multipart(protocol.pack(msg))
+        reply = protocol.unpack(self.sock.recv_multipart())
+        assert isinstance(reply, protocol.Acquired)
+        return reply
+
+    def close(self):
+        self.sock.close(0)
+
+
+def test_a_progressing_read_outlives_pin_s_a_stalled_or_silent_one_does_not():
+    """Over the real side channel (``pin_s`` 1 s, ``lease_s`` 0.6 s, ``min_read_rate`` such that each
+    request's bound is ``pin_s`` + 2 s): a reader whose heartbeats report bytes read holds its pin past
+    ``pin_s`` until the bound; one whose heartbeats report no bytes releases about ``pin_s`` after its
+    pin; a reader that goes silent releases about ``lease_s`` after its pin. The fixed cap that failed a
+    progressing read at 120 s is gone; the two releases that protect the prefill's memory stay."""
+    pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
+    jobs = Jobs(dl, seed=53)
+    jobs.engine("pS", pl)
+    slow, stalled, silent = jobs.make("pS", 3, lengths=[64, 64, 64], prefix_p=0.0)
+    probe = PrefillRank(pl, (0, 0), "probe", memory=default_memory(pl, (0, 0)))
+    probe.add_request("x", slow.req.prefill_blocks)
+    nbytes = probe.table.get("x").nbytes
+    probe.close()
+    assert nbytes > 0
+    with reusing_prefill(pl, "pS", jobs, lease_s=0.6, pin_s=1.0, min_read_rate=nbytes / 2.0) as \
+            (pre, lock, ended, by_rid):
+        ep = f"127.0.0.1:{pre.port}"
+        a, b, c = _SlowReader(ep, "dSlow"), _SlowReader(ep, "dStall"), _SlowReader(ep, "dSilent")
+        try:
+            for j in (slow, stalled, silent):
+                hold(pre, lock, j)
+            t0 = time.monotonic()
+            for r, j in ((a, slow), (b, stalled), (c, silent)):
+                assert r.ask(j).granted, j.rid
+            checked_alive = False
+            while slow.rid not in ended and time.monotonic() - t0 < 10:
+                el = time.monotonic() - t0
+                got = a.ask(slow, True, [(int(nbytes * el / 5), nbytes // 10)])  # 1/5 of it per second
+                assert got.granted or slow.rid in ended or time.monotonic() - t0 > 2.9, (el, got.refused)
+                if stalled.rid not in ended:
+                    b.ask(stalled, True, [(0, 0)])
+                if 1.5 < el < 2.5 and slow.rid not in ended:
+                    checked_alive = True
+                time.sleep(0.1)
+            assert checked_alive  # past pin_s, still held
+            t_slow, t_stall, t_silent = (ended[j.rid] - t0 for j in (slow, stalled, silent))
+            print(f"pins ended: progressing {t_slow:.2f} s (bound 3 s), no progress {t_stall:.2f} s (pin_s 1 s), "
+                  f"silent {t_silent:.2f} s (lease_s 0.6 s)")
+            assert 2.9 < t_slow < 5.0
+            assert 0.9 < t_stall < 2.0
+            assert 0.5 < t_silent < 1.5
+            with lock:
+                assert pre.metrics.expired_requests == 3 and not pre.leases
+        finally:
+            for r in (a, b, c):
+                r.close()
+
+
+def test_a_real_read_slower_than_pin_s_completes_exact(monkeypatch):
+    """A staged read over a slow link (``KVBRIDGE_DELAY_LINK``: every segment read answers 5 s after its
+    post) from a prefill with ``pin_s`` 2 s and ``lease_s`` 1.5 s. The decode's heartbeats carry the read's
+    progress (the segment's bytes in flight), so the prefill holds the pin past ``pin_s`` (up to its bound:
+    ``pin_s`` + the request's bytes at ``min_read_rate``, here 8 s); the read completes byte-exact and the
+    lease is freed by its Done, not expired. (Staged: a direct read's Done rides on its NIXL transfer, which
+    the delay does not hold back.)"""
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", "device:read:5000")
+    pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
+    jobs = Jobs(dl, seed=59)
+    jobs.engine("pL", pl)
+    (j,) = jobs.make("pL", 1, lengths=[64], prefix_p=0.0)
+    probe = PrefillRank(pl, (0, 0), "probe", memory=default_memory(pl, (0, 0)))
+    probe.add_request("x", j.req.prefill_blocks)
+    nbytes = probe.table.get("x").nbytes
+    probe.close()
+    with reusing_prefill(pl, "pL", jobs, lease_s=1.5, pin_s=2.0, min_read_rate=nbytes / 6.0) as \
+            (pre, lock, ended, by_rid), inproc_decode(dl, "dL", transfer_mode="staged") as dec:
+        by_rid[j.rid] = j
+        dec.handshake("pL", {(0, 0): f"127.0.0.1:{pre.port}"})
+        hold(pre, lock, j)
+        t0 = time.monotonic()
+        dec.start(j.read())
+        inflight = 0
+        done, failed = [], {}
+        while not done and not failed and time.monotonic() - t0 < 20:
+            d, f = dec.poll()
+            done += d
+            failed.update(f)
+            with lock:
+                lease = pre.leases.get(j.rid)
+                if lease is not None:
+                    inflight = max([inflight, *(p.inflight for p in lease.pins.values())])
+            time.sleep(0.005)
+        took = time.monotonic() - t0
+        assert done == [j.rid] and not failed, failed
+        assert took > 4.0 and inflight > 0  # held past pin_s by the progress its heartbeats carried
+        assert dec.metrics.staged_transfers == 1
+        assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+        until(lambda: j.rid in ended, 5, "the read's Done to free the lease")
+        with lock:
+            assert pre.metrics.freed_requests == 1 and pre.metrics.expired_requests == 0
+        print(f"a read slowed to {took:.2f} s (pin_s 2 s, lease_s 1.5 s) completed exact; the prefill saw "
+              f"{inflight} B in flight in its heartbeats")

@@ -17,9 +17,8 @@ _n = itertools.count()
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
-@pytest.mark.parametrize("prepped", [True, False])
-def test_loopback_ranks_read_release_and_notify(mode, prepped, monkeypatch):
-    _loopback_read(mode, prepped, monkeypatch)
+def test_loopback_ranks_read_release_and_notify(mode):
+    _loopback_read(mode)
 
 
 @pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl")])
@@ -39,7 +38,7 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
     calls = []
     real = staging._copy_runs_torch
     monkeypatch.setattr(staging, "_copy_runs_torch", lambda *a: (calls.append(a[1].device.type), real(*a))[1])
-    pres, dec = _loopback_read(mode, True, monkeypatch, torch=torch)
+    pres, dec = _loopback_read(mode, torch=torch)
     assert dec.transport.name == over
     for r in (*pres, dec):
         assert isinstance(r.staging, torch.Tensor) and r.staging.device == torch.device("cpu")
@@ -64,14 +63,12 @@ def test_loopback_direct_reads_post_spans(monkeypatch):
     real = prepped.PreparedGeometry.request
     monkeypatch.setattr(prepped.PreparedGeometry, "request",
                         lambda self, *a: (lambda r: (used.append(r.spans), r)[1])(real(self, *a)))
-    _loopback_read("direct", True, monkeypatch, model=load_model("tiny-mla"),
+    _loopback_read("direct", model=load_model("tiny-mla"),
                    pools=lambda lay, rng: BlockPool(lay, rng, shuffled=False))
     assert used and any(used)
 
 
-def _loopback_read(mode, prepped, monkeypatch, torch=None, model=None, pools=None):
-    from kvbridge.runtime import prepped_hook
-    monkeypatch.setattr(prepped_hook, "ENABLED", prepped)
+def _loopback_read(mode, torch=None, model=None, pools=None):
     reg = LoopbackRegistry()
     k = next(_n)
     kw = {} if model is None else {"model": model}
@@ -91,7 +88,8 @@ def _loopback_read(mode, prepped, monkeypatch, torch=None, model=None, pools=Non
                              transport=LoopbackTransport(f"dl{k}", reg))
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pl", {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)})
-            assert bool(dec._peers["pl"].prepped) == (prepped and mode == "direct") or mode == "staged"
+            peer = dec._peers["pl"]  # prepared lists for every prefill rank this rank reads from
+            assert peer.prepped and set(peer.prepped) == {p for p, t in peer.lowered.by_prefill.items() if t}
             js = jobs.make("pl", 6)
             for j in js:
                 e = min(hold(p, lock, j) for p, lock in ((pres[0], lock0), (pres[1], lock1)))

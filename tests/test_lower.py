@@ -468,3 +468,94 @@ def test_block_size_mismatch_consecutive_ids_give_maximal_runs(layout, bs_p, bs_
     db = {"full": gb(range(20, 20 + ntok // bs_d))}
     (x,) = lp.descriptors(ntok, pb, db)
     assert merge_adjacent(x.src, x.dst, x.nbytes)[0].size == x.count
+
+
+# ---- templates shared across remote engines (canonical coordinates) --------------------------------
+def _engine_owned(model, ptp, dtp, form, bs=16, nb=24):
+    """A prefill and a decode engine of one layout pair, each rank's cache in its own allocations
+    (engine-owned memory: numpy places them anywhere, in any order)."""
+    import kvbridge
+    from kvbridge.testing.engines import allocate
+    m = kvbridge.load_model(model)
+    P = EngineLayout(m, tp=ptp, block_size=bs, num_blocks=nb)
+    D = EngineLayout(m, tp=dtp, block_size=bs, num_blocks=nb)
+    caches = []  # keep the tensors alive
+    mems = []
+    for eng, seed in ((P, 1), (P, 2), (D, 3)):
+        per_rank = {}
+        for r in eng.ranks():
+            c = allocate(eng, r, form, seed)
+            caches.append(c)
+            per_rank[r] = kvbridge.describe_memory(eng, r, c.layers)
+        mems.append(per_rank)
+    return plan_transfer(P, D), mems, caches
+
+
+def _relocated(mem, shift):
+    """``mem`` with allocation ``i`` (in address order) moved by ``shift + i * 2 MiB``: another engine
+    of the same shape elsewhere in memory (nothing is read there)."""
+    from dataclasses import replace
+
+    from kvbridge.memory import Allocation, KVMemory
+    starts = [a.addr for a in mem.allocations]
+    delta = [shift + i * (2 << 20) for i in range(len(starts))]
+
+    def move(x):
+        return x + delta[max(i for i, s in enumerate(starts) if s <= x)]
+    regions = {g: replace(r, components=tuple(replace(v, layer_offsets=tuple(move(o) for o in v.layer_offsets))
+                                              for v in r.components)) for g, r in mem.regions.items()}
+    return KVMemory(mem.engine, mem.rank, regions,
+                    [Allocation(a.addr + d, a.nbytes, a.device) for a, d in zip(mem.allocations, delta)])
+
+
+@pytest.mark.parametrize("model, ptp, dtp, form", [
+    ("tiny-dense", 2, 1, "vllm-LBNHC"), ("tiny-dense", 1, 2, "flash_attn"), ("tiny-dense", 2, 2, "scattered"),
+    ("tiny-mla", 2, 1, "flash_attn"), ("jamba-1.5-mini", 2, 1, "separate")])
+def test_shared_templates_equal_templates_built_on_each_engines_memory(model, ptp, dtp, form):
+    """Every template an engine gets from the shared cache (built on another engine's memory in
+    canonical coordinates, moved to its own addresses) equals, array for array, the template built
+    directly on its own memory; full chunks and every partial chunk. The engine relocated from the
+    first one (same shape, other addresses) builds nothing."""
+    from kvbridge.lower import TEMPLATES, build_template
+    plan, (pa, pb, dm), _keep = _engine_owned(model, ptp, dtp, form)
+    moved_a = {r: _relocated(m, 1 << 44) for r, m in pa.items()}
+    TEMPLATES.clear()
+    for d_rank in plan.decode.ranks():
+        for p_mems in (pa, moved_a, pb):
+            misses = TEMPLATES.misses
+            lp = LoweredPlan(plan, d_rank, prefill_mems={p: p_mems[p] for p in plan.prefill_ranks_for(d_rank)},
+                             decode_mem=dm[d_rank])
+            for lows in lp.by_prefill.values():
+                for low in lows:
+                    for ntok in range(1, low.chunk + 1):
+                        got = lp.template(low, ntok)
+                        want = build_template(lp.p_mem(low.read.prefill), lp.d_mem, low.read, low.layers, ntok)
+                        for f in ("src_rel", "dst_rel", "nbytes", "src_bs", "dst_bs"):
+                            a, b = getattr(got, f), getattr(want, f)
+                            assert (a is None) == (b is None), f
+                            if a is not None:
+                                np.testing.assert_array_equal(a, b, err_msg=f"{f} ntok={ntok}")
+                        assert (got.run_major, got.mergeable, got.runs_two_chunks, got.uniform) == \
+                               (want.run_major, want.mergeable, want.runs_two_chunks, want.uniform)
+            if p_mems is moved_a:
+                assert TEMPLATES.misses == misses  # every template came from the first engine's
+
+
+def test_template_cache_is_bounded_least_recently_used_first():
+    from kvbridge.lower import ChunkTemplate, TemplateCache
+    cache = TemplateCache(max_bytes=3 * 3 * 80)  # three templates of 10 runs (3 arrays x 10 x 8 B)
+
+    def tpl():
+        z = np.zeros(10, np.int64)
+        return ChunkTemplate(z.copy(), z.copy(), z.copy(), False, False, 10)
+    for k in range(3):
+        cache.get(k, tpl)
+    cache.get(0, tpl)  # 0 used again: 1 is now the oldest
+    cache.get(3, tpl)
+    assert len(cache) == 3 and cache.bytes <= cache.max_bytes
+    built = []
+    cache.get(1, lambda: built.append(1) or tpl())  # 1 was evicted: rebuilt
+    cache.get(0, lambda: built.append(0) or tpl())  # 0 was kept
+    assert built == [1]
+    with pytest.raises(ValueError):  # shared arrays are read-only
+        cache.get(0, tpl).src_rel[0] = 1

@@ -67,7 +67,8 @@ PREFILL = COMMON + textwrap.dedent('''
     from kvbridge.runtime.prefill import PrefillRank
     from kvbridge.testing.procs import fill_rank
     from kvbridge.testing.engine import default_memory
-    p = PrefillRank(PL, (0, 0), "pn", memory=default_memory(PL, (0, 0)), host=CFG["p_addr"], port=CFG["port"], lease_s=120.0)
+    p = PrefillRank(PL, (0, 0), "pn", memory=default_memory(PL, (0, 0)), host=CFG["p_addr"], port=CFG["port"],
+                    lease_s=120.0)
     reqs = jobs()
     for r in reqs:
         fill_rank(p, r.req_id, r.num_tokens, r.prefill_blocks)

@@ -50,8 +50,15 @@ def test_cross_process_transfer_is_exact(name):
     assert res.ok
 
 
-STAGED = ["dense P2->D1", "gqa replicated on decode P1->D4", "swa+fa heads differ P4->D2", "mamba hybrid P2->D1", "pp on prefill P pp2 -> D",
-          "block sizes 16 -> 64", "mla P2->D1"]
+STAGED = [
+    "dense P2->D1",
+    "gqa replicated on decode P1->D4",
+    "swa+fa heads differ P4->D2",
+    "mamba hybrid P2->D1",
+    "pp on prefill P pp2 -> D",
+    "block sizes 16 -> 64",
+    "mla P2->D1",
+]
 
 
 @pytest.mark.parametrize("name", STAGED)

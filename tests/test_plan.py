@@ -265,7 +265,9 @@ def test_tiny_hybrid_bc_groups_replicated_on_prefill():
         assert plan.prefill_ranks_for((0, d)) == ((0, 2 * d), (0, 2 * d + 1))
         mamba = sorted((r.prefill[1], r.units) for r in rs if r.group == "mamba")
         assert [(p, u[0], u[3]) for p, u in mamba] == [
-            (2 * d, (4 * d, 4 * d + 2), (4 * d, 4 * d + 2)), (2 * d + 1, (4 * d + 2, 4 * d + 4), (4 * d + 2, 4 * d + 4))]
+            (2 * d, (4 * d, 4 * d + 2), (4 * d, 4 * d + 2)),
+            (2 * d + 1, (4 * d + 2, 4 * d + 4), (4 * d + 2, 4 * d + 4)),
+        ]
         bc = [(p, u[1], u[2]) for p, u in mamba if u[1] != (0, 0)]
         # group d's B and C come from one replica, together, exactly once
         assert len(bc) == 1 and bc[0][1] == bc[0][2] == (d, d + 1)

@@ -14,6 +14,7 @@ from kvbridge.memory import rank_memory
 from kvbridge.models import load_model
 from kvbridge.plan import plan_transfer
 from kvbridge.prepped import PreparedGeometry
+from kvbridge.transport.base import DirectRead
 from kvbridge.transport.nixl import nixl_available
 
 CASES = [  # model, p_tp, d_tp, layout, p_bs, d_bs, tokens
@@ -124,8 +125,8 @@ def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
             if prep is None:
                 continue
             ranges = prep.geometry.validate(tokens, pb, db)
-            posted.append(prep.geometry.request(ranges, pb, db))  # what read_prepped builds on its thread
-            xs.append((p, d_t.read_prepped(prep, ranges, pb, db, notif=b"done")))
+            posted.append(prep.geometry.request(ranges, pb, db))  # what post builds on its thread
+            xs.append((p, d_t.post(prep.peer, DirectRead(p, prep, ranges, pb, db, True), notif=b"done")))
         for _p, x in xs:
             deadline = time.monotonic() + 30
             while d_t.check(x) != "DONE":
@@ -188,9 +189,10 @@ def test_loopback_transport_prepped_and_plain_reads_are_byte_exact(case, shuffle
             copy_runs_reference(expect, d.dst - dbase, bufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
             if use_prepped:
                 prep = dec.prepare(agents[d.prefill], lp, d.prefill)
-                x = dec.read_prepped(prep, prep.geometry.validate(tokens, pb, db), pb, db, b"ok")
+                work = DirectRead(d.prefill, prep, prep.geometry.validate(tokens, pb, db), pb, db, True)
+                x = dec.post(prep.peer, work, b"ok")
             else:
-                x = dec.read_descs(agents[d.prefill], d, b"ok")
+                x = dec.read(agents[d.prefill], d.src, d.dst, d.nbytes, b"ok")
             assert dec.check(x) == "DONE"
             dec.release(x)
         assert np.array_equal(dbuf, expect)
@@ -355,7 +357,8 @@ def test_no_spans_where_a_side_is_not_block_contiguous(case, span_levels):
 
 def test_spans_only_where_they_save_enough_ids():
     """Default thresholds, DeepSeek-V3 MLA (61 per-layer runs): a 2,048-block contiguous request and 8
-    stretches of 256 blocks post spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each) and a 200-block
+    stretches of 256 blocks post spans of 64; stretches of 100 blocks (one span of 64 + 36 single blocks each)
+    and a 200-block
     request (61 x 200 ids < SPAN_MIN_IDS) post per-block ids (measured slower with spans)."""
     m = load_model("deepseek-v3")
     P = EngineLayout(m, tp=1, block_size=16, memory=MemoryLayout.parse("flash_attn_hnd"), num_blocks=4096)
@@ -419,7 +422,7 @@ def test_loopback_span_read_is_byte_exact(pattern, span_levels):
     for d in lp.descriptors(700, pb, db):
         copy_runs_reference(expect, d.dst - dbase, bufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
         prep = dec.prepare(agents[d.prefill], lp, d.prefill)
-        x = dec.read_prepped(prep, prep.geometry.validate(700, pb, db), pb, db, b"ok")
+        x = dec.post(prep.peer, DirectRead(d.prefill, prep, prep.geometry.validate(700, pb, db), pb, db, True), b"ok")
         dec.release(x)
         dec.unprepare(prep)
     assert np.array_equal(dbuf, expect) and expect.any()
@@ -431,3 +434,23 @@ def test_span_levels_setting():
     assert prepped._parse_levels("16, 256") == (256, 16)
     assert prepped._parse_levels("0") == () and prepped._parse_levels("") == ()
     assert prepped._parse_levels("x") == (64,)
+
+
+def test_partial_chunk_templates_are_built_on_first_use():
+    """Handshake (the lists) builds only the full-chunk templates; a request whose last chunk is partial
+    builds that one template, once, and its tail is the lowered descriptors' (byte-exact, above)."""
+    m, plan, nb = _setup("tiny-dense", 2, 1, "flash_attn", 16, 16)
+    drank = (0, 0)
+    lp = LoweredPlan(
+        plan, drank, {r: (1 << 40) * (i + 1) for i, r in enumerate(plan.prefill_ranks_for(drank))}, 1 << 44
+    )
+    prank = plan.prefill_ranks_for(drank)[0]
+    geo = PreparedGeometry(lp, prank)
+    lows = lp.by_prefill[prank]
+    assert [sorted(low.templates) for low in lows] == [[low.chunk] for low in lows]
+    rng = np.random.default_rng(0)
+    for tokens in (16 * 3 + 5, 16 * 4 + 5, 16 * 2 + 9):
+        pb, db = _blocks(m, tokens, 16, nb, True, rng, 0), _blocks(m, tokens, 16, nb, True, rng, 0)
+        req = geo.request(geo.validate(tokens, pb, db), pb, db)
+        _check_expands(geo, req, lp.descriptors(tokens, pb, db, only=[prank])[0])
+    assert [sorted(low.templates) for low in lows] == [[5, 9, 16] for _ in lows]

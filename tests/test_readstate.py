@@ -40,3 +40,90 @@ def test_shape_of_the_table():
         for e in path:
             m.fire(e)
         assert m.state is ReadState.DONE and m.terminal
+
+
+def test_a_reads_progress_is_what_its_heartbeats_carry():
+    """``RankRead.progress()`` (sent with every heartbeat of a pinned read): bytes of finished transfers
+    and bytes posted (or queued) and not finished; a cancelled transfer counts for neither."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvbridge.runtime.readmachine import RankRead, ReadContext
+    from kvbridge.runtime.readstate import Abort, Granted, Heartbeat, Post, PostSegment, Segment, Sent, Tick, XferDone
+    from kvbridge.runtime.slots import SlotAllocator
+
+    ctx = ReadContext(stage_timeout_s=5.0, transfer_timeout_s=20.0, register_grace_s=1.0,
+                      slots=SlotAllocator(1 << 20), staging_addr=1 << 30)
+    # staged: two segments of 100 and 200 B
+    lowered = SimpleNamespace(total_bytes=300, count=3, dst=np.array([1000, 2000, 3000]),
+                              nbytes=np.array([100, 100, 100]))
+    rr = RankRead((0, 0), ReadState.STAGE_REQUESTED, 0.0, ctx, lower=lambda: lowered, request="m", slot_key="k")
+    assert rr.progress() == (0, 0)
+    assert isinstance(rr.handle(Segment(300, 0, 100, 7000, False, 9.0), 0.1)[-1], PostSegment)
+    assert rr.progress() == (0, 100)
+    rr.handle(Segment(300, 100, 200, 7100, True, 9.0), 0.2)
+    assert rr.progress() == (0, 300)
+    rr.handle(XferDone(0), 0.3)
+    assert rr.progress() == (100, 200)
+    # a pinned read heartbeats a third of its ttl after asking: the loop sends progress() with it
+    assert any(isinstance(a, Heartbeat) for a in rr.handle(Tick(queued_locally=True), 3.1))
+    # direct: one transfer of the work's bytes, in flight until it completes; cancelled counts nothing
+    work = SimpleNamespace(count=3, total_bytes=4096)
+    d = RankRead((0, 0), ReadState.ACQUIRING, 0.0, ctx, work=work)
+    d.handle(Sent(), 0.0)
+    assert isinstance(d.handle(Granted(9.0), 0.1)[0], Post) and d.progress() == (0, 4096)
+    d.handle(Abort(), 0.2)
+    assert d.progress() == (0, 0)
+    d2 = RankRead((0, 0), ReadState.ACQUIRING, 0.0, ctx, work=work)
+    d2.handle(Sent(), 0.0)
+    d2.handle(Granted(9.0), 0.1)
+    d2.handle(XferDone(0), 0.5)
+    assert d2.progress() == (4096, 0)
+
+
+def test_a_transfer_in_flight_has_its_bytes_at_the_slowest_rate_beyond_transfer_timeout_s():
+    """NIXL reports no bytes until a transfer ends: a direct read of 4,096 B at 100 B/s accepted may take
+    ``transfer_timeout_s`` (20 s) + 40.96 s from its post before the decode calls it stuck."""
+    from types import SimpleNamespace
+
+    from kvbridge.errors import TransferTimeout
+    from kvbridge.runtime.readmachine import RankRead, ReadContext
+    from kvbridge.runtime.readstate import Fail, Granted, Sent, Tick
+    from kvbridge.runtime.slots import SlotAllocator
+
+    ctx = ReadContext(5.0, 20.0, 1.0, SlotAllocator(0), 0, min_read_rate=100.0)
+    rr = RankRead((0, 0), ReadState.ACQUIRING, 0.0, ctx, work=SimpleNamespace(count=1, total_bytes=4096))
+    rr.handle(Sent(), 0.0)
+    rr.handle(Granted(1000.0), 0.1)
+    assert not any(isinstance(a, Fail) for a in rr.handle(Tick(posted_latest=0.1), 60.0))
+    fails = [a for a in rr.handle(Tick(posted_latest=0.1), 61.2) if isinstance(a, Fail)]
+    assert fails and fails[0].kind is TransferTimeout and rr.state is ReadState.FAILED
+
+
+def test_one_wire_code_vocabulary_on_both_sides():
+    """The prefill answers protocol.Code members; the decode's machine compares the strings it decodes with
+    the same members (a member equals and hashes as its wire string); an unknown code is a RemoteError."""
+    from types import SimpleNamespace
+
+    from kvbridge.errors import LeaseExpired, RemoteError
+    from kvbridge.runtime.lease import LeaseTable
+    from kvbridge.runtime.protocol import REFUSALS, Code
+    from kvbridge.runtime.readmachine import RankRead, ReadContext
+    from kvbridge.runtime.readstate import Fail, Refused, Restarted, Sent
+    from kvbridge.runtime.slots import SlotAllocator
+
+    assert {str(c) for c in REFUSALS} <= {c.value for c in Code} and "done" in REFUSALS
+    assert Code.parse("lease_expired") is Code.LEASE_EXPIRED and Code.parse("nope") is None
+    got = LeaseTable().acquire("q", 1, ("dA", (0, 0)), "x", 1, 0.0)
+    assert got.code is Code.NOT_REGISTERED
+    ctx = ReadContext(5.0, 20.0, 0.0, SlotAllocator(0), 0)
+
+    def refused(code):
+        rr = RankRead((0, 0), ReadState.ACQUIRING, 0.0, ctx, work=SimpleNamespace(count=1, total_bytes=8))
+        rr.handle(Sent(), 0.0)
+        return rr.handle(Refused(code, "why"), 0.1)
+    assert isinstance(refused(str(Code.RESTARTED))[0], Restarted)
+    for code, kind in ((Code.LEASE_EXPIRED, LeaseExpired), (Code.DONE, LeaseExpired), ("nope", RemoteError)):
+        fails = [a for a in refused(str(code)) if isinstance(a, Fail)]
+        assert fails and fails[0].kind is kind, code

@@ -30,7 +30,15 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.errors import HandshakeError, IncompatibleLayoutsError, LayoutError, LeaseExpired, PeerDisconnected, RequestError, TransferTimeout
+from kvbridge.errors import (
+    HandshakeError,
+    IncompatibleLayoutsError,
+    LayoutError,
+    LeaseExpired,
+    PeerDisconnected,
+    RequestError,
+    TransferTimeout,
+)
 from kvbridge.layout import EngineLayout, ModelSpec
 from kvbridge.lower import GroupBlocks, LoweredPlan
 from kvbridge.models import preset
@@ -600,7 +608,10 @@ def test_prefill_answers_bad_version_and_keeps_serving(pair):
     ctx = zmq.Context.instance()
     endpoint = pair.P.endpoints()[(0, 0)]
     for frames, expect in [
-        (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=OTHER), [f"version {OTHER}", f"speaks {protocol.PROTOCOL_VERSION}"]),
+        (
+            protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 0)), version=OTHER),
+            [f"version {OTHER}", f"speaks {protocol.PROTOCOL_VERSION}"],
+        ),
         ([b"GET / HTTP/1.0\r\n\r\n"], ["protocol"]),
         (protocol.pack(protocol.Done("x", "dz", (0, 0), 1)), ["get_meta"]),
         (protocol.pack(protocol.GetMeta("dz", (0, 0), (0, 1))), ["(0, 0)", "(0, 1)"]),
@@ -741,15 +752,23 @@ def _mutate_layout_dims(meta):
     return msgspec.structs.replace(meta, layout=lay)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda m: msgspec.structs.replace(m, engine_id="other"), "is engine 'other', expected 'pm'"),
-    (lambda m: msgspec.structs.replace(m, rank=(1, 1)), r"is rank \(1, 1\)"),
-    (_mutate_layout_dims, "fingerprint"),
-    (lambda m: msgspec.structs.replace(m, memory={**m.memory, "allocations": [[a, 1, d] for a, _, d in m.memory["allocations"]]}),
-     "not inside one registered memory region"),
-    (lambda m: msgspec.structs.replace(m, metadata_sha256="0" * 64), "checksum"),
-    (lambda m: msgspec.structs.replace(m, layout={"model": {}}), "invalid layout"),
-], ids=["engine-id", "rank", "layout-vs-fingerprint", "buffer-size", "digest", "malformed-layout"])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: msgspec.structs.replace(m, engine_id="other"), "is engine 'other', expected 'pm'"),
+        (lambda m: msgspec.structs.replace(m, rank=(1, 1)), r"is rank \(1, 1\)"),
+        (_mutate_layout_dims, "fingerprint"),
+        (
+            lambda m: msgspec.structs.replace(
+                m, memory={**m.memory, "allocations": [[a, 1, d] for a, _, d in m.memory["allocations"]]}
+            ),
+            "not inside one registered memory region",
+        ),
+        (lambda m: msgspec.structs.replace(m, metadata_sha256="0" * 64), "checksum"),
+        (lambda m: msgspec.structs.replace(m, layout={"model": {}}), "invalid layout"),
+    ],
+    ids=["engine-id", "rank", "layout-vs-fingerprint", "buffer-size", "digest", "malformed-layout"],
+)
 def test_handshake_rejects_inconsistent_rank_metadata(pair, mutate, match):
     real = pair.P.endpoints()
     ctx = zmq.Context.instance()
@@ -963,6 +982,8 @@ def test_inprocess_ranks_release_everything():
             dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="di")
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
+            probe_handles = dec.transport.stats.handles_created  # the link probe's reads, at handshake
+            assert dec.prober.buffers > 0 and probe_handles > 0
             js = jobs.make("pi", 8)
             for j in js:
                 e = hold(pre, lock, j)
@@ -983,12 +1004,14 @@ def test_inprocess_ranks_release_everything():
         if dec is not None:
             dec.close()
         pre.close()
-    for rank in (pre, dec):  # the KV buffer, plus the staging buffer where there is one
+    for rank in (pre, dec):  # the KV buffer, the device and host staging buffers, the decode's probe buffers
         t, s = rank.transport, rank.transport.stats
-        assert s.regions_registered == s.regions_deregistered == 1 + bool(rank.staging.size), s
+        probe = rank.prober.buffers if rank is dec else 0
+        regions = 1 + bool(rank.staging.size) + bool(rank.host_staging.size) + probe
+        assert s.regions_registered == s.regions_deregistered == regions, (s, regions)
         assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed, s
         assert t.live_handles() == 0
-    assert dec.transport.stats.handles_created == 8
+    assert dec.transport.stats.handles_created == probe_handles + 8  # one READ per request
 
 
 # =================================================================================================
@@ -1032,13 +1055,17 @@ def parse_exposition(text: str) -> dict:
         labels = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m["labels"] or "")))
         assert len({k for k, _ in labels}) == len(labels), f"duplicate label name in {ln!r}"
         assert (name, labels) not in samples, f"duplicate series {ln!r}"
-        if order and order[-1] != name:
-            assert name not in order, f"samples of {name} are not contiguous"
-        if not order or order[-1] != name:
-            order.append(name)
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        fam = base if types.get(base) == "histogram" else name  # a histogram's series belong to its family
+        if order and order[-1] != fam:
+            assert fam not in order, f"samples of {fam} are not contiguous"
+        if not order or order[-1] != fam:
+            order.append(fam)
         v = m["value"]
         samples[(name, labels)] = float(v.replace("Inf", "inf"))
     for name in {n for n, _ in samples}:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        name = base if types.get(base) == "histogram" else name
         assert name in types and name in helps, f"{name} has no HELP/TYPE"
         if types[name] == "counter":
             assert all(v >= 0 for (n, _), v in samples.items() if n == name), f"negative counter {name}"
@@ -1071,6 +1098,16 @@ def test_metrics_are_consistent_and_export_as_prometheus(pair, tmp_path):
     assert delta["transfer_seconds_sum"] > 0 and delta["post_seconds_sum"] > 0
     assert 0 < d1["transfer_seconds_p50"] <= d1["transfer_seconds_p90"] <= d1["transfer_seconds_sum"]
     assert d1["handshakes"] == 1 and d1["failed_handshakes"] == 0
+    # every finished read's phases (direct reads here: no scatter), in one histogram per phase
+    dph = {k: d1["phase_seconds"][k]["count"] - d0.get("phase_seconds", {}).get(k, {}).get("count", 0)
+           for k in d1["phase_seconds"]}
+    for phase in ("queue", "grant", "post_queue", "post", "transfer", "report"):
+        assert dph[phase] == len(jobs), (phase, dph)
+    assert "scatter" not in dph or dph["scatter"] == 0
+    for r in p1:
+        ph = p1[r]["phase_seconds"]
+        assert ph["acquire"]["count"] >= 1 and ph["serve_turn"]["count"] >= 1
+        assert ph["pin_held"]["count"] - p0[r].get("phase_seconds", {}).get("pin_held", {}).get("count", 0) >= len(jobs)
     for r in p1:
         assert p1[r]["freed_requests"] - p0[r]["freed_requests"] == len(jobs)
         assert p1[r]["expired_requests"] - p0[r]["expired_requests"] == 1
@@ -1084,7 +1121,15 @@ def test_metrics_are_consistent_and_export_as_prometheus(pair, tmp_path):
             assert samples[(f"kvbridge_{k}_total", lab)] == m[k], k
         assert samples[("kvbridge_transfer_seconds_sum", lab)] == pytest.approx(m["transfer_seconds_sum"])
         names = {n for n, _ in samples}
-        assert all(re.sub(r"^kvbridge_|_total$", "", n) in m for n in names)  # nothing invented
+        assert all(re.sub(r"^kvbridge_|_total$|(?<=phase_seconds)_(bucket|sum|count)$", "", n) in m
+                   for n in names)  # nothing invented
+        # the phase histograms: cumulative buckets ending at the count, one series per phase
+        for phase, h in m["phase_seconds"].items():
+            plab = tuple(sorted(lab + (("phase", phase),)))
+            assert samples[("kvbridge_phase_seconds_count", plab)] == h["count"] > 0
+            inf = tuple(sorted(plab + (("le", "+Inf"),)))
+            assert samples[("kvbridge_phase_seconds_bucket", inf)] == h["count"]
+            assert samples[("kvbridge_phase_seconds_sum", plab)] == pytest.approx(h["sum"])
     assert parse_exposition(to_prometheus(Metrics().to_json()))  # no labels at all
 
     # optional CLI helper: JSON + Prometheus files for several ranks
@@ -1266,12 +1311,26 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
     js = jobs.make("ps", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps", staging_bytes=one + 4096, stage_wait_s=wait_s,
-                      staging_peer_share=1.0)
+    pre = PrefillRank(
+        pl,
+        (0, 0),
+        memory=default_memory(pl, (0, 0)),
+        engine_id="ps",
+        staging_bytes=one + 4096,
+        stage_wait_s=wait_s,
+        staging_peer_share=1.0,
+    )
     dec = None
     try:
         with served(pre) as lock:
-            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="ds", transfer_mode="staged", staging_bytes=4 * one)
+            dec = DecodeRank(
+                dl,
+                (0, 0),
+                memory=default_memory(dl, (0, 0)),
+                engine_id="ds",
+                transfer_mode="staged",
+                staging_bytes=4 * one,
+            )
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
             for j in js:
@@ -1434,8 +1493,15 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
     js = jobs.make("pa", 2, lengths=[64, 64], prefix_p=0.0)
     one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
                                                                   js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pa", staging_bytes=one + 256, stage_wait_s=30.0,
-                      staging_peer_share=1.0)
+    pre = PrefillRank(
+        pl,
+        (0, 0),
+        memory=default_memory(pl, (0, 0)),
+        engine_id="pa",
+        staging_bytes=one + 256,
+        stage_wait_s=30.0,
+        staging_peer_share=1.0,
+    )
     try:
         with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
             dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})

@@ -18,7 +18,7 @@ def test_from_mapping_converts_and_checks():
     assert (p.lease_s, p.port, p.pin_idle_s) == (5.0, 5600, 1.5)
     with pytest.raises(ConfigError, match=r"unknown DecodeConfig option\(s\) \['lease_s'\]"):
         DecodeConfig.from_mapping({"lease_s": 3})
-    with pytest.raises(ConfigError, match="transfer_mode must be auto, direct or staged"):
+    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host"):
         DecodeConfig.from_mapping({"transfer_mode": "fast"})
     with pytest.raises(ConfigError, match="stage_timeout_s must be float"):
         DecodeConfig.from_mapping({"stage_timeout_s": "soon"})
@@ -31,8 +31,40 @@ def test_from_mapping_converts_and_checks():
 
 
 @pytest.mark.parametrize("cfg, cls", [(DecodeConfig, DecodeRank), (PrefillConfig, PrefillRank)])
-def test_every_option_is_a_constructor_argument_with_the_same_default(cfg, cls):
+def test_rank_constructors_write_no_option_defaults(cfg, cls):
+    """Every option's default is written once, in its config class: a rank's constructor takes the config
+    and keyword options replacing its fields, and has no option parameters of its own."""
     params = inspect.signature(cls.__init__).parameters
-    for k, v in cfg().kwargs().items():
-        assert k in params, k
-        assert params[k].default == v, (k, params[k].default, v)
+    assert "config" in params and params["options"].kind is inspect.Parameter.VAR_KEYWORD
+    assert not {f for f in cfg().__dataclass_fields__} & set(params)
+
+
+def test_ranks_are_built_from_their_config():
+    from test_reliability import layout
+
+    from kvbridge.testing.engine import default_memory
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+
+    reg, lay = LoopbackRegistry(), layout("cfg", 1, 16)
+    p = PrefillRank(lay, (0, 0), "pc", memory=default_memory(lay, (0, 0)), transport=LoopbackTransport("pc", reg),
+                    config=PrefillConfig(lease_s=7.0, staging_bytes=0), pin_s="9")
+    d = DecodeRank(lay, (0, 0), "dc", memory=default_memory(lay, (0, 0)), transport=LoopbackTransport("dc", reg),
+                   config=DecodeConfig(transfer_mode="direct", handshake_timeout_s=2.0), rehandshake_timeout_s=0.5)
+    try:
+        assert (p.config.lease_s, p.config.pin_s, p.config.staging_bytes) == (7.0, 9.0, 0)
+        assert (p.lease_s, p.pin_s, p.staging_bytes) == (7.0, 9.0, 0)
+        assert d.config == DecodeConfig(transfer_mode="direct", handshake_timeout_s=2.0, rehandshake_timeout_s=0.5)
+        assert (d.transfer_mode, d.staging_bytes, d.connect_timeout_s, d.rehandshake_timeout_s) == (
+            "direct",
+            0,
+            9.0,
+            0.5,
+        )
+        with pytest.raises(ConfigError, match=r"unknown DecodeConfig option\(s\) \['lease_s'\]"):
+            DecodeRank(lay, (0, 0), "dx", memory=default_memory(lay, (0, 0)), transport=LoopbackTransport("dx", reg),
+                       lease_s=3)
+        with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged"):
+            d.set_transfer_mode("fast")
+    finally:
+        d.close()
+        p.close()

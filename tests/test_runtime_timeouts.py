@@ -8,7 +8,17 @@ import threading
 import time
 
 import pytest
-from test_reliability import Cluster, Jobs, blocks_for, expected_traffic, inproc_decode, layout, publish, until, wait_freed
+from test_reliability import (
+    Cluster,
+    Jobs,
+    blocks_for,
+    expected_traffic,
+    inproc_decode,
+    layout,
+    publish,
+    until,
+    wait_freed,
+)
 
 from kvbridge.errors import LeaseExpired
 from kvbridge.runtime.readstate import ReadState

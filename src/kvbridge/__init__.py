@@ -24,54 +24,67 @@ The embedding API (what an engine imports)::
     d.abort(req_id)                                                       # give up a read in flight
     d.release(read_request)                                               # give up one never started
 
-Names: :func:`load_model`, :class:`EngineLayout`, :func:`describe_memory` (+ :class:`LayerKV`,
-:class:`LayerState`, :class:`RawRegion`), :class:`KVMemory`, :class:`PrefillEndpoint`,
-:class:`DecodeEndpoint`, :class:`ReadRequest`, :class:`GroupBlocks`, :class:`MemoryLayout`,
-:class:`PrefillServer` (serves a prefill endpoint from a thread and the engine's loop),
-:func:`nixl_transport` (an endpoint's transport with chosen NIXL backends and threads), for engine
-integrations :func:`from_hf_config`, :class:`CacheGroup`, :class:`MambaSpec`, :func:`dtype_size`, and the
-typed errors (:class:`KVBridgeError` and subclasses). Runtime classes load on first use: ``import
-kvbridge`` pulls in neither ZMQ, NIXL, torch nor rich.
+Names (25):
+
+* Describing an engine: :func:`load_model` (a preset or a Hugging Face ``config.json`` -> :class:`ModelSpec`),
+  :class:`ModelSpec` (a model's KV-cache groups), :class:`EngineLayout` (a model, its parallelism, block
+  size and memory layout), :class:`MemoryLayout` (the axis order of a rank's cache regions).
+* Describing a rank's memory: :func:`describe_memory` (an engine's tensors -> :class:`KVMemory`),
+  :class:`LayerKV` (one layer's KV tensor and its axes), :class:`LayerState` (one Mamba layer's state
+  tensors), :class:`RawRegion` (memory given by address), :class:`KVMemory` (where every region lives).
+* Moving KV: :class:`PrefillEndpoint` and :class:`DecodeEndpoint` (one rank each side), their options
+  :class:`PrefillConfig` and :class:`DecodeConfig`, :class:`PrefillServer` (serves a prefill endpoint from
+  a thread and the engine's loop), :class:`ReadRequest` (one read), :class:`GroupBlocks` (a request's block
+  ids in one cache group).
+* Errors: :class:`KVBridgeError` (the base of every error kvbridge raises on purpose), :class:`LayoutError`,
+  :class:`IncompatibleLayoutsError`, :class:`ConfigError`, :class:`RequestError`, :class:`HandshakeError`,
+  :class:`TransferError`, :class:`TransportUnavailableError`, and :class:`ReadFailure`, the base of the
+  read failures ``DecodeEndpoint.poll`` reports (each kind in :mod:`kvbridge.failures`).
+
+Engine integrations find their helpers in :mod:`kvbridge.integrations` (``from_hf_config``, ``CacheGroup``,
+``MambaSpec``, ``dtype_size``, ``nixl_transport``); transfer modes in :mod:`kvbridge.modes`. Runtime
+classes load on first use: ``import kvbridge`` pulls in neither ZMQ, NIXL, torch nor rich.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .describe import LayerKV, LayerState, describe_memory
 from .errors import (
-    Aborted,
-    ConfigImportError,
+    ConfigError,
     HandshakeError,
     IncompatibleLayoutsError,
     KVBridgeError,
     LayoutError,
-    LeaseExpired,
-    PeerDisconnected,
-    PeerRestarted,
     ReadFailure,
-    RemoteError,
     RequestError,
     TransferError,
-    TransferFailed,
-    TransferTimeout,
     TransportUnavailableError,
 )
-from .layout import CacheGroup, EngineLayout, MambaSpec, MemoryLayout, ModelSpec, dtype_size
+from .layout import EngineLayout, MemoryLayout, ModelSpec
 from .lower import GroupBlocks
 from .memory import KVMemory
-from .models import from_hf_config, load_model
+from .models import load_model
 from .tensors import RawRegion
+
+if TYPE_CHECKING:
+    from .runtime.config import DecodeConfig, PrefillConfig
+    from .runtime.decode import DecodeRank as DecodeEndpoint
+    from .runtime.prefill import PrefillRank as PrefillEndpoint
+    from .runtime.request import ReadRequest
+    from .runtime.server import PrefillServer
 
 _LAZY = {
     "PrefillEndpoint": ("kvbridge.runtime.prefill", "PrefillRank"),
     "DecodeEndpoint": ("kvbridge.runtime.decode", "DecodeRank"),
-    "ReadRequest": ("kvbridge.runtime.decode", "ReadRequest"),
+    "ReadRequest": ("kvbridge.runtime.request", "ReadRequest"),
     "PrefillServer": ("kvbridge.runtime.server", "PrefillServer"),
-    "nixl_transport": ("kvbridge.runtime.server", "nixl_transport"),
     "PrefillConfig": ("kvbridge.runtime.config", "PrefillConfig"),
     "DecodeConfig": ("kvbridge.runtime.config", "DecodeConfig"),
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]
@@ -81,13 +94,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "ModelSpec", "EngineLayout", "MemoryLayout", "describe_memory", "LayerKV", "LayerState",
-           "RawRegion", "KVMemory", "PrefillEndpoint", "DecodeEndpoint", "ReadRequest", "GroupBlocks",
-           "PrefillConfig", "DecodeConfig",
-           "KVBridgeError", "LayoutError", "RequestError", "HandshakeError", "IncompatibleLayoutsError",
-           "TransferError", "TransportUnavailableError", "ConfigImportError",
-           # engine integrations (kvbridge.integrations.*): the config importer, group builders, the
-           # read-failure types DecodeEndpoint.poll reports, and the serving thread for a prefill endpoint
-           "from_hf_config", "CacheGroup", "MambaSpec", "dtype_size", "PrefillServer", "nixl_transport",
-           "ReadFailure", "LeaseExpired", "PeerDisconnected", "PeerRestarted", "TransferTimeout", "Aborted",
-           "RemoteError", "TransferFailed"]
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = ["load_model", "ModelSpec", "EngineLayout", "MemoryLayout",
+           "describe_memory", "LayerKV", "LayerState", "RawRegion", "KVMemory",
+           "PrefillEndpoint", "DecodeEndpoint", "PrefillConfig", "DecodeConfig", "PrefillServer", "ReadRequest",
+           "GroupBlocks",
+           "KVBridgeError", "LayoutError", "IncompatibleLayoutsError", "ConfigError", "RequestError", "HandshakeError",
+           "TransferError", "TransportUnavailableError", "ReadFailure"]

@@ -39,8 +39,12 @@ def _add_topology(p: argparse.ArgumentParser, default_model: str, ptp=4, dtp=2) 
                        help="decode context parallel size (vLLM --decode-context-parallel-size)")
         p.add_argument(f"--{side}-cp-interleave", type=int, default=None,
                        help="tokens per DCP rank turn (vLLM --cp-kv-cache-interleave-size; default --cp-interleave)")
-    p.add_argument("--cp-interleave", type=int, default=1,
-                   help="both sides' cp_kv_cache_interleave_size (vLLM's default 1; its NIXL connector uses the block size)")
+    p.add_argument(
+        "--cp-interleave",
+        type=int,
+        default=1,
+        help="both sides' cp_kv_cache_interleave_size (vLLM's default 1; its NIXL connector uses the block size)",
+    )
 
 
 def cmd_models(args) -> int:
@@ -66,6 +70,77 @@ def _fmt_layers(ls: tuple[int, ...]) -> str:
     return f"{len(ls)} in {ls[0]}..{ls[-1]}"
 
 
+def _parse_endpoints(text: str) -> dict:
+    """``"0,0=host:port;0,1=host:port"`` -> {(0, 0): "host:port", ...}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        rank, sep, ep = item.partition("=")
+        try:
+            key = tuple(int(x) for x in rank.split(","))
+        except ValueError:
+            key = ()
+        if not sep or len(key) != 2 or ":" not in ep:
+            raise KVBridgeError(f"--endpoints item {item!r}: expected PP,TP=HOST:PORT (items separated by ';')")
+        out[key] = ep
+    return out
+
+
+def probe_links(prefill: EngineLayout, decode: EngineLayout, endpoints: dict | None = None,
+                engine_id: str = "prefill-0", transfer_mode: str = "auto") -> dict:
+    """Measure every (decode rank, prefill rank) link of the plan: against live prefill ``endpoints`` (the
+    decode ranks run in this process), or, when None, a local pair of engines started here (one process
+    per rank). Returns {decode rank: DecodeRank.links() of the engine}."""
+    if endpoints is None:
+        from .testing.procs import EngineProcs
+        P = D = None
+        try:
+            P = EngineProcs.start("prefill", prefill, engine_id)
+            D = EngineProcs.start("decode", decode, "probe-decode", transfer_mode=transfer_mode)
+            D.call_all("handshake", engine_id, P.endpoints())
+            return {r: st["links"].get(engine_id, {}) for r, st in D.call_all("stats").items()}
+        finally:
+            for procs in (D, P):
+                if procs is not None:
+                    procs.stop()
+    from .runtime.decode import DecodeRank
+    from .testing.engine import default_memory
+    out = {}
+    for r in decode.ranks():
+        d = DecodeRank(decode, r, "probe-decode", memory=default_memory(decode, r), transfer_mode=transfer_mode)
+        try:
+            d.handshake(engine_id, endpoints)
+            out[r] = d.links().get(engine_id, {})
+        finally:
+            d.close()
+    return out
+
+
+def _print_links(links: dict, as_json: bool) -> None:
+    from .modes import TRANSFER_MODES
+    if as_json:
+        print(json.dumps({str(d): v for d, v in links.items()}, indent=1, default=str))
+        return
+    t = Table(title="links per (decode rank, prefill rank): the path chosen at handshake and each path's "
+                    "measured READ (GB/s, us per descriptor) and local copies (us per MB)")
+    for c in ("decode", "prefill", "chosen", "path", "GB/s", "us/desc", "copies us/MB", "source", "probe"):
+        t.add_column(c, justify="right" if c in ("GB/s", "us/desc", "copies us/MB") else "left")
+    warnings = []
+    for d, per in sorted(links.items()):
+        for p, link in sorted(per.items()):
+            order = [m for m in TRANSFER_MODES if m in link["paths"]]
+            for i, (path, f) in enumerate((m, link["paths"][m]) for m in order):
+                t.add_row(str(d) if i == 0 else "", p if i == 0 else "", link["chosen"] if i == 0 else "", path,
+                          f"{f['gbps']:.3g}", f"{f['us_per_desc']:.3g}", f"{f['copy_us_per_mb']:.3g}",
+                          "measured" if f["measured"] else "cost model",
+                          f"{link['probe_ms']:.1f} ms ({link['probe_wall_ms']:.0f} ms wall), "
+                          f"{link['probe_bytes'] / 2**20:.1f} MiB" if i == 0 else "")
+            if link.get("warning"):
+                warnings.append(link["warning"])
+    console.print(t)
+    for w in warnings:
+        console.print(f"[yellow]{w}[/yellow]")
+
+
 def cmd_plan(args) -> int:
     from .cost import choose_modes
     from .models import load_model
@@ -73,6 +148,10 @@ def cmd_plan(args) -> int:
     model = load_model(args.model)
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
     plan = plan_transfer(prefill, decode)
+    if args.probe or args.endpoints:
+        eps = _parse_endpoints(args.endpoints) if args.endpoints else None
+        _print_links(probe_links(prefill, decode, eps, args.prefill_engine_id, args.transfer_mode), args.json)
+        return 0
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=1))
         return 0
@@ -139,7 +218,17 @@ def cmd_verify(args) -> int:
         model = load_model(args.model)
         cases = [(_engine(args, "prefill", model, args.num_blocks), _engine(args, "decode", model, args.num_blocks))]
     t = Table(title="oracle verification (every decode byte checked)")
-    for c in ("model", "prefill", "decode", "requests", "bytes", "descriptors", "amplification", "mismatched", "result"):
+    for c in (
+        "model",
+        "prefill",
+        "decode",
+        "requests",
+        "bytes",
+        "descriptors",
+        "amplification",
+        "mismatched",
+        "result",
+    ):
         t.add_column(c)
     failed = rejected = 0
     tot_moved = tot_needed = tot_mismatch = tot_checked = 0
@@ -190,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology(p, "llama-3.1-70b", 8, 2)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--draw", metavar="FILE.svg", help="draw the plan as an SVG picture")
+    p.add_argument("--probe", action="store_true",
+                   help="start a local pair of engines (one process per rank) and measure every link: chosen path, "
+                        "GB/s and us per descriptor per path, and a warning per degraded link")
+    p.add_argument("--endpoints", metavar="PP,TP=HOST:PORT;...",
+                   help="probe a live prefill engine at these side-channel endpoints instead (decode ranks run here)")
+    p.add_argument("--prefill-engine-id", default="prefill-0", help="engine id of the prefill engine probed")
+    from .modes import TRANSFER_MODES
+    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="auto",
+                   help="the decode ranks' transfer_mode while probing (a forced path is shown as chosen)")
     p.set_defaults(fn=cmd_plan)
 
     v = sub.add_parser("verify", help="move bytes in-process with the reference transport, check each byte")

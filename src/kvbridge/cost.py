@@ -11,17 +11,32 @@ read it with a few large descriptors, and scatter on the decode side: two extra 
 Defaults are the figures measured on the reference CPU machine (shared/research/nixl_cpu.md):
 ~4.5 us per descriptor, ~10 GB/s for both memcpy and large NIXL reads. ``kvbridge bench --calibrate``
 measures them on the current machine.
+
+**Paths.** Each (decode rank, prefill rank) pair moves a request over one :class:`TransferPath`: a direct
+READ of the KV memory, a READ of device staging buffers (``staged``), or a READ of host staging buffers
+(``host``: the prefill packs on its device and copies to a registered host buffer, the decode reads host
+to host, copies to its device and scatters). Where a handshake measured the link (:mod:`kvbridge.runtime.probe`)
+the pair's :class:`LinkFigures` replace the machine-wide constants: per path, the per-descriptor cost and
+GB/s of the READ, the local copy rates, and a moving correction from completed transfers
+(:meth:`PathFigures.observe`). :func:`choose_path` picks the fastest path predicted to end within the pin
+bound (the prefill's ``pin_s``), or the fastest if none does.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from .modes import TransferPath
 from .plan import Rank, TransferPlan, share_fraction
 
-CALIBRATION_FILE = Path(os.environ.get("KVBRIDGE_CALIBRATION", Path.home() / ".cache" / "kvbridge" / "calibration.json"))
+CALIBRATION_FILE = Path(
+    os.environ.get("KVBRIDGE_CALIBRATION", Path.home() / ".cache" / "kvbridge" / "calibration.json")
+)
 
 
 GATHER_NS_PER_RUN = 50.0
@@ -61,7 +76,158 @@ class CostModel:
         return runs * self.per_desc_us + nbytes / (self.wire_gbps * 1e3)
 
     def staged_us(self, runs: float, nbytes: float) -> float:
-        return nbytes / (self.wire_gbps * 1e3) + 2 * nbytes / (self.copy_gbps * 1e3) + runs * self.gather_ns_per_run / 1e3
+        return (
+            nbytes / (self.wire_gbps * 1e3) + 2 * nbytes / (self.copy_gbps * 1e3) + runs * self.gather_ns_per_run / 1e3
+        )
+
+
+# fixed cost of one local copy (a pack, a scatter, a host bounce) where none was measured
+COPY_FIXED_US = 20.0
+# a moving estimate: each completed transfer moves a path's correction this far towards what it saw
+OBSERVE_WEIGHT = 0.2
+# only transfers predicted to take at least this long move the estimate (below it a request's fixed
+# costs, a side-channel round trip and the engines' polling, outweigh the link)
+OBSERVE_MIN_US = 2000.0
+# a correction never goes beyond these (one outlier cannot bury a path for good)
+FACTOR_BOUNDS = (0.05, 50.0)
+
+
+@dataclass(slots=True)
+class PathFigures:
+    """Measured constants of one path of one link: the READ's per-descriptor cost and bandwidth, the local
+    copies the path adds (µs per MB moved: pack + scatter, and host bounces), and ``factor``, a moving
+    ratio of observed to predicted times of completed transfers (1.0 until one completes)."""
+
+    per_desc_us: float
+    gbps: float
+    copy_us_per_mb: float = 0.0
+    measured: bool = False   # from a probe (else from the machine-wide cost model)
+    copy_fixed_us: float = 0.0  # fixed cost of the local copies per READ descriptor (staged: one per segment)
+    factor: float = 1.0
+    observed: int = 0        # completed transfers folded into ``factor``
+    last_gbps: float = 0.0   # the last completed transfer's effective GB/s (bytes / seconds)
+
+    def raw_us(self, descs: float, nbytes: float) -> float:
+        """Predicted µs of moving ``nbytes`` in ``descs`` READ descriptors, before the correction."""
+        return (descs * (self.per_desc_us + self.copy_fixed_us) + nbytes / (self.gbps * 1e3)
+                + nbytes / 1e6 * self.copy_us_per_mb)
+
+    def predict_us(self, descs: float, nbytes: float) -> float:
+        return self.raw_us(descs, nbytes) * self.factor
+
+    def observe(self, descs: float, nbytes: float, seconds: float) -> None:
+        """Fold one completed transfer (``seconds`` for ``nbytes`` in ``descs`` descriptors) into ``factor``
+        (transfers predicted under ``OBSERVE_MIN_US`` are not counted: their fixed costs dominate)."""
+        raw = self.raw_us(descs, nbytes)
+        if raw < OBSERVE_MIN_US or not seconds > 0 or not math.isfinite(seconds):
+            return
+        ratio = min(max(seconds * 1e6 / raw, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+        self.factor = ratio if self.observed == 0 else (1 - OBSERVE_WEIGHT) * self.factor + OBSERVE_WEIGHT * ratio
+        self.factor = min(max(self.factor, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+        self.observed += 1
+        self.last_gbps = nbytes / seconds / 1e9
+
+    @property
+    def effective_gbps(self) -> float:
+        """The READ's bandwidth after the correction (what the path delivers on large requests)."""
+        return self.gbps / self.factor
+
+    def to_json(self) -> dict[str, float | bool | int]:
+        return {"gbps": round(self.gbps, 4), "us_per_desc": round(self.per_desc_us, 3),
+                "copy_us_per_mb": round(self.copy_us_per_mb, 3), "copy_fixed_us": round(self.copy_fixed_us, 3),
+                "measured": self.measured,
+                "factor": round(self.factor, 4), "observed": self.observed,
+                "last_gbps": round(self.last_gbps, 4)}
+
+
+@dataclass(slots=True)
+class LinkFigures:
+    """What a decode rank knows of its link to one prefill rank: :class:`PathFigures` per available path,
+    the prefill's pin bound (seconds a pin holds at most; a read predicted to run longer is avoided),
+    and where the figures came from."""
+
+    paths: dict[TransferPath, PathFigures] = field(default_factory=dict)
+    pin_s: float = math.inf
+    min_read_rate: float = math.inf  # bytes per second: the pin also holds for the request's bytes at this rate
+    source: str = "cost model"
+    probe_ms: float = 0.0     # measuring time of the probe (warm-up READs, which connect, not counted)
+    probe_wall_ms: float = 0.0  # the probe's wall time, warm-ups and local copy timing included
+    probe_bytes: int = 0
+    gather_ns_per_run: float = GATHER_NS_PER_RUN
+    warning: str = ""         # the degraded-link warning, once it went out (once per link)
+    device: str = "cpu"       # where the pair's KV memory lives ("cuda:N" on either side: a GPU link)
+
+    def pin_bound_s(self, nbytes: float) -> float:
+        """How long the prefill's pin holds for a read of ``nbytes`` at most (``pin_s`` plus the bytes at the
+        slowest accepted rate; the lease's rule)."""
+        return self.pin_s + nbytes / self.min_read_rate
+
+    def predict_us(self, path: TransferPath, runs: float, nbytes: float, segments: float = 1.0) -> float:
+        f = self.paths[path]
+        if path is TransferPath.DIRECT:
+            return f.predict_us(runs, nbytes)
+        return f.predict_us(max(segments, 1.0), nbytes) + runs * self.gather_ns_per_run / 1e3
+
+    def predictions(self, runs: float, nbytes: float, segment_bytes: float = 64 << 20,
+                    allowed: Collection[TransferPath] | None = None) -> dict[TransferPath, float]:
+        segs = max(1.0, math.ceil(nbytes / max(segment_bytes, 1)))
+        return {p: self.predict_us(p, runs, nbytes, segs) for p in self.paths if allowed is None or p in allowed}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "device": self.device,
+            "pin_s": self.pin_s if math.isfinite(self.pin_s) else None,
+            "min_read_rate": self.min_read_rate if math.isfinite(self.min_read_rate) else None,
+            "probe_ms": round(self.probe_ms, 3),
+            "probe_wall_ms": round(self.probe_wall_ms, 3),
+            "probe_bytes": self.probe_bytes,
+            "paths": {p.value: f.to_json() for p, f in self.paths.items()},
+            "warning": self.warning,
+        }
+
+
+def model_link(model: "CostModel", paths: Collection[TransferPath] = (TransferPath.DIRECT, TransferPath.STAGED),
+               pin_s: float = math.inf, min_read_rate: float = math.inf) -> LinkFigures:
+    """A :class:`LinkFigures` from the machine-wide constants (no probe): every path reads at
+    ``wire_gbps`` with ``per_desc_us`` per descriptor; staged paths add two copies at ``copy_gbps`` (host
+    staging two more), each ``COPY_FIXED_US`` per segment."""
+    copy = 1e3 / model.copy_gbps  # µs per MB of one copy
+    copies = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.HOST: 4}
+    return LinkFigures({TransferPath(p): PathFigures(model.per_desc_us, model.wire_gbps, copies[TransferPath(p)] * copy,
+                                                     copy_fixed_us=copies[TransferPath(p)] * COPY_FIXED_US)
+                        for p in paths}, pin_s=pin_s, min_read_rate=min_read_rate,
+                       gather_ns_per_run=model.gather_ns_per_run)
+
+
+def choose_path(link: LinkFigures, runs: float, nbytes: float, allowed: Collection[TransferPath] | None = None,
+                segment_bytes: float = 64 << 20) -> tuple[TransferPath, dict[TransferPath, float]]:
+    """The fastest of the link's paths (``allowed``: a subset) for ``runs`` descriptors of ``nbytes``,
+    among those predicted to end within the pin bound (:meth:`LinkFigures.pin_bound_s`); the fastest
+    overall when none fits.
+    Returns (path, predicted µs per path)."""
+    pred = link.predictions(runs, nbytes, segment_bytes, allowed)
+    if not pred:
+        return TransferPath.DIRECT, pred
+    bound = link.pin_bound_s(nbytes)
+    fits = {p: t for p, t in pred.items() if t / 1e6 <= bound}
+    pool = fits or pred
+    return min(pool, key=lambda p: (pool[p], list(TransferPath).index(p))), pred
+
+
+def flip_points(link: LinkFigures, runs_per_byte: float, allowed: Collection[TransferPath] | None = None,
+                lo: int = 4 << 10,
+                hi: int = 64 << 30) -> list[tuple[int, TransferPath]]:
+    """Request sizes (bytes) where the chosen path changes, for requests of ``runs_per_byte`` descriptors
+    per byte: [(size from which, path)], the first entry at ``lo``."""
+    out: list[tuple[int, TransferPath]] = []
+    size = lo
+    while size <= hi:
+        p, _ = choose_path(link, size * runs_per_byte, size, allowed)
+        if not out or out[-1][1] is not p:
+            out.append((size, p))
+        size *= 2
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +304,24 @@ def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_blo
     return chunks, frac
 
 
-def request_modes(model: "CostModel", shapes: dict, chunks: float, frac: float, can_stage) -> dict:
-    """Auto mode, per request: direct or staged for each prefill rank in ``shapes`` (``can_stage(p)``:
-    the pair has a staging path)."""
-    return {p: (pick(model, shape.runs(chunks, frac), shape.nbytes(chunks)) if can_stage(p) else "direct")
-            for p, shape in shapes.items()}
+def request_modes(model: "CostModel", shapes: dict, chunks: float, frac: float, can_stage,
+                  links: dict | None = None, paths_of=None) -> dict:
+    """Auto mode, per request: the path of each prefill rank in ``shapes``. ``can_stage(p)``: the pair has
+    a staging path; ``links``: measured :class:`LinkFigures` per prefill rank (else ``model``'s constants);
+    ``paths_of(p)``: the paths the pair offers (default direct and device staging)."""
+    out = {}
+    for p, shape in shapes.items():
+        if not can_stage(p):
+            out[p] = TransferPath.DIRECT.value
+            continue
+        runs, nbytes = shape.runs(chunks, frac), shape.nbytes(chunks)
+        link = (links or {}).get(p)
+        if link is None:
+            out[p] = pick(model, runs, nbytes)
+            continue
+        allowed = paths_of(p) if paths_of is not None else None
+        out[p] = choose_path(link, runs, nbytes, allowed)[0].value
+    return out
 
 
 def pick(model: CostModel, runs: float, nbytes: float) -> str:
@@ -150,7 +329,7 @@ def pick(model: CostModel, runs: float, nbytes: float) -> str:
 
 
 def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True,
-                 decode_ranks=None) -> list[ModeChoice]:
+                 decode_ranks=None, links: dict | None = None) -> list[ModeChoice]:
     """Pick direct or staged for each (decode rank, prefill rank) pair of ``plan``, per block.
 
     ``shuffled``: assume block ids are not consecutive (the common case in a busy engine), so runs do
@@ -169,6 +348,14 @@ def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: b
             runs = shape.runs(chunks, 0.0 if shuffled else 1.0) - shape.state_runs
             nbytes = shape.nbytes(chunks) - shape.state_bytes
             if runs <= 0:
+                continue
+            link = (links or {}).get(p)
+            if link is not None:  # measured figures of this pair
+                path, pred = choose_path(link, runs, nbytes)
+                mode = path.value
+                why = (f"per block ({link.source}): " + ", ".join(
+                    f"{q.value} {t:.1f} us" for q, t in sorted(pred.items(), key=lambda qt: qt[1])))
+                out.append(ModeChoice(d, p, runs, int(nbytes / runs), mode, why))
                 continue
             direct, staged = model.direct_us(runs, nbytes), model.staged_us(runs, nbytes)
             mode = pick(model, runs, nbytes)

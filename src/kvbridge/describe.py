@@ -25,11 +25,11 @@ Common forms::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import LayoutError
-from .layout import CacheGroup, EngineLayout
+from .layout import CacheGroup, Component, EngineLayout
 from .memory import Allocation, ComponentView, GroupRegion, KVMemory
 from .tensors import TensorInfo, tensor_info
 
@@ -72,10 +72,15 @@ def _check(cond: bool, where: str, field: str, msg: str) -> None:
         raise LayoutError(f"{where}, field {field!r}: {msg}")
 
 
-def _attention_views(engine: EngineLayout, g: CacheGroup, tp_rank: int, layer: int, spec: LayerKV, keep: list):
+# one component of one layer: (address, block stride, token stride, unit stride, component, tensor)
+_View = tuple[int, int, int, int, Component, TensorInfo]
+
+
+def _attention_views(engine: EngineLayout, g: CacheGroup, tp_rank: int, layer: int, spec: LayerKV,
+                     keep: list[object]) -> list[_View]:
     comps = g.components
-    views = []
-    sources = []
+    views: list[_View] = []
+    sources: list[tuple[object, int, int | None]]
     if spec.k is not None or spec.v is not None:
         if g.kind == "mla":
             raise LayoutError(f"layer {layer} (group {g.name!r}, MLA): give the latent as one tensor, not k/v")
@@ -95,9 +100,14 @@ def _attention_views(engine: EngineLayout, g: CacheGroup, tp_rank: int, layer: i
         addr = info.addr
         elem_axis = "D"
         if "K" in d:
-            _check(g.kind != "mla" and sel is not None, where, "axes", "a K/V axis only for attention K and V in one tensor")
+            _check(
+                g.kind != "mla" and sel is not None,
+                where,
+                "axes",
+                "a K/V axis only for attention K and V in one tensor",
+            )
             _check(d["K"][0] == 2, where, "shape", f"the K/V axis has size {d['K'][0]}, expected 2")
-            addr += sel * d["K"][1]
+            addr += (sel or 0) * d["K"][1]
         if "C" in d:
             _check("D" not in d, where, "axes", "use C (packed content) or D, not both")
             n, st = d["C"]
@@ -134,14 +144,15 @@ def _attention_views(engine: EngineLayout, g: CacheGroup, tp_rank: int, layer: i
     return views
 
 
-def _state_views(engine: EngineLayout, g: CacheGroup, layer: int, spec: LayerState, keep: list):
+def _state_views(engine: EngineLayout, g: CacheGroup, layer: int, spec: LayerState,
+                 keep: list[object]) -> list[_View]:
     m = g.mamba
     assert m is not None
     tp = engine.tp
     comps = {c.name: c for c in g.components}
     heads = comps["conv_x"].units_per_rank(tp)
     groups = comps["conv_b"].units_per_rank(tp) if "conv_b" in comps else 0
-    views = []
+    views: list[_View] = []
     where = f"layer {layer} (Mamba group {g.name!r})"
     info = tensor_info(spec.conv)
     keep.append(spec.conv)
@@ -159,7 +170,11 @@ def _state_views(engine: EngineLayout, g: CacheGroup, layer: int, spec: LayerSta
     _check(d["B"][0] >= engine.num_blocks, w, "shape", f"{d['B'][0]} slots, num_blocks={engine.num_blocks}")
     cst = d["C"][1]
     off = 0
-    for name, units, per in (("conv_x", heads, m.head_dim), ("conv_b", groups, m.d_state), ("conv_c", groups, m.d_state)):
+    for name, units, per in (
+        ("conv_x", heads, m.head_dim),
+        ("conv_b", groups, m.d_state),
+        ("conv_c", groups, m.d_state),
+    ):
         if name in comps:
             views.append((info.addr + off * cst, d["B"][1], 0, per * cst, comps[name], info))
             off += units * per
@@ -169,7 +184,12 @@ def _state_views(engine: EngineLayout, g: CacheGroup, layer: int, spec: LayerSta
     d = _dims(info2, spec.ssm_axes, w)
     _check(set(d) == {"B", "H", "P", "S"}, w, "axes", f"ssm state axes must be B, H, P, S; got {spec.ssm_axes!r}")
     c = comps["ssm"]
-    _check(info2.itemsize == c.itemsize, w, "dtype", f"element size {info2.itemsize} B, the model's {m.ssm_dtype} is {c.itemsize} B")
+    _check(
+        info2.itemsize == c.itemsize,
+        w,
+        "dtype",
+        f"element size {info2.itemsize} B, the model's {m.ssm_dtype} is {c.itemsize} B",
+    )
     _check(d["H"][0] == c.units_per_rank(tp) and d["P"][0] == m.head_dim and d["S"][0] == m.d_state, w, "shape",
            f"shape {info2.shape} (axes {spec.ssm_axes}); expected heads={c.units_per_rank(tp)}, "
            f"head_dim={m.head_dim}, d_state={m.d_state}")
@@ -180,8 +200,8 @@ def _state_views(engine: EngineLayout, g: CacheGroup, layer: int, spec: LayerSta
     return views
 
 
-def describe_memory(engine: EngineLayout, rank, layers: Mapping[int, LayerKV | LayerState],
-                    extra_regions=()) -> KVMemory:
+def describe_memory(engine: EngineLayout, rank: Sequence[int], layers: Mapping[int, LayerKV | LayerState],
+                    extra_regions: Iterable[Allocation] = ()) -> KVMemory:
     """The :class:`KVMemory` of rank ``(pp_rank, tp_rank)`` of ``engine`` from the engine's tensors.
 
     ``layers`` maps every global layer index of this rank's PP stage to its :class:`LayerKV`
@@ -199,65 +219,79 @@ def describe_memory(engine: EngineLayout, rank, layers: Mapping[int, LayerKV | L
     >>> len(mem.allocations) == len(g.layers)
     True
     """
-    rank = tuple(rank)
+    rank = (rank[0], rank[1])
     pp_rank, tp_rank = rank[0], engine.tp_rank(rank[1])  # rank[1] = pcp_rank * tp + tp_rank
-    keep: list = []
+    keep: list[object] = []
     regions: dict[str, GroupRegion] = {}
-    allocs: dict[tuple, Allocation] = {}
+    allocs: dict[tuple[int, int, str], Allocation] = {}
     for a in extra_regions:
         allocs[(a.addr, a.nbytes, a.device)] = a
     for g in engine.model.groups:
         stage = engine.stage_layers(g, pp_rank)
         if not stage:
             continue
-        per_comp: list[list] = [[] for _ in g.components]
+        per_comp: list[list[_View]] = [[] for _ in g.components]
         for layer in stage:
             spec = layers.get(layer)
             if spec is None:
                 raise LayoutError(f"no memory given for layer {layer} (group {g.name!r}) on rank {rank}; give every "
                                   f"layer of this PP stage: {list(stage)}")
-            want = LayerState if not g.per_token else LayerKV
-            if not isinstance(spec, want):
+            if g.per_token and isinstance(spec, LayerKV):
+                vs = _attention_views(engine, g, tp_rank, layer, spec, keep)
+            elif not g.per_token and isinstance(spec, LayerState):
+                vs = _state_views(engine, g, layer, spec, keep)
+            else:
+                want = LayerKV if g.per_token else LayerState
                 raise LayoutError(f"layer {layer} (group {g.name!r}, {g.kind}): give a {want.__name__}, "
                                   f"not {type(spec).__name__}")
-            vs = _state_views(engine, g, layer, spec, keep) if not g.per_token else \
-                _attention_views(engine, g, tp_rank, layer, spec, keep)
             for ci, v in enumerate(vs):
                 per_comp[ci].append(v)
                 info = v[5]
                 allocs.setdefault((info.alloc_addr, info.alloc_nbytes, info.device),
                                   Allocation(info.alloc_addr, info.alloc_nbytes, info.device))
-        comps = []
-        bstride = tstride = None
-        for ci, c in enumerate(g.components):
-            rows = per_comp[ci]
-            _, bs, ts, us, _, _ = rows[0]
-            for li, (_, b2, t2, u2, _, _) in enumerate(rows):
-                for field, a, b in (("block stride", bs, b2), ("token stride", ts, t2), ("head stride", us, u2)):
-                    if a != b:
-                        raise LayoutError(f"layer {stage[li]} (group {g.name!r}) component {c.name!r}, field "
-                                          f"{field!r}: {b} B, but layer {stage[0]} has {a} B; every layer of a "
-                                          f"group must share its strides")
-            if g.per_token:
-                if bstride is not None and (bs, ts) != (bstride, tstride):
-                    raise LayoutError(f"group {g.name!r} component {c.name!r}: block/token strides ({bs}, {ts}) B "
-                                      f"differ from component {g.components[0].name!r}'s ({bstride}, {tstride}) B; "
-                                      f"K and V must share block and token strides")
-                bstride, tstride = bs, ts
-            comps.append(ComponentView(tuple(r[0] for r in rows), bs, ts, us, c.unit_bytes, c.itemsize, len(stage),
-                                       c.units_per_rank(engine.tp), c.unit_range(engine.tp, tp_rank)[0], stage))
-        if not g.per_token:
-            bstride, tstride = comps[0].block_stride, 0
-        regions[g.name] = GroupRegion(g, 0, 0, bstride, tstride, engine.block_size_of(g) if g.per_token else 1, tuple(comps))
-    # allocations: storage of every tensor; merge the ones nested in another (views of one buffer)
+        regions[g.name] = _group_region(engine, g, stage, tp_rank, per_comp)
+    return KVMemory(engine, rank, regions, _merged(allocs.values()), keepalive=keep)
+
+
+def _group_region(engine: EngineLayout, g: CacheGroup, stage: tuple[int, ...], tp_rank: int,
+                  per_comp: list[list[_View]]) -> GroupRegion:
+    """One group's region from its layers' views; every layer of a group must share its strides, and
+    K and V their block and token strides."""
+    comps: list[ComponentView] = []
+    bstride: int | None = None
+    tstride: int | None = None
+    for ci, c in enumerate(g.components):
+        rows = per_comp[ci]
+        _, bs, ts, us, _, _ = rows[0]
+        for li, (_, b2, t2, u2, _, _) in enumerate(rows):
+            for field, first, this in (("block stride", bs, b2), ("token stride", ts, t2), ("head stride", us, u2)):
+                if first != this:
+                    raise LayoutError(f"layer {stage[li]} (group {g.name!r}) component {c.name!r}, field "
+                                      f"{field!r}: {this} B, but layer {stage[0]} has {first} B; every layer of a "
+                                      f"group must share its strides")
+        if g.per_token:
+            if bstride is not None and (bs, ts) != (bstride, tstride):
+                raise LayoutError(f"group {g.name!r} component {c.name!r}: block/token strides ({bs}, {ts}) B "
+                                  f"differ from component {g.components[0].name!r}'s ({bstride}, {tstride}) B; "
+                                  f"K and V must share block and token strides")
+            bstride, tstride = bs, ts
+        comps.append(ComponentView(tuple(r[0] for r in rows), bs, ts, us, c.unit_bytes, c.itemsize, len(stage),
+                                   c.units_per_rank(engine.tp), c.unit_range(engine.tp, tp_rank)[0], stage))
+    if not g.per_token or bstride is None or tstride is None:
+        bstride, tstride = comps[0].block_stride, 0 if not g.per_token else comps[0].token_stride
+    return GroupRegion(g, 0, 0, bstride, tstride, engine.block_size_of(g) if g.per_token else 1, tuple(comps))
+
+
+def _merged(allocs: Iterable[Allocation]) -> list[Allocation]:
+    """The storage of every tensor, the allocations nested in another (views of one buffer) merged."""
     merged: list[Allocation] = []
-    for a in sorted(allocs.values(), key=lambda a: (a.device, a.addr, -a.nbytes)):
+    for a in sorted(allocs, key=lambda a: (a.device, a.addr, -a.nbytes)):
         if merged and merged[-1].device == a.device and a.addr < merged[-1].end:
             last = merged[-1]
             merged[-1] = Allocation(last.addr, max(last.end, a.end) - last.addr, last.device)
         else:
             merged.append(a)
-    return KVMemory(engine, rank, regions, merged, keepalive=keep)
+    return merged
 
 
 __all__ = ["LayerKV", "LayerState", "describe_memory"]

@@ -1,6 +1,9 @@
 """Typed errors. Every message states the observed values, the constraint, and what to change."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
 
 class KVBridgeError(Exception):
     """Base class of every error kvbridge raises on purpose."""
@@ -16,6 +19,10 @@ class IncompatibleLayoutsError(KVBridgeError, ValueError):
 
 class ConfigImportError(LayoutError):
     """A Hugging Face config.json could not be turned into a model description."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """An option (of a rank, a transfer mode, a connector's extra config) is unknown or has a bad value."""
 
 
 class RequestError(KVBridgeError, ValueError):
@@ -56,16 +63,17 @@ class ReadFailure(KVBridgeError, RuntimeError):
     is the message. Values are picklable (they cross process pipes).
     """
 
-    code = "failed"
+    code: ClassVar[str] = "failed"
 
-    def __init__(self, message: str, *, req_id: str = "", engine_id: str = "", prefill_rank=None):
+    def __init__(self, message: str, *, req_id: str = "", engine_id: str = "",
+                 prefill_rank: Sequence[int] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.req_id = req_id
         self.engine_id = engine_id
         self.prefill_rank = None if prefill_rank is None else tuple(prefill_rank)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_failure, (type(self), self.message, self.req_id, self.engine_id, self.prefill_rank))
 
     def __str__(self) -> str:
@@ -75,14 +83,15 @@ class ReadFailure(KVBridgeError, RuntimeError):
         return (f"{type(self).__name__}(req_id={self.req_id!r}, engine_id={self.engine_id!r}, "
                 f"prefill_rank={self.prefill_rank}, message={self.message!r})")
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return (type(self) is type(other) and (self.message, self.req_id, self.engine_id, self.prefill_rank)
                 == (other.message, other.req_id, other.engine_id, other.prefill_rank))
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # equal by value, mutable (an Exception): not hashable
 
 
-def _rebuild_failure(cls, message, req_id, engine_id, prefill_rank):
+def _rebuild_failure(cls: type[ReadFailure], message: str, req_id: str, engine_id: str,
+                     prefill_rank: Sequence[int] | None) -> ReadFailure:
     return cls(message, req_id=req_id, engine_id=engine_id, prefill_rank=prefill_rank)
 
 

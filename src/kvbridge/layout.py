@@ -35,8 +35,9 @@ Conventions (used by every other module):
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import LayoutError
 
@@ -63,7 +64,7 @@ class CyclicShare:
     rank: int
     size: int
 
-    def holds(self, t):
+    def holds(self, t: Any) -> Any:
         """Whether token(s) ``t`` (an int or an int64 array) are in the share."""
         return (t // self.interleave) % self.size == self.rank
 
@@ -83,7 +84,7 @@ class CyclicShare:
         return f"{self.rank}/{self.size}x{self.interleave}"
 
 
-def shares_intersect(shares) -> bool:
+def shares_intersect(shares: Iterable[CyclicShare]) -> bool:
     """Whether some token lies in every share (checked over one common period)."""
     shares = tuple(shares)
     if not shares:
@@ -100,6 +101,8 @@ def shares_intersect(shares) -> bool:
 
 
 def dtype_size(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (a name such as "bfloat16", "float8_e4m3fn"); a name not in
+    :data:`DTYPE_SIZES` raises :class:`~kvbridge.errors.LayoutError` listing the known ones."""
     try:
         return DTYPE_SIZES[dtype]
     except KeyError:
@@ -428,7 +431,8 @@ class EngineLayout:
         if pcp == 1 and tp % dcp:
             raise ContextParallelError(
                 f"{where}: decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (without PCP "
-                f"vLLM carves DCP groups out of the TP ranks); use dcp in {[d for d in range(1, tp + 1) if tp % d == 0]}")
+                f"vLLM carves DCP groups out of the TP ranks); "
+                f"use dcp in {[d for d in range(1, tp + 1) if tp % d == 0]}")
         if pcp > 1 and dcp not in (1, pcp, tp * pcp):
             raise ContextParallelError(
                 f"{where}: with prefill_context_parallel_size={pcp}, decode_context_parallel_size={dcp} must be "
@@ -509,14 +513,19 @@ class EngineLayout:
     def ranks(self) -> list[tuple[int, int]]:
         return [(p, t) for p in range(self.pp) for t in range(self.tp * self.pcp)]
 
+    @property
+    def stages(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` layers of each PP stage (``pp_layers``, filled in at construction)."""
+        return self.pp_layers or default_pp_layers(self.model.num_layers, self.pp)
+
     def stage_of_layer(self, layer: int) -> int:
-        for i, (s, e) in enumerate(self.pp_layers):  # type: ignore[union-attr]
+        for i, (s, e) in enumerate(self.stages):
             if s <= layer < e:
                 return i
         raise LayoutError(f"layer {layer} outside model")
 
     def stage_layers(self, group: CacheGroup, pp_rank: int) -> tuple[int, ...]:
-        s, e = self.pp_layers[pp_rank]  # type: ignore[index]
+        s, e = self.stages[pp_rank]
         return tuple(l for l in group.layers if s <= l < e)
 
     def __str__(self) -> str:
@@ -538,23 +547,43 @@ __all__ = [
 
 
 # ---- plain-data form (for the handshake) ---------------------------------------------------------
-def engine_to_dict(e: EngineLayout) -> dict:
-    def group(g: CacheGroup) -> dict:
-        d = {"name": g.name, "kind": g.kind, "layers": list(g.layers), "dtype": g.dtype, "num_heads": g.num_heads,
-             "head_dim": g.head_dim, "v_head_dim": g.v_head_dim, "sliding_window": g.sliding_window, "mamba": None}
+def engine_to_dict(e: EngineLayout) -> dict[str, Any]:
+    def group(g: CacheGroup) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": g.name,
+            "kind": g.kind,
+            "layers": list(g.layers),
+            "dtype": g.dtype,
+            "num_heads": g.num_heads,
+            "head_dim": g.head_dim,
+            "v_head_dim": g.v_head_dim,
+            "sliding_window": g.sliding_window,
+            "mamba": None,
+        }
         if g.mamba is not None:
             m = g.mamba
             d["mamba"] = {"num_heads": m.num_heads, "head_dim": m.head_dim, "d_state": m.d_state,
                           "conv_kernel": m.conv_kernel, "n_groups": m.n_groups, "ssm_dtype": m.ssm_dtype}
         return d
-    return {"model": {"name": e.model.name, "num_layers": e.model.num_layers, "groups": [group(g) for g in e.model.groups]},
-            "tp": e.tp, "pp": e.pp, "block_size": e.block_size, "memory": e.memory.order,
-            "pp_layers": [list(x) for x in e.pp_layers], "mamba_blocks_per_request": e.mamba_blocks_per_request,
-            "num_blocks": e.num_blocks, "role": e.role, "group_block_sizes": [list(x) for x in e.group_block_sizes],
-            "pcp": e.pcp, "dcp": e.dcp, "cp_interleave": e.cp_interleave}
+
+    return {
+        "model": {"name": e.model.name, "num_layers": e.model.num_layers, "groups": [group(g) for g in e.model.groups]},
+        "tp": e.tp,
+        "pp": e.pp,
+        "block_size": e.block_size,
+        "memory": e.memory.order,
+        "pp_layers": [list(x) for x in e.stages],
+        "mamba_blocks_per_request": e.mamba_blocks_per_request,
+        "num_blocks": e.num_blocks,
+        "role": e.role,
+        "group_block_sizes": [list(x) for x in e.group_block_sizes],
+        "pcp": e.pcp,
+        "dcp": e.dcp,
+        "cp_interleave": e.cp_interleave,
+    }
 
 
-def engine_from_dict(d: dict) -> EngineLayout:
+def engine_from_dict(d: dict[str, Any]) -> EngineLayout:
     """Inverse of :func:`engine_to_dict`; raises LayoutError on malformed input."""
     try:
         m = d["model"]

@@ -19,14 +19,21 @@ the block size); per request the chunk starts are masked by the read's token sha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn, Union
 
 import numpy as np
 
 from .errors import RequestError
-from .layout import CyclicShare, EngineLayout, ceil_div
+from .layout import CacheGroup, CyclicShare, EngineLayout, ceil_div
 from .memory import rank_memory
 from .plan import Rank, Read, TransferPlan
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src, dst, nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +55,7 @@ class GroupBlocks:
             object.__setattr__(self, "block_ids", np.asarray(self.block_ids, dtype=np.int64))
 
     @staticmethod
-    def of(ids, first_block: int = 0) -> "GroupBlocks":
+    def of(ids: Any, first_block: int = 0) -> GroupBlocks:
         return GroupBlocks(np.asarray(ids, dtype=np.int64), first_block)
 
     # ---- token arithmetic (the one place that maps tokens to blocks) ---------------------------------
@@ -57,12 +64,12 @@ class GroupBlocks:
         return (self.first_block * block_size,
                 min((self.first_block + self.block_ids.size) * block_size, num_tokens))
 
-    def locate(self, tokens, block_size: int):
+    def locate(self, tokens: Any, block_size: int) -> tuple[Any, Any]:
         """(block id, offset in the block) of token position(s) ``tokens`` (an int or an int64 array)."""
         return self.block_ids[tokens // block_size - self.first_block], tokens % block_size
 
 
-def locate(blocks: GroupBlocks, tokens, block_size: int, cp: tuple[int, int] | None = None):
+def locate(blocks: GroupBlocks, tokens: Any, block_size: int, cp: tuple[int, int] | None = None) -> tuple[Any, Any]:
     """(block id, offset in the block) of token position(s) ``tokens`` on one rank. ``cp = (interleave,
     dcp)`` for a token-sharded group: the block list has one entry per ``block_size * dcp`` tokens and
     the rank stores its share at local offset ``(o // (dcp * interleave)) * interleave + o % interleave``
@@ -76,7 +83,7 @@ def locate(blocks: GroupBlocks, tokens, block_size: int, cp: tuple[int, int] | N
     return blocks.block_ids[vb - blocks.first_block], (o // (n * il)) * il + o % il
 
 
-def chunk_starts(low: "_ReadLowering", t0: int, t1: int):
+def chunk_starts(low: _ReadLowering, t0: int, t1: int) -> tuple[np.ndarray, int | None]:
     """First tokens of the full chunks of ``[t0, t1)`` this read moves (int64 array), and the start of
     the partial last chunk (None if there is none or the read does not move it)."""
     g = low.chunk
@@ -96,18 +103,18 @@ class _Outer:
 
     __slots__ = ("s_chunk", "d_chunk", "src_rel", "dst_rel", "nbytes", "run_major", "uniform")
 
-    def __init__(self, s_chunk, d_chunk, tpl: "ChunkTemplate"):
+    def __init__(self, s_chunk: np.ndarray, d_chunk: np.ndarray, tpl: ChunkTemplate) -> None:
         self.s_chunk, self.d_chunk = s_chunk, d_chunk
         self.src_rel, self.dst_rel, self.nbytes = tpl.src_rel, tpl.dst_rel, tpl.nbytes
         self.run_major, self.uniform = tpl.run_major, tpl.uniform
 
     @property
     def count(self) -> int:
-        return self.s_chunk.size * self.src_rel.size
+        return int(self.s_chunk.size * self.src_rel.size)
 
     @property
     def total_bytes(self) -> int:
-        return self.s_chunk.size * int(self.nbytes.sum())
+        return int(self.s_chunk.size) * int(self.nbytes.sum())
 
     def _grid(self, out: np.ndarray) -> np.ndarray:
         c, r = self.s_chunk.size, self.src_rel.size
@@ -119,7 +126,7 @@ class _Outer:
         else:
             np.add(chunk[:, None], rel[None, :], out=self._grid(out))
 
-    def write(self, src_out, dst_out, n_out) -> None:
+    def write(self, src_out: np.ndarray | None, dst_out: np.ndarray | None, n_out: np.ndarray | None) -> None:
         """Expand into (possibly strided) 1-D outputs of length ``count``; None skips an output."""
         if src_out is not None:
             self._outer(self.s_chunk, self.src_rel, src_out)
@@ -132,7 +139,11 @@ class _Outer:
                 self._grid(n_out)[:] = self.nbytes[:, None] if self.run_major else self.nbytes[None, :]
 
 
-def _merge_chunks(outer: _Outer, mergeable: bool):
+# one part of a Descriptors: runs in factored form, or (src, dst, nbytes) arrays
+_Part = Union[_Outer, Arrays]
+
+
+def _merge_chunks(outer: _Outer, mergeable: bool) -> _Part:
     """Merge runs across chunks, deciding at chunk level (O(chunks + runs)) where possible.
 
     Returns ``outer`` itself (factored) when no two consecutive descriptors can merge; for uniform
@@ -160,10 +171,11 @@ def _merge_chunks(outer: _Outer, mergeable: bool):
             return outer  # runs inside a chunk were merged in the template; nothing joins across chunks
     out = np.empty((3, outer.count), dtype=np.int64)
     outer.write(out[0], out[1], out[2])
-    return merge_adjacent(out[0], out[1], out[2])
+    s, d, n = merge_adjacent(out[0], out[1], out[2])
+    return s, d, n
 
 
-def _part_count(part) -> int:
+def _part_count(part: _Part) -> int:
     """Descriptors in one part: an :class:`_Outer` or a ``(src, dst, nbytes)`` tuple of arrays."""
     return part.count if isinstance(part, _Outer) else int(part[2].size)
 
@@ -180,12 +192,13 @@ class Descriptors:
 
     __slots__ = ("prefill", "_parts", "_arrays", "count", "total_bytes")
 
-    def __init__(self, prefill: Rank, src=None, dst=None, nbytes=None, parts=None):
+    def __init__(self, prefill: Rank | None, src: Any = None, dst: Any = None, nbytes: Any = None,
+                 parts: Iterable[_Part] | None = None) -> None:
         self.prefill = prefill
         if parts is None:
             parts = [(np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(nbytes, np.int64))]
         self._parts = [p for p in parts if _part_count(p)]
-        self._arrays = None
+        self._arrays: Arrays | None = None
         self.count = sum(_part_count(p) for p in self._parts)
         self.total_bytes = sum(p.total_bytes if isinstance(p, _Outer) else int(p[2].sum()) for p in self._parts)
 
@@ -193,12 +206,13 @@ class Descriptors:
     def factored(self) -> bool:
         return any(isinstance(p, _Outer) for p in self._parts)
 
-    def _fill(self, src_out, dst_out, n_out) -> None:
+    def _fill(self, src_out: np.ndarray | None, dst_out: np.ndarray | None, n_out: np.ndarray | None) -> None:
         i = 0
         for p in self._parts:
             k = _part_count(p)
             sl = slice(i, i + k)
-            pick = lambda o, sl=sl: None if o is None else o[sl]  # noqa: E731
+            def pick(o: np.ndarray | None, sl: slice = sl) -> np.ndarray | None:
+                return None if o is None else o[sl]
             if isinstance(p, _Outer):
                 p.write(pick(src_out), pick(dst_out), pick(n_out))
             else:
@@ -207,7 +221,7 @@ class Descriptors:
                         o[sl] = v
             i += k
 
-    def _materialise(self):
+    def _materialise(self) -> Arrays:
         if self._arrays is None:
             if len(self._parts) == 1 and not isinstance(self._parts[0], _Outer):
                 self._arrays = self._parts[0]
@@ -248,7 +262,7 @@ class Descriptors:
         return f"Descriptors(prefill={self.prefill}, count={self.count}, total_bytes={self.total_bytes})"
 
 
-def run_starts(src: np.ndarray, dst: np.ndarray, nbytes, key: np.ndarray | None = None) -> np.ndarray:
+def run_starts(src: np.ndarray, dst: np.ndarray, nbytes: Any, key: np.ndarray | None = None) -> np.ndarray:
     """Indices of the descriptors that start a merged run: descriptor ``i`` continues ``i-1`` when it is
     contiguous with it on both sides (and, with ``key``, has the same key). ``nbytes``: an array, or
     one length for every descriptor. The one merge rule: :func:`merge_adjacent` and the chunk-level
@@ -266,9 +280,11 @@ def run_starts(src: np.ndarray, dst: np.ndarray, nbytes, key: np.ndarray | None 
     return np.flatnonzero(brk)
 
 
-def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, key: np.ndarray | None = None):
-    """Merge consecutive descriptors contiguous on both sides (vectorised). With ``key``, only
-    descriptors with equal keys merge (the same registered regions and strides on both sides)."""
+def merge_adjacent(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                   key: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Merge consecutive descriptors contiguous on both sides (vectorised): ``(src, dst, nbytes)``, and the
+    merged ``key`` fourth when given. With ``key``, only descriptors with equal keys merge (the same
+    registered regions and strides on both sides)."""
     if src.size <= 1:
         return (src, dst, nbytes) if key is None else (src, dst, nbytes, key)
     starts = run_starts(src, dst, nbytes, key)
@@ -291,7 +307,7 @@ class ChunkTemplate:
     dst_bs: np.ndarray | None = None
 
 
-def _alloc_ids(mem, addrs: np.ndarray) -> np.ndarray:
+def _alloc_ids(mem: Any, addrs: np.ndarray) -> np.ndarray:
     """Which registered allocation each address is in (0 for kvbridge's single-buffer layout)."""
     allocs = getattr(mem, "allocations", None)
     if not allocs or len(allocs) == 1:
@@ -300,7 +316,26 @@ def _alloc_ids(mem, addrs: np.ndarray) -> np.ndarray:
     return np.searchsorted(starts, addrs, side="right") - 1
 
 
-def _atoms(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int):
+def _equal_key(cols: Sequence[np.ndarray]) -> np.ndarray:
+    """One int64 per row, equal exactly where every column is equal (a constant column adds nothing)."""
+    key = np.zeros(cols[0].size, dtype=np.int64)
+    radix = 1
+    for c in cols:
+        if not c.size or c.item(c.argmin()) == c.item(c.argmax()):
+            continue
+        u, inv = np.unique(c, return_inverse=True)
+        key += inv.ravel().astype(np.int64) * radix
+        radix *= u.size
+    return key
+
+
+def _layer_index(have: tuple[int, ...], want: tuple[int, ...]) -> list[int]:
+    """Positions of layers ``want`` in ``have``."""
+    pos = {layer: i for i, layer in enumerate(have)}
+    return [pos[layer] for layer in want]
+
+
+def _atoms(p_mem: Any, d_mem: Any, read: Read, layers: tuple[int, ...], ntok: int) -> tuple[np.ndarray, ...]:
     """Every (layer, token, unit) atom of one chunk of ``read``: src, dst, length, and per atom the
     block (slot) stride of its component on each side."""
     gname = read.group
@@ -310,12 +345,20 @@ def _atoms(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int):
         if u1 <= u0:
             continue
         pv, dv = pr.components[ci], dr.components[ci]
-        po = np.array(pv.layer_offsets, dtype=np.int64)[[pv.layers.index(l) for l in layers]]
-        do = np.array(dv.layer_offsets, dtype=np.int64)[[dv.layers.index(l) for l in layers]]
+        po = np.array(pv.layer_offsets, dtype=np.int64)[_layer_index(pv.layers, layers)]
+        do = np.array(dv.layer_offsets, dtype=np.int64)[_layer_index(dv.layers, layers)]
         tok = np.arange(ntok, dtype=np.int64)
         units = np.arange(u0, u1, dtype=np.int64)
-        s = po[:, None, None] + tok[None, :, None] * pv.token_stride + (units - pv.unit0)[None, None, :] * pv.unit_stride
-        d = do[:, None, None] + tok[None, :, None] * dv.token_stride + (units - dv.unit0)[None, None, :] * dv.unit_stride
+        s = (
+            po[:, None, None]
+            + tok[None, :, None] * pv.token_stride
+            + (units - pv.unit0)[None, None, :] * pv.unit_stride
+        )
+        d = (
+            do[:, None, None]
+            + tok[None, :, None] * dv.token_stride
+            + (units - dv.unit0)[None, None, :] * dv.unit_stride
+        )
         src.append(s.ravel())
         dst.append(d.ravel())
         lens.append(np.full(s.size, pv.unit_bytes, dtype=np.int64))
@@ -324,19 +367,21 @@ def _atoms(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int):
     return tuple(np.concatenate(x) for x in (src, dst, lens, sbs, dbs))
 
 
-def build_template(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int) -> ChunkTemplate:
+def build_template(p_mem: Any, d_mem: Any, read: Read, layers: tuple[int, ...], ntok: int) -> ChunkTemplate:
     src, dst, lens, sbs, dbs = _atoms(p_mem, d_mem, read, layers, ntok)
     # runs merge only within one registered allocation on each side and with equal slot strides
-    parts = np.stack([_alloc_ids(p_mem, src), _alloc_ids(d_mem, dst), sbs, dbs], axis=1)
-    uniq, key = np.unique(parts, axis=0, return_inverse=True)
-    key = key.ravel().astype(np.int64)
     order = np.lexsort((src, dst))
-    src, dst, lens, key = merge_adjacent(src[order], dst[order], lens[order], key[order])
+    src, dst, lens, sbs, dbs = src[order], dst[order], lens[order], sbs[order], dbs[order]
+    key = _equal_key((_alloc_ids(p_mem, src), _alloc_ids(d_mem, dst), sbs, dbs))
+    starts = run_starts(src, dst, lens, key)
+    if starts.size < src.size:
+        src, dst, lens, sbs, dbs = src[starts], dst[starts], np.add.reduceat(lens, starts), sbs[starts], dbs[starts]
+        key = key[starts]
     pr, dr = p_mem.region(read.group), d_mem.region(read.group)
     if not pr.group.per_token:
         # a state slot: one chunk per request; each run keeps its component's slot stride
         return ChunkTemplate(src, dst, lens, False, False, src.size, bool(lens.size and np.all(lens == lens[0])),
-                             uniq[key, 2], uniq[key, 3])
+                             sbs, dbs)
     # Would two chunks with consecutive blocks merge? Try both emission orders on a 2-chunk sample.
     step_s = pr.block_stride if ntok >= pr.tokens_per_block else ntok * pr.token_stride
     step_d = dr.block_stride if ntok >= dr.tokens_per_block else ntok * dr.token_stride
@@ -355,13 +400,139 @@ def build_template(p_mem, d_mem, read: Read, layers: tuple[int, ...], ntok: int)
     return ChunkTemplate(src, dst, lens, run_major, mergeable, min(merged_run, merged_chunk), uniform)
 
 
+# ---- templates shared across remote engines ------------------------------------------------------
+_CANON_BASE = 1 << 30  # canonical address of the first allocation; each next one after a gap of this many bytes
+
+
+@dataclass(frozen=True, eq=False)
+class Canonical:
+    """One rank's memory with every registered allocation moved to a fixed place (allocation ``i`` at
+    ``starts[i]``, whatever its real address): two ranks whose memories differ only in where their
+    allocations lie (every prefill engine serving one layout) have the same ``key`` and the same templates
+    in these coordinates. ``delta[i]`` moves allocation ``i``'s canonical addresses to its real ones
+    (None: kvbridge's own layout, whose offsets are already relative to the rank's buffer).
+
+    Example: allocations at 0x7f00_0000_0000 (2 MiB) and 0x7e00_0000_0000 (4 MiB) sit at canonical
+    ``2**30`` (the lower one) and ``2**30 + 4 MiB + 2**30``; a template run at canonical ``2**30 + 64``
+    is at real ``0x7e00_0000_0040``."""
+
+    key: tuple[Any, ...]
+    mem: Any                    # what build_template reads: region(group) and allocations
+    starts: np.ndarray          # canonical start of each allocation (sorted)
+    delta: np.ndarray | None    # real - canonical start, per allocation
+
+    def real(self, addrs: np.ndarray) -> np.ndarray:
+        """Real addresses of canonical ones (each inside one allocation)."""
+        if self.delta is None:
+            return addrs
+        out: np.ndarray = addrs + self.delta[np.searchsorted(self.starts, addrs, side="right") - 1]
+        return out
+
+
+@dataclass(frozen=True)
+class _CanonicalMemory:
+    regions: dict[str, Any]
+    allocations: tuple[Any, ...]
+
+    def region(self, group: str) -> Any:
+        return self.regions[group]
+
+
+def canonical(mem: Any) -> Canonical:
+    """``mem`` in canonical coordinates (see :class:`Canonical`)."""
+    allocs = getattr(mem, "allocations", None)
+    if allocs is None:  # kvbridge's own layout: a function of the engine layout and the rank
+        return Canonical(("buffer", mem.engine, mem.pp_rank, mem.tp_rank), mem, np.zeros(1, np.int64), None)
+    from bisect import bisect_right
+
+    from .memory import Allocation
+    real = [a.addr for a in allocs]
+    starts, c = [], _CANON_BASE
+    for a in allocs:
+        starts.append(c)
+        c += -(-a.nbytes // _CANON_BASE) * _CANON_BASE + _CANON_BASE
+    delta = [r - s for r, s in zip(real, starts)]
+
+    def move(addr: int) -> int:
+        return int(addr - delta[bisect_right(real, addr) - 1])
+
+    regions = {g: replace(r, components=tuple(replace(v, layer_offsets=tuple(move(o) for o in v.layer_offsets))
+                                              for v in r.components))
+               for g, r in mem.regions.items()}
+    sizes = tuple((a.nbytes, a.device) for a in allocs)
+    cmem = _CanonicalMemory(regions, tuple(Allocation(s, a.nbytes, a.device) for s, a in zip(starts, allocs)))
+    key = ("memory", mem.engine, sizes, tuple(sorted(regions.items())))
+    return Canonical(key, cmem, np.array(starts, np.int64), np.array(delta, np.int64))
+
+
+def moved(t: ChunkTemplate, p: Canonical, d: Canonical) -> ChunkTemplate:
+    """Template ``t`` (canonical coordinates) at the real addresses of the two memories."""
+    if p.delta is None and d.delta is None:
+        return t
+    return replace(t, src_rel=p.real(t.src_rel), dst_rel=d.real(t.dst_rel))
+
+
+class TemplateCache:
+    """Chunk templates by (prefill memory shape, decode memory shape, read, layers, tokens), shared by every
+    remote engine of one layout pair; least recently used first out past ``max_bytes`` of arrays.
+    Thread safe (handshake threads and post threads build templates)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[Any, ...], tuple[ChunkTemplate, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = self.hits = self.misses = 0
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], ChunkTemplate]) -> ChunkTemplate:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return hit[0]
+        t = build()  # outside the lock: two threads may build one template; both get equal arrays
+        size = sum(a.nbytes for a in (t.src_rel, t.dst_rel, t.nbytes, t.src_bs, t.dst_bs) if a is not None)
+        for a in (t.src_rel, t.dst_rel, t.nbytes, t.src_bs, t.dst_bs):
+            if a is not None:
+                a.flags.writeable = False  # shared by every engine of the layout pair
+        with self._lock:
+            self.misses += 1
+            if key not in self._items:
+                self._items[key] = (t, size)
+                self.bytes += size
+            while self.bytes > self.max_bytes and len(self._items) > 1:
+                _, (_, n) = self._items.popitem(last=False)
+                self.bytes -= n
+        return t
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _cache_bytes() -> int:
+    text = os.environ.get("KVBRIDGE_TEMPLATE_CACHE_MB", "64")
+    try:
+        return max(0, int(float(text) * (1 << 20)))
+    except ValueError:
+        raise ValueError(f"KVBRIDGE_TEMPLATE_CACHE_MB={text!r}: give a size in MiB (default 64)") from None
+
+
+# Templates shared across remote engines (bytes of arrays, KVBRIDGE_TEMPLATE_CACHE_MB, default 64 MiB)
+TEMPLATES = TemplateCache(_cache_bytes())
+
+
 @dataclass
 class _ReadLowering:
     read: Read
     group_index: int
     per_token: bool
     layers: tuple[int, ...]
-    templates: dict  # ntok -> ChunkTemplate
+    templates: dict[int, ChunkTemplate]  # ntok -> ChunkTemplate
     chunk: int = 1   # tokens per chunk: gcd of the group's contiguous runs on both sides (1 for a state slot)
     bsp: int = 1     # the group's block size on the prefill side (tokens per block on one rank)
     bsd: int = 1     # ... and on the decode side
@@ -384,7 +555,7 @@ class LoweredPlan:
     """
 
     def __init__(self, plan: TransferPlan, decode_rank: Rank, prefill_bases: dict[Rank, int] | None = None,
-                 decode_base: int = 0, prefill_mems: dict | None = None, decode_mem=None):
+                 decode_base: int = 0, prefill_mems: dict[Rank, Any] | None = None, decode_mem: Any = None) -> None:
         self.plan = plan
         self.decode_rank = decode_rank
         self.prefill: EngineLayout = plan.prefill
@@ -395,6 +566,8 @@ class LoweredPlan:
         self.prefill_ranks = plan.prefill_ranks_for(decode_rank)
         self.prefill_bases = {r: 0 for r in self.prefill_ranks} | dict(prefill_bases or {})
         self.decode_base = decode_base
+        self._canonical_d = canonical(self.d_mem)
+        self._canonical_p: dict[Rank, Canonical] = {}
         # tokens per chunk of each per-token group (groups may have their own block sizes, vLLM's hybrid
         # allocator); ``chunk_tokens`` is their gcd, the unit the cost model counts in
         self.group_chunks = {g.name: math.gcd(self.prefill.contiguous_tokens(g), self.decode.contiguous_tokens(g))
@@ -409,22 +582,30 @@ class LoweredPlan:
                                 self.decode.block_size_of(g), _cp(self.prefill, g), _cp(self.decode, g), read.tokens)
             self.template(low, low.chunk)
             self.by_prefill[read.prefill].append(low)
-        read = {l.read.group for lows in self.by_prefill.values() for l in lows}
+        groups_read = {l.read.group for lows in self.by_prefill.values() for l in lows}
         # (group name, per-token, prefill and decode block size, sliding window) of every group this decode
         # rank reads, in model order: what :meth:`validate` needs per request, looked up once
         # (block sizes here: tokens per entry of the request's block list, block_size * dcp when token-sharded)
         self._read_groups = tuple((g.name, g.per_token, self.prefill.scheduler_block_size(g),
                                    self.decode.scheduler_block_size(g), _window(g))
-                                  for g in self.prefill.model.groups if g.name in read)
+                                  for g in self.prefill.model.groups if g.name in groups_read)
 
     def template(self, low: _ReadLowering, ntok: int) -> ChunkTemplate:
-        """The chunk template of ``ntok`` tokens of one read (built and cached on first use)."""
+        """The chunk template of ``ntok`` tokens of one read, built on first use: taken from the templates
+        shared by every remote engine whose memory has the same shape (:data:`TEMPLATES`) and moved to
+        this engine's addresses, then kept on the read."""
         t = low.templates.get(ntok)
         if t is None:
-            t = low.templates[ntok] = build_template(self.p_mem(low.read.prefill), self.d_mem, low.read, low.layers, ntok)
+            pc = self._canonical_p.get(low.read.prefill)
+            if pc is None:
+                pc = self._canonical_p[low.read.prefill] = canonical(self.p_mem(low.read.prefill))
+            dc = self._canonical_d
+            key = (pc.key, dc.key, low.read, low.layers, ntok)
+            shared = TEMPLATES.get(key, lambda: build_template(pc.mem, dc.mem, low.read, low.layers, ntok))
+            t = low.templates[ntok] = moved(shared, pc, dc)
         return t
 
-    def p_mem(self, prank: Rank):
+    def p_mem(self, prank: Rank) -> Any:
         m = self.p_mems.get(prank)
         return m if m is not None else rank_memory(self.prefill, *prank)
 
@@ -433,7 +614,8 @@ class LoweredPlan:
         return sum(t.nbytes.size for lows in self.by_prefill.values() for l in lows for t in l.templates.values())
 
     # ---- per request -------------------------------------------------------------------------
-    def token_range(self, group_index: int, num_tokens: int, prefill: GroupBlocks, decode: GroupBlocks):
+    def token_range(self, group_index: int, num_tokens: int, prefill: GroupBlocks,
+                    decode: GroupBlocks) -> tuple[int, int]:
         """Validated token range [t0, t1) the decode side needs for a per-token group."""
         gname = self.prefill.model.groups[group_index].name
         bsp, bsd = self.prefill.scheduler_block_size(gname), self.decode.scheduler_block_size(gname)
@@ -445,7 +627,7 @@ class LoweredPlan:
         return r
 
     def _raise_token_range(self, gname: str, num_tokens: int, bsp: int, bsd: int, prefill: GroupBlocks,
-                           decode: GroupBlocks, window):
+                           decode: GroupBlocks, window: int | None) -> NoReturn:
         nd = decode.block_ids.size
         t0, t1 = decode.tokens(bsd, num_tokens)
         if t1 <= t0:
@@ -460,7 +642,8 @@ class LoweredPlan:
                            f"for tokens [{p0}, {p1}); the decode request has more blocks than the prefill sent")
 
     def descriptors(self, num_tokens: int, prefill_blocks: dict[str, GroupBlocks],
-                    decode_blocks: dict[str, GroupBlocks], only=None, ranges=None) -> list[Descriptors]:
+                    decode_blocks: dict[str, GroupBlocks], only: Collection[Rank] | None = None,
+                    ranges: dict[str, tuple[int, int]] | None = None) -> list[Descriptors]:
         """Descriptors of one request, one :class:`Descriptors` per prefill rank of this decode rank
         (only those in ``only`` if given).
 
@@ -482,7 +665,8 @@ class LoweredPlan:
             out.append(Descriptors(prank, parts=parts))
         return out
 
-    def validate(self, num_tokens: int, prefill_blocks: dict, decode_blocks: dict) -> dict:
+    def validate(self, num_tokens: int, prefill_blocks: Mapping[str, GroupBlocks],
+                 decode_blocks: Mapping[str, GroupBlocks]) -> dict[str, tuple[int, int]]:
         """Validate one request and return the token range ``(t0, t1)`` per group read (``(0, 1)`` for a
         state group); raises :class:`RequestError` before anything moves.
 
@@ -490,7 +674,7 @@ class LoweredPlan:
         (as :func:`ids_in_range`, inline) and integer arithmetic; the precise error message is worked out
         only when a check fails. Written flat (no helper calls on the good path): the caller's caches are
         cold between an engine's steps, where every extra call or lookup costs microseconds."""
-        ranges = {}
+        ranges: dict[str, tuple[int, int]] = {}
         pnb, dnb = self.prefill.num_blocks, self.decode.num_blocks
         for gname, per_token, bsp, bsd, window in self._read_groups:
             pb, db = prefill_blocks.get(gname), decode_blocks.get(gname)
@@ -514,7 +698,8 @@ class LoweredPlan:
                 ranges[gname] = (0, 1)
         return ranges
 
-    def _raise_invalid(self, gname: str, prefill_blocks: dict, decode_blocks: dict):
+    def _raise_invalid(self, gname: str, prefill_blocks: Mapping[str, GroupBlocks],
+                       decode_blocks: Mapping[str, GroupBlocks]) -> NoReturn:
         for side, blocks, eng in (("prefill", prefill_blocks, self.prefill), ("decode", decode_blocks, self.decode)):
             b = blocks.get(gname)
             if b is None:
@@ -527,13 +712,14 @@ class LoweredPlan:
                                    f"[0, {eng.num_blocks}); use ids of blocks the {side} engine allocated")
         raise AssertionError("unreachable: the request passed every check")
 
-    def _lower_read(self, low: _ReadLowering, trange, pb: GroupBlocks, db: GroupBlocks, base_s: int = 0,
-                    base_d: int = 0) -> list:
+    def _lower_read(self, low: _ReadLowering, trange: tuple[int, int], pb: GroupBlocks, db: GroupBlocks,
+                    base_s: int = 0, base_d: int = 0) -> list[_Part]:
         """Parts of one read's descriptors (see :class:`Descriptors`): per-chunk bases (small arrays) x the
         template, kept factored unless runs can merge across chunks (then merged arrays)."""
         t0, t1 = trange
         if not low.per_token:
             t = low.templates[1]
+            assert t.src_bs is not None and t.dst_bs is not None, "a state group's template has slot strides"
             return [(t.src_rel + t.src_bs * int(pb.block_ids[0]) + base_s,
                      t.dst_rel + t.dst_bs * int(db.block_ids[0]) + base_d, t.nbytes)]
         if t1 <= t0:
@@ -559,7 +745,8 @@ class LoweredPlan:
             parts.append(_merge_chunks(_Outer(s_chunk, d_chunk, tpl), tpl.mergeable))
         return parts
 
-    def needed_bytes(self, num_tokens, prefill_blocks, decode_blocks) -> int:
+    def needed_bytes(self, num_tokens: int, prefill_blocks: Mapping[str, GroupBlocks],
+                     decode_blocks: Mapping[str, GroupBlocks]) -> int:
         """Bytes of the decode rank's box for this request (what an ideal transfer moves)."""
         ranges = self.validate(num_tokens, prefill_blocks, decode_blocks)
         total = 0
@@ -580,20 +767,20 @@ def ids_in_range(ids: np.ndarray, n: int) -> bool:
     when the caller's caches are cold (as they are between an engine's steps)."""
     if not ids.size:
         return True
-    return ids.item(ids.argmax()) < n and ids.item(ids.argmin()) >= 0
+    return bool(ids.item(ids.argmax()) < n and ids.item(ids.argmin()) >= 0)
 
 
-def _cp(engine: EngineLayout, g) -> tuple[int, int] | None:
+def _cp(engine: EngineLayout, g: CacheGroup) -> tuple[int, int] | None:
     """(interleave, dcp) if ``engine`` shards group ``g``'s tokens, else None."""
     return (engine.cp_interleave, engine.dcp) if engine.token_sharded(g) else None
 
 
-def _window(g) -> int | None:
+def _window(g: CacheGroup) -> int | None:
     """The sliding window of a sliding-window group (None for any other)."""
     return g.sliding_window if g.kind == "sliding_window" else None
 
 
-def _window_start(t0: int, t1: int, p0: int, num_tokens: int, window) -> int:
+def _window_start(t0: int, t1: int, p0: int, num_tokens: int, window: int | None) -> int:
     """Where the decode's read starts in a sliding-window group: tokens ``[t0, p0)`` that the prefill's
     window already dropped are not read (no later token attends to them; their slots keep what they
     hold)."""
@@ -602,7 +789,8 @@ def _window_start(t0: int, t1: int, p0: int, num_tokens: int, window) -> int:
     return t0
 
 
-def _token_range(num_tokens: int, bsp: int, bsd: int, p_first: int, p_n: int, d_first: int, d_n: int, window=None):
+def _token_range(num_tokens: int, bsp: int, bsd: int, p_first: int, p_n: int, d_first: int, d_n: int,
+                 window: int | None = None) -> tuple[int, int] | None:
     """The token range [t0, t1) the decode side needs for a per-token group whose prefill holds ``p_n``
     blocks from block ``p_first`` on and the decode ``d_n`` from ``d_first`` (the arithmetic of
     :meth:`GroupBlocks.tokens`, on plain ints), or None if the request is inconsistent

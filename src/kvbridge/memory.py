@@ -8,8 +8,10 @@ state page layout for Mamba groups (see :mod:`kvbridge.layout`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +155,7 @@ class RankMemory:
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "size", max(offset, ALIGN))
 
-    regions: dict = field(init=False, repr=False, compare=False)
+    regions: dict[str, GroupRegion] = field(init=False, repr=False, compare=False)
     size: int = field(init=False, compare=False)
 
     def region(self, group: str) -> GroupRegion:
@@ -168,6 +170,9 @@ class RankMemory:
         v = r.components[comp]
         dt = np.dtype(f"u{v.itemsize}")
         shape = (v.num_layers, self.engine.num_blocks, r.tokens_per_block, v.num_units, v.unit_bytes // v.itemsize)
+        if v.layer_stride is None:
+            raise LayoutError(f"group {group!r} component {comp}: layers are not evenly spaced (offsets "
+                              f"{list(v.layer_offsets)}); view one layer at a time")
         strides = (v.layer_stride, v.block_stride, v.token_stride, v.unit_stride, v.itemsize)
         return np.ndarray(shape, dtype=dt, buffer=buf, offset=v.offset, strides=strides)
 
@@ -214,7 +219,8 @@ class KVMemory:
 
     __slots__ = ("engine", "rank", "regions", "allocations", "keepalive", "_digest")
 
-    def __init__(self, engine: EngineLayout, rank, regions: dict, allocations, keepalive=()):
+    def __init__(self, engine: EngineLayout, rank: Sequence[int], regions: dict[str, GroupRegion],
+                 allocations: Iterable[Allocation], keepalive: Any = ()) -> None:
         self.engine = engine
         self.rank = tuple(rank)
         self.regions: dict[str, GroupRegion] = dict(regions)
@@ -238,7 +244,7 @@ class KVMemory:
         return devs.pop() if len(devs) == 1 else "mixed"
 
     @classmethod
-    def from_buffer(cls, engine: EngineLayout, rank, buf, device: str = "cpu") -> "KVMemory":
+    def from_buffer(cls, engine: EngineLayout, rank: Sequence[int], buf: Any, device: str = "cpu") -> KVMemory:
         """kvbridge's default layout (:class:`RankMemory`) placed in a buffer the caller allocated
         (a numpy array or torch tensor of at least ``RankMemory(engine, *rank).size`` bytes)."""
         from .tensors import tensor_info
@@ -314,7 +320,7 @@ class KVMemory:
                                   f"strides and that K and V are distinct")
 
     # ---- wire form (handshake) ------------------------------------------------------------------
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"rank": list(self.rank),
                 "allocations": [[a.addr, a.nbytes, a.device] for a in self.allocations],
                 "groups": {g: {"block_stride": r.block_stride, "token_stride": r.token_stride,
@@ -331,7 +337,7 @@ class KVMemory:
         return self._digest
 
     @classmethod
-    def from_wire(cls, engine: EngineLayout, d: dict) -> "KVMemory":
+    def from_wire(cls, engine: EngineLayout, d: dict[str, Any]) -> KVMemory:
         """Rebuild a remote rank's description; the engine layout gives the shapes, the wire the
         addresses and strides. Raises LayoutError on anything inconsistent."""
         try:
@@ -345,7 +351,9 @@ class KVMemory:
             for gname, gd in d["groups"].items():
                 r = shape.regions[gname]
                 if len(gd["components"]) != len(r.components):
-                    raise LayoutError(f"group {gname!r}: {len(gd['components'])} components, expected {len(r.components)}")
+                    raise LayoutError(
+                        f"group {gname!r}: {len(gd['components'])} components, expected {len(r.components)}"
+                    )
                 comps = []
                 for v, (offs, bs, ts, us) in zip(r.components, gd["components"]):
                     if len(offs) != v.num_layers:

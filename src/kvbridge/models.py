@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Final, Mapping, Sequence
 
 from .errors import ConfigImportError, LayoutError
 from .layout import DTYPE_SIZES, CacheGroup, MambaSpec, ModelSpec
 
-FULL, SLIDING, MLA, MAMBA = "full_attention", "sliding_window", "mla", "mamba"
+FULL: Final = "full_attention"
+SLIDING: Final = "sliding_window"
+MLA: Final = "mla"
+MAMBA: Final = "mamba"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,66 +296,13 @@ def from_hf_config(path_or_dict: Any, name: str | None = None) -> ModelSpec:
         raise _fail(where, "attention_chunk_size (chunked local attention, e.g. Llama 4) is not supported; "
                            "describe the model with a ModelSpec")
 
-    # --- Nemotron-H: hybrid_override_pattern ----------------------------------------------------
     if text.get("hybrid_override_pattern") is not None:
-        pat = text["hybrid_override_pattern"]
-        if not isinstance(pat, str) or len(pat) != num_layers:
-            raise _fail(where, f"hybrid_override_pattern must be a string of num_hidden_layers={num_layers} "
-                               f"characters, got {len(pat) if isinstance(pat, str) else pat!r}")
-        bad = sorted(set(pat) - set(_NEMOTRON_CHARS))
-        if bad:
-            raise _fail(where, f"hybrid_override_pattern has unsupported layer codes {bad}; supported: "
-                               f"'M' Mamba-2, '*' attention, '-' MLP, 'E' MoE")
-        kinds: list[str | None] = [_NEMOTRON_CHARS[c] for c in pat]
-        mamba = None
-        if MAMBA in kinds:
-            for k in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_kernel", "n_groups"):
-                if text.get(k) is None:
-                    raise _mamba_key_error(where, k, "Nemotron-H (Mamba-2)")
-            mamba = MambaSpec(num_heads=_get_int(text, "mamba_num_heads", where),
-                              head_dim=_get_int(text, "mamba_head_dim", where),
-                              d_state=_get_int(text, "ssm_state_size", where),
-                              conv_kernel=_get_int(text, "conv_kernel", where),
-                              n_groups=_get_int(text, "n_groups", where),
-                              ssm_dtype=_ssm_dtype(text, where))
-        return _hybrid(name, kinds, text, where, dtype, mamba)
-
-    # --- Jamba: attn_layer_period / attn_layer_offset with Mamba-1 ------------------------------
+        return _nemotron_h(name, text, num_layers, where, dtype)
     if text.get("attn_layer_period") is not None or text.get("attn_layer_offset") is not None:
-        period = _get_int(text, "attn_layer_period", where)
-        offset = _get_int(text, "attn_layer_offset", where)
-        if period < 1:
-            raise _fail(where, f"attn_layer_period must be >= 1, got {period}")
-        kinds = [FULL if i % period == offset else MAMBA for i in range(num_layers)]
-        mamba = None
-        if MAMBA in kinds:
-            for k in ("mamba_d_state", "mamba_d_conv", "mamba_expand", "hidden_size"):
-                if text.get(k) is None:
-                    raise _mamba_key_error(where, k, "Jamba (Mamba-1)")
-            mamba = MambaSpec(num_heads=_get_int(text, "mamba_expand", where) * _get_int(text, "hidden_size", where),
-                              head_dim=1, d_state=_get_int(text, "mamba_d_state", where),
-                              conv_kernel=_get_int(text, "mamba_d_conv", where), n_groups=0,
-                              ssm_dtype=_ssm_dtype(text, where))
-        return _hybrid(name, kinds, text, where, dtype, mamba)
-
-    # --- MLA (DeepSeek-V2/V3, Kimi-K2, ...) ------------------------------------------------------
+        return _jamba(name, text, num_layers, where, dtype)
     if text.get("kv_lora_rank") is not None:
-        if text.get("index_topk") is not None:
-            raise _fail(where, "index_topk (DeepSeek sparse-attention indexer cache) is not supported; "
-                               "describe the model with a ModelSpec")
-        rank = _get_int(text, "kv_lora_rank", where)
-        rope = _get_int(text, "qk_rope_head_dim", where, what=" (MLA caches kv_lora_rank + qk_rope_head_dim)")
-        # num_nextn_predict_layers (MTP) are not part of num_hidden_layers and are ignored.
-        return _build_spec(name, [MLA] * num_layers, dtype=dtype, mla_dim=rank + rope)
-
-    # --- Anything else with state-space / linear-attention layers is not understood -------------
-    markers = sorted(k for k in text if k.startswith(("mamba", "ssm_", "linear_"))
-                     or k in ("layers_block_type", "block_types", "attn_layer_indices"))
-    if markers or "mamba" in model_type:
-        raise _fail(where, f"model_type {model_type!r} has state-space/linear-attention layers "
-                           f"({', '.join(markers) or model_type}) in a form this importer does not support "
-                           f"(supported hybrids: Nemotron-H hybrid_override_pattern, Jamba attn_layer_period); "
-                           f"use a preset or build a ModelSpec")
+        return _mla(name, text, num_layers, where, dtype)
+    _refuse_other_state_space(text, model_type, where)
 
     # --- Attention models -------------------------------------------------------------------------
     kv, hd = _attn_shape(text, where)
@@ -361,6 +311,72 @@ def from_hf_config(path_or_dict: Any, name: str | None = None) -> ModelSpec:
     return _build_spec(name, kinds, dtype=dtype, num_kv_heads=kv, head_dim=hd, sliding_window=window,
                        full_kv_heads=_opt_int(text, "num_global_key_value_heads", where),
                        full_head_dim=_opt_int(text, "global_head_dim", where))
+
+
+def _nemotron_h(name: str, text: Mapping[str, Any], num_layers: int, where: str, dtype: str) -> ModelSpec:
+    """Nemotron-H: ``hybrid_override_pattern``, one character per layer, Mamba-2 state."""
+    pat = text["hybrid_override_pattern"]
+    if not isinstance(pat, str) or len(pat) != num_layers:
+        raise _fail(where, f"hybrid_override_pattern must be a string of num_hidden_layers={num_layers} "
+                           f"characters, got {len(pat) if isinstance(pat, str) else pat!r}")
+    bad = sorted(set(pat) - set(_NEMOTRON_CHARS))
+    if bad:
+        raise _fail(where, f"hybrid_override_pattern has unsupported layer codes {bad}; supported: "
+                           f"'M' Mamba-2, '*' attention, '-' MLP, 'E' MoE")
+    kinds: list[str | None] = [_NEMOTRON_CHARS[c] for c in pat]
+    mamba = None
+    if MAMBA in kinds:
+        for k in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_kernel", "n_groups"):
+            if text.get(k) is None:
+                raise _mamba_key_error(where, k, "Nemotron-H (Mamba-2)")
+        mamba = MambaSpec(num_heads=_get_int(text, "mamba_num_heads", where),
+                          head_dim=_get_int(text, "mamba_head_dim", where),
+                          d_state=_get_int(text, "ssm_state_size", where),
+                          conv_kernel=_get_int(text, "conv_kernel", where),
+                          n_groups=_get_int(text, "n_groups", where),
+                          ssm_dtype=_ssm_dtype(text, where))
+    return _hybrid(name, kinds, text, where, dtype, mamba)
+
+
+def _jamba(name: str, text: Mapping[str, Any], num_layers: int, where: str, dtype: str) -> ModelSpec:
+    """Jamba: ``attn_layer_period`` / ``attn_layer_offset`` attention layers, Mamba-1 elsewhere."""
+    period = _get_int(text, "attn_layer_period", where)
+    offset = _get_int(text, "attn_layer_offset", where)
+    if period < 1:
+        raise _fail(where, f"attn_layer_period must be >= 1, got {period}")
+    kinds: list[str | None] = [FULL if i % period == offset else MAMBA for i in range(num_layers)]
+    mamba = None
+    if MAMBA in kinds:
+        for k in ("mamba_d_state", "mamba_d_conv", "mamba_expand", "hidden_size"):
+            if text.get(k) is None:
+                raise _mamba_key_error(where, k, "Jamba (Mamba-1)")
+        mamba = MambaSpec(num_heads=_get_int(text, "mamba_expand", where) * _get_int(text, "hidden_size", where),
+                          head_dim=1, d_state=_get_int(text, "mamba_d_state", where),
+                          conv_kernel=_get_int(text, "mamba_d_conv", where), n_groups=0,
+                          ssm_dtype=_ssm_dtype(text, where))
+    return _hybrid(name, kinds, text, where, dtype, mamba)
+
+
+def _mla(name: str, text: Mapping[str, Any], num_layers: int, where: str, dtype: str) -> ModelSpec:
+    """MLA (DeepSeek-V2/V3, Kimi-K2, ...): one latent of ``kv_lora_rank + qk_rope_head_dim`` per token."""
+    if text.get("index_topk") is not None:
+        raise _fail(where, "index_topk (DeepSeek sparse-attention indexer cache) is not supported; "
+                           "describe the model with a ModelSpec")
+    rank = _get_int(text, "kv_lora_rank", where)
+    rope = _get_int(text, "qk_rope_head_dim", where, what=" (MLA caches kv_lora_rank + qk_rope_head_dim)")
+    # num_nextn_predict_layers (MTP) are not part of num_hidden_layers and are ignored.
+    return _build_spec(name, [MLA] * num_layers, dtype=dtype, mla_dim=rank + rope)
+
+
+def _refuse_other_state_space(text: Mapping[str, Any], model_type: str, where: str) -> None:
+    """Anything else with state-space / linear-attention layers is not understood: refused by name."""
+    markers = sorted(k for k in text if k.startswith(("mamba", "ssm_", "linear_"))
+                     or k in ("layers_block_type", "block_types", "attn_layer_indices"))
+    if markers or "mamba" in model_type:
+        raise _fail(where, f"model_type {model_type!r} has state-space/linear-attention layers "
+                           f"({', '.join(markers) or model_type}) in a form this importer does not support "
+                           f"(supported hybrids: Nemotron-H hybrid_override_pattern, Jamba attn_layer_period); "
+                           f"use a preset or build a ModelSpec")
 
 
 def _ssm_dtype(cfg: Mapping[str, Any], where: str) -> str:
@@ -418,7 +434,7 @@ def _attention_kinds(text: Mapping[str, Any], num_layers: int, model_type: str, 
 
 # --------------------------------------------------------------------------------------------------
 
-def load_model(spec: str | os.PathLike) -> ModelSpec:
+def load_model(spec: str | os.PathLike[str]) -> ModelSpec:
     """A preset name, or the path of a Hugging Face config.json (or a directory holding one)."""
     if isinstance(spec, str) and spec in PRESETS:
         return preset(spec)

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +69,7 @@ class Read:
                 f"{self.group} L{self.layers[0]}:{self.layers[1]} u[{u}]{t}")
 
 
-def share_fraction(shares) -> float:
+def share_fraction(shares: Iterable[CyclicShare]) -> float:
     """Fraction of all tokens that lie in every share (1.0 for none)."""
     shares = tuple(shares)
     if not shares:
@@ -149,7 +151,8 @@ def check_compatible(prefill: EngineLayout, decode: EngineLayout) -> None:
                 f"group {name!r} differs between prefill ({a!r}) and decode ({b!r}); serve the same model")
 
 
-def _stab(intervals: list[tuple[int, int]], natural: int, rot: int, score=None) -> list[int]:
+def _stab(intervals: list[tuple[int, int]], natural: int, rot: int,
+          score: Callable[[int], int] | None = None) -> list[int]:
     """Minimum set of points hitting every closed interval ``[lo, hi]`` (greedy by right end).
 
     At each step any point in ``[L, e]`` hits the same intervals as ``e`` (L = largest left end of the
@@ -170,7 +173,8 @@ def _stab(intervals: list[tuple[int, int]], natural: int, rot: int, score=None) 
     return points
 
 
-def _pieces(g: CacheGroup, prefill_tp: int, decode_tp: int, decode_tp_rank: int):
+def _pieces(g: CacheGroup, prefill_tp: int, decode_tp: int,
+            decode_tp_rank: int) -> Iterator[tuple[int, Span, tuple[int, int]]]:
     """Yield (component index, unit span to read, [lo, hi] interval of prefill tp ranks holding it)."""
     for ci, c in enumerate(g.components):
         need_lo, need_hi = c.unit_range(decode_tp, decode_tp_rank)
@@ -196,6 +200,11 @@ def _space(prefill: EngineLayout, k: int | None, natural: int) -> tuple[int, ...
     return tuple(ranks)
 
 
+# a piece of one prefill stage's reads for one decode rank: (group, component index, unit span, DCP class
+# (None: stored whole), token shares, [lo, hi] interval of the class's space holding it)
+_Piece = tuple[CacheGroup, int, Span, "int | None", tuple[CyclicShare, ...], tuple[int, int]]
+
+
 @cache
 def plan_transfer(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
     """Compute the reads of every decode rank. Pure and cached on the (hashable) layouts."""
@@ -203,87 +212,111 @@ def plan_transfer(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
     reads: list[Read] = []
     load: dict[Rank, int] = {}
     for dpp, dr in decode.ranks():
-        dtp = decode.tp_rank(dr)
-        ds, de = decode.pp_layers[dpp]  # type: ignore[index]
+        ds, de = decode.stages[dpp]
         natural = dr * prefill.ranks_per_stage // decode.ranks_per_stage
-        for ppp, (ps, pe) in enumerate(prefill.pp_layers):  # type: ignore[arg-type]
+        for ppp, (ps, pe) in enumerate(prefill.stages):
             lo_l, hi_l = max(ds, ps), min(de, pe)
             if lo_l >= hi_l:
                 continue
             groups = [g for g in prefill.model.groups if any(lo_l <= l < hi_l for l in g.layers)]
             if not groups:
                 continue
-            # pieces per class: (group, component, unit span, class, token shares, [lo, hi] in the class's space)
-            spaces: dict = {}
-            pieces = []
-            for g in groups:
-                d_share = decode.token_share(g, dr)
-                classes = ([(k, CyclicShare(prefill.cp_interleave, k, prefill.dcp)) for k in range(prefill.dcp)]
-                           if prefill.token_sharded(g) else [(None, None)])
-                for k, p_share in classes:
-                    shares = tuple(sorted({s for s in (d_share, p_share) if s is not None}))
-                    if not shares_intersect(shares):
-                        continue
-                    space = spaces.setdefault(k, _space(prefill, k, natural))
-                    ts = [prefill.tp_rank(r) for r in space]
-                    for ci, span, (lo, hi) in _pieces(g, prefill.tp, decode.tp, dtp):
-                        a, b = bisect_left(ts, lo), bisect_right(ts, hi) - 1
-                        if a > b:  # excluded by EngineLayout's coverage check
-                            raise LayoutError(f"{prefill}: no rank of DCP class {k} holds units {span} of group "
-                                              f"{g.name!r}")
-                        pieces.append((g, ci, span, k, shares, (a, b)))
-            chosen_ranks: list[int] = []
-            points: dict = {}
-            nat_t = prefill.tp_rank(natural)
-            # state pieces next to token classes (Mamba in a DCP prefill): the holders (stage ranks) of each;
-            # a class's stabbing prefers ranks that also hold pending state pieces, which then take them
-            pending = ([{spaces[None][i] for i in range(a, b + 1)} for *_, kk, _s, (a, b) in pieces if kk is None]
-                       if None in spaces and len(spaces) > 1 else [])
-            for k in sorted(spaces, key=lambda k: (k is None, k if k is not None else 0)):
-                space = spaces[k]
-                ivs = [iv for *_, kk, _s, iv in pieces if kk == k]
-                have = [i for i, r in enumerate(space) if r in chosen_ranks]
-                todo = [iv for iv in ivs if not any(lo <= i <= hi for i in have for lo, hi in [iv])]
-                nat = min(bisect_left([prefill.tp_rank(r) for r in space], nat_t), len(space) - 1)
-
-                def score(i, space=space, pending=pending):
-                    return sum(space[i] in h for h in pending)
-                new_pts = _stab(todo, nat, dr + ppp, score if pending and k is not None else None) if todo else []
-                pts = have + [p for p in new_pts if p not in have]
-                points[k] = pts
-                chosen_ranks += [space[i] for i in pts if space[i] not in chosen_ranks]
-                pending = [h for h in pending if not h.intersection(chosen_ranks)]
-            chosen: dict[tuple[int, str], list] = {}
-            picked: dict[tuple, int] = {}
-            for g, ci, span, k, shares, (lo, hi) in pieces:
-                # several chosen ranks may hold a replicated piece: give it to the least loaded one,
-                # the same one for every component of the group (K next to V)
-                space = spaces[k]
-                x = picked.get((g.name, k, lo, hi))
-                if x is None:
-                    holders = [space[i] for i in points[k] if lo <= i <= hi]
-                    x = picked[(g.name, k, lo, hi)] = min(holders, key=lambda t: (load.get((ppp, t), 0), t))
-                load[(ppp, x)] = load.get((ppp, x), 0) + (span[1] - span[0]) * g.components[ci].unit_bytes
-                entry = chosen.setdefault((x, g.name), [[(0, 0)] * len(g.components), shares])
-                assert entry[1] == shares, "a prefill rank is in one DCP class"
-                assert entry[0][ci] == (0, 0), "a prefill rank holds one piece per component"
-                entry[0][ci] = span
-            order = [g.name for g in groups]
-            for (x, gname), (units, shares) in sorted(chosen.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
-                reads.append(Read((dpp, dr), (ppp, x), gname, (lo_l, hi_l), tuple(units), shares))
+            spaces, pieces = _stage_pieces(prefill, decode, groups, dr, natural)
+            points = _choose_points(prefill, spaces, pieces, natural, dr + ppp)
+            reads += _assign(spaces, pieces, points, groups, (dpp, dr), ppp, (lo_l, hi_l), load)
     return TransferPlan(prefill, decode, tuple(reads))
 
 
-def plan_to_json(plan: TransferPlan) -> dict:
+def _stage_pieces(prefill: EngineLayout, decode: EngineLayout, groups: list[CacheGroup], dr: int,
+                  natural: int) -> tuple[dict[int | None, tuple[int, ...]], list[_Piece]]:
+    """The pieces decode rank ``dr`` reads from one prefill stage, per DCP class, and each class's space
+    (the stage ranks that may supply it, :func:`_space`)."""
+    dtp = decode.tp_rank(dr)
+    spaces: dict[int | None, tuple[int, ...]] = {}
+    pieces: list[_Piece] = []
+    for g in groups:
+        d_share = decode.token_share(g, dr)
+        classes: list[tuple[int | None, CyclicShare | None]] = (
+            [(k, CyclicShare(prefill.cp_interleave, k, prefill.dcp)) for k in range(prefill.dcp)]
+            if prefill.token_sharded(g) else [(None, None)])
+        for k, p_share in classes:
+            shares = tuple(sorted({s for s in (d_share, p_share) if s is not None}))
+            if not shares_intersect(shares):
+                continue
+            space = spaces.setdefault(k, _space(prefill, k, natural))
+            ts = [prefill.tp_rank(r) for r in space]
+            for ci, span, (lo, hi) in _pieces(g, prefill.tp, decode.tp, dtp):
+                a, b = bisect_left(ts, lo), bisect_right(ts, hi) - 1
+                if a > b:  # excluded by EngineLayout's coverage check
+                    raise LayoutError(f"{prefill}: no rank of DCP class {k} holds units {span} of group "
+                                      f"{g.name!r}")
+                pieces.append((g, ci, span, k, shares, (a, b)))
+    return spaces, pieces
+
+
+def _choose_points(prefill: EngineLayout, spaces: dict[int | None, tuple[int, ...]], pieces: list[_Piece],
+                   natural: int, rot: int) -> dict[int | None, list[int]]:
+    """{DCP class: indices into its space of the ranks read}, the fewest that hold every piece (:func:`_stab`),
+    ranks chosen for one class reused by the others."""
+    chosen_ranks: list[int] = []
+    points: dict[int | None, list[int]] = {}
+    nat_t = prefill.tp_rank(natural)
+    # state pieces next to token classes (Mamba in a DCP prefill): the holders (stage ranks) of each;
+    # a class's stabbing prefers ranks that also hold pending state pieces, which then take them
+    pending = ([{spaces[None][i] for i in range(a, b + 1)} for *_, kk, _s, (a, b) in pieces if kk is None]
+               if None in spaces and len(spaces) > 1 else [])
+    for k in sorted(spaces, key=lambda k: (k is None, k if k is not None else 0)):
+        space = spaces[k]
+        ivs = [iv for *_, kk, _s, iv in pieces if kk == k]
+        have = [i for i, r in enumerate(space) if r in chosen_ranks]
+        todo = [iv for iv in ivs if not any(lo <= i <= hi for i in have for lo, hi in [iv])]
+        nat = min(bisect_left([prefill.tp_rank(r) for r in space], nat_t), len(space) - 1)
+
+        def score(i: int, space: tuple[int, ...] = space, pending: list[set[int]] = pending) -> int:
+            return sum(space[i] in h for h in pending)
+        new_pts = _stab(todo, nat, rot, score if pending and k is not None else None) if todo else []
+        pts = have + [p for p in new_pts if p not in have]
+        points[k] = pts
+        chosen_ranks += [space[i] for i in pts if space[i] not in chosen_ranks]
+        pending = [h for h in pending if not h.intersection(chosen_ranks)]
+    return points
+
+
+def _assign(spaces: dict[int | None, tuple[int, ...]], pieces: list[_Piece], points: dict[int | None, list[int]],
+            groups: list[CacheGroup], decode_rank: Rank, ppp: int, layers: tuple[int, int],
+            load: dict[Rank, int]) -> list[Read]:
+    """The reads: each piece from one chosen rank holding it (the least loaded so far, ``load`` updated)."""
+    chosen: dict[tuple[int, str], tuple[list[Span], tuple[CyclicShare, ...]]] = {}
+    picked: dict[tuple[str, int | None, int, int], int] = {}
+    for g, ci, span, k, shares, (lo, hi) in pieces:
+        # several chosen ranks may hold a replicated piece: give it to the least loaded one,
+        # the same one for every component of the group (K next to V)
+        space = spaces[k]
+        x = picked.get((g.name, k, lo, hi))
+        if x is None:
+            holders = [space[i] for i in points[k] if lo <= i <= hi]
+            x = picked[(g.name, k, lo, hi)] = min(holders, key=lambda t: (load.get((ppp, t), 0), t))
+        load[(ppp, x)] = load.get((ppp, x), 0) + (span[1] - span[0]) * g.components[ci].unit_bytes
+        entry = chosen.setdefault((x, g.name), ([(0, 0)] * len(g.components), shares))
+        assert entry[1] == shares, "a prefill rank is in one DCP class"
+        assert entry[0][ci] == (0, 0), "a prefill rank holds one piece per component"
+        entry[0][ci] = span
+    order = [g.name for g in groups]
+    return [Read(decode_rank, (ppp, x), gname, layers, tuple(units), shares)
+            for (x, gname), (units, shares) in sorted(chosen.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1])))]
+
+
+def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
     """The plan in the documented JSON schema (ranges are half-open ``[start, stop)``)."""
     model = plan.prefill.model
-    out = {
+    reads: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
         "model": model.name,
         "groups": [{"name": g.name, "kind": g.kind, "layers": list(g.layers),
                     "num_heads": g.num_heads} for g in model.groups],
         "prefill": _engine_json(plan.prefill),
         "decode": _engine_json(plan.decode),
-        "reads": [],
+        "reads": reads,
     }
     cp = any(e.pcp > 1 or e.dcp > 1 for e in (plan.prefill, plan.decode))
     for r in plan.reads:
@@ -294,7 +327,7 @@ def plan_to_json(plan: TransferPlan) -> dict:
             span = r.units[g.components.index(hc)]
             heads = list(span) if span != (0, 0) else None
         b = plan.read_bytes(r)
-        out["reads"].append({
+        reads.append({
             "decode": {"pp": r.decode[0], "tp": r.decode[1]},
             "prefill": {"pp": r.prefill[0], "tp": r.prefill[1]},
             "group": r.group, "layers": list(r.layers), "heads": heads,
@@ -302,15 +335,14 @@ def plan_to_json(plan: TransferPlan) -> dict:
             "bytes_per_request": None if g.per_token else b,
         })
         if cp:  # context parallelism on either side: the token share each read moves
-            out["reads"][-1] |= {"tokens": [{"interleave": t.interleave, "rank": t.rank, "size": t.size}
-                                            for t in r.tokens],
-                                 "token_fraction": share_fraction(r.tokens)}
+            reads[-1] |= {"tokens": [{"interleave": t.interleave, "rank": t.rank, "size": t.size} for t in r.tokens],
+                          "token_fraction": share_fraction(r.tokens)}
     return out
 
 
-def _engine_json(e: EngineLayout) -> dict:
+def _engine_json(e: EngineLayout) -> dict[str, Any]:
     """One engine in the plan's JSON: TP/PP, and with context parallelism each rank's token share."""
-    d = {"tp": e.tp, "pp": e.pp, "pp_layers": [list(x) for x in e.pp_layers]}
+    d: dict[str, Any] = {"tp": e.tp, "pp": e.pp, "pp_layers": [list(x) for x in e.stages]}
     if e.pcp > 1 or e.dcp > 1:
         d |= {"pcp": e.pcp, "dcp": e.dcp, "cp_interleave": e.cp_interleave,
               "ranks": [{"pp": p, "rank": r, "tp_rank": e.tp_rank(r), "pcp_rank": e.pcp_rank(r),

@@ -12,7 +12,9 @@ has index ``off + (i*K + k)*NB + b``. Indices are emitted run-major when the tem
 blocks merge that way (so NIXL's prepped path merges adjacent ids itself), chunk-major otherwise, in the
 same order as :class:`~kvbridge.lower.Descriptors`. The last, partial chunk of a request whose token
 count is not a multiple of the chunk size has no entry in the lists: it comes back as a small
-``(src, dst, nbytes)`` tail that the transport posts through its ordinary path.
+``(src, dst, nbytes)`` tail that the transport posts through its ordinary path; the template of a
+partial chunk of ``n`` tokens is built on the first request that needs it (and shared with every remote
+engine of the same memory shapes: :data:`kvbridge.lower.TEMPLATES`), not at handshake.
 
 Span lists (multi-resolution). A template run whose consecutive blocks are adjacent in memory on both
 sides (one chunk per block and run length == block stride on both sides, e.g. a whole MLA block of one
@@ -40,15 +42,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .lower import LoweredPlan, chunk_starts, locate
+from .lower import GroupBlocks, LoweredPlan, chunk_starts, locate
 
 INT32_MAX = (1 << 31) - 1
-# chunk sizes up to this many tokens get every partial-chunk template built at handshake (g - 1 of them)
-PRECOMPUTE_TAILS_UP_TO = 64
 
 
 def _parse_levels(text: str) -> tuple[int, ...]:
@@ -102,11 +104,11 @@ class _Spans:
     sizes: np.ndarray
     tbl: np.ndarray
     ph: np.ndarray
-    sizes_py: list  # sizes and ph as Python lists (the few-stretches path reads single values)
-    ph_py: list
+    sizes_py: list[int]  # sizes and ph as Python lists (the few-stretches path reads single values)
+    ph_py: list[Any]  # [side][level][phase]
 
 
-def _inside_one_allocation(mem, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+def _inside_one_allocation(mem: Any, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Per run: ``[lo, hi)`` (memory-relative addresses) lies in one registered allocation of ``mem``
     (kvbridge's own layout: one buffer of ``mem.size`` bytes)."""
     allocs = getattr(mem, "allocations", None)
@@ -119,7 +121,7 @@ def _inside_one_allocation(mem, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return ok & (hi <= np.where(ok, ends[np.maximum(i, 0)], -1))
 
 
-def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sp: _Spans, dt):
+def _pieces(pos_r: np.ndarray, pos_l: np.ndarray, sp: _Spans, dt: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """Cut chunks (block positions ``pos_r``/``pos_l`` on the two sides, ``< 2**31``) into pieces: each
     maximal stretch of chunks consecutive on both sides at once becomes spans of ``sp.sizes[0]`` blocks,
     then of ``sp.sizes[1]`` ..., then single blocks (``sizes[-1] == 1``). Returns, in chunk order, the
@@ -180,7 +182,8 @@ def _consecutive(pos: np.ndarray) -> bool:
 _FEW_STRETCHES = 8
 
 
-def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndarray, dt):
+def _pieces_few(brk: list[int], n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndarray,
+                dt: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`_pieces` for a few stretches (``brk``: the last chunk of every stretch but the last): the
     pieces of one size in one stretch are consecutive entries of one row on each side (one segment)."""
     sizes, (ph_r, ph_l) = sp.sizes_py, sp.ph_py
@@ -200,17 +203,19 @@ def _pieces_few(brk: list, n: int, sp: _Spans, pos_r: np.ndarray, pos_l: np.ndar
     if not spanned or n - pieces < SPAN_MIN_SAVED_PER_STRETCH * spanned:
         return None
     if pieces <= _FEW_PIECES:  # a few dozen values: lists, then one array each
-        cols, o_r, o_l = [], [], []
+        cols: list[int] = []
+        o_r: list[int] = []
+        o_l: list[int] = []
         for k, q, r0, l0 in segs:
             cols += [k] * q
             o_r += range(r0, r0 + q)
             o_l += range(l0, l0 + q)
         return np.array(cols), np.array((o_r, o_l), dt)
-    k, q, r0, l0 = (np.array(x) for x in zip(*segs))
-    start = np.cumsum(q) - q
-    off = np.repeat(np.array((r0 - start, l0 - start), dt), q, axis=1)
+    ks, qs, r0, l0 = (np.array(x) for x in zip(*segs))
+    start = np.cumsum(qs) - qs
+    off = np.repeat(np.array((r0 - start, l0 - start), dt), qs, axis=1)
     off += np.arange(pieces, dtype=dt)
-    return np.repeat(k, q), off
+    return np.repeat(ks, qs), off
 
 
 _FEW_PIECES = 256
@@ -237,7 +242,7 @@ class PreppedRequest:
 
     local_ids: np.ndarray
     remote_ids: np.ndarray
-    tail: tuple | None  # (src, dst, nbytes) int64 absolute addresses, or None
+    tail: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (src, dst, nbytes) int64 absolute addresses, or None
     spans: bool = False  # the ids index the span lists (``*_span_rows``), not the per-block lists
 
     @property
@@ -252,17 +257,18 @@ class PreparedGeometry:
     ``local_span_rows`` / ``remote_span_rows``: the same rows followed by the span rows, or None.
     """
 
-    def __init__(self, lowered: LoweredPlan, prank, local_dev: int = 0, remote_dev: int = 0,
-                 span_levels: tuple[int, ...] | None = None):
-        self.lowered, self.prank = lowered, tuple(prank)
+    def __init__(self, lowered: LoweredPlan, prank: tuple[int, int], local_dev: int = 0, remote_dev: int = 0,
+                 span_levels: tuple[int, ...] | None = None) -> None:
+        self.lowered, self.prank = lowered, (prank[0], prank[1])
         levels = tuple(SPAN_LEVELS if span_levels is None else span_levels)
         self.local_dev, self.remote_dev = local_dev, remote_dev
         lows = lowered.by_prefill[self.prank]
         base_s, base_d = lowered.prefill_bases[self.prank], lowered.decode_base
         p_mem = lowered.p_mem(self.prank)
-        self.reads: list[tuple] = []  # (low, _PreppedRead)
+        self.reads: list[tuple[Any, _PreppedRead, Any]] = []  # (low, _PreppedRead, full-chunk template)
         self.spans: list[_Spans | None] = []  # per read
-        lrows, rrows = [], []
+        lrows: list[np.ndarray] = []
+        rrows: list[np.ndarray] = []
         span_todo = []  # (read index, runs with spans, the other runs, levels, per side (its rows, nb))
         p_off = d_off = 0
         for low in lows:
@@ -309,16 +315,13 @@ class PreparedGeometry:
                                       (rrows[-1], p_nb), (lrows[-1], d_nb)))
             p_off += runs * p_k * p_nb
             d_off += runs * d_k * d_nb
-        for low, pre, _ in self.reads:  # partial last chunks: build their templates now, not per request
-            if pre.per_token and low.chunk <= PRECOMPUTE_TAILS_UP_TO:
-                for ntok in range(1, low.chunk):
-                    lowered.template(low, ntok)
         self.remote_entries, self.local_entries = p_off, d_off  # the per-block lists
-        rspan, lspan = [], []  # span rows: a second list pair (the per-block rows, then these)
+        rspan: list[np.ndarray] = []  # span rows: a second list pair (the per-block rows, then these)
+        lspan: list[np.ndarray] = []
         for ri, sruns, plain, lv, (r_rows, p_nb), (l_rows, d_nb) in span_todo:
             # after every per-block row: row (run i, level G, phase p) entry q = blocks p+qG .. p+qG+G-1 of run i
             pre = self.reads[ri][1]
-            out = []
+            out: list[Any] = []
             for side_rows, rows, nb, off, base_off in ((rspan, r_rows, p_nb, p_off, pre.p_off),
                                                         (lspan, l_rows, d_nb, d_off, pre.d_off)):
                 tbl = np.empty((sruns.size, len(lv) + 1), np.int64)
@@ -368,11 +371,12 @@ class PreparedGeometry:
         self._has_state = any(not pre.per_token for _, pre, _ in self.reads)
 
     # ---- per request -------------------------------------------------------------------------
-    def validate(self, num_tokens: int, prefill_blocks, decode_blocks) -> dict:
+    def validate(self, num_tokens: int, prefill_blocks: Mapping[str, GroupBlocks],
+                 decode_blocks: Mapping[str, GroupBlocks]) -> dict[str, tuple[int, int]]:
         """Validated token ranges per group (raises :class:`~kvbridge.errors.RequestError`); cheap."""
         return self.lowered.validate(num_tokens, prefill_blocks, decode_blocks)
 
-    def reads_any(self, ranges) -> bool:
+    def reads_any(self, ranges: Mapping[str, tuple[int, int]]) -> bool:
         """Whether a validated request reads anything from this rank (no sizes: caller's-thread cheap)."""
         if self._has_state:
             return True
@@ -388,7 +392,7 @@ class PreparedGeometry:
                     return True
         return False
 
-    def size(self, ranges) -> tuple[int, int]:
+    def size(self, ranges: Mapping[str, tuple[int, int]]) -> tuple[int, int]:
         """(descriptors before merging, bytes) of a validated request: arithmetic only."""
         count = nbytes = 0
         for low, pre, _tpl in self.reads:
@@ -411,7 +415,8 @@ class PreparedGeometry:
                 nbytes += int(t.nbytes.sum())
         return count, nbytes
 
-    def request(self, ranges, prefill_blocks, decode_blocks) -> PreppedRequest:
+    def request(self, ranges: Mapping[str, tuple[int, int]], prefill_blocks: Mapping[str, GroupBlocks],
+                decode_blocks: Mapping[str, GroupBlocks]) -> PreppedRequest:
         """Index arrays (local, remote) and the unprepped tail of one validated request."""
         lo = self.lowered
         dt = self.index_dtype
@@ -449,7 +454,7 @@ class PreparedGeometry:
                 pieces = None
                 if sp is not None and sp.runs.size * n_full >= SPAN_MIN_IDS:
                     pieces = _pieces(pos_r, pos_l, sp, dt)
-                if pieces is not None:  # spannable runs: spans + single blocks, run-major
+                if pieces is not None and sp is not None:  # spannable runs: spans + single blocks, run-major
                     col, off = pieces
                     spans = True
                     ids = sp.tbl[:, :, col]  # (side, run, piece)
@@ -477,7 +482,8 @@ class PreparedGeometry:
                 s = int(pblk) * pr.block_stride + poff * pr.token_stride
                 d = int(dblk) * dr.block_stride + doff * dr.token_stride
                 tails.append((t.src_rel + (s + base_s), t.dst_rel + (d + base_d), t.nbytes))
-        cat = lambda xs: np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.empty(0, dt))  # noqa: E731
+        def cat(xs: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.empty(0, dt))
         tail = None
         if tails:
             tail = tuple(np.concatenate([t[i] for t in tails]).astype(np.int64) for i in range(3))
@@ -486,7 +492,7 @@ class PreparedGeometry:
     # ---- for transports that move bytes themselves (loopback) and for tests -------------------
     def rows(self, req: PreppedRequest) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) rows that ``req``'s ids index."""
-        if req.spans:
+        if req.spans and self.local_span_rows is not None and self.remote_span_rows is not None:
             return self.local_span_rows, self.remote_span_rows
         return self.local_rows, self.remote_rows
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,8 @@ class RawRegion:
     """Memory given by address: ``nbytes`` bytes at ``addr`` on ``device`` (``"cpu"`` or ``"cuda:N"``).
 
     Use it for memory kvbridge cannot inspect (another framework's allocation). As a tensor it is a
-    1-D uint8 array: describe layers on it with :class:`kvbridge.describe.Strided`."""
+    1-D uint8 array of ``nbytes``: give it to :meth:`KVMemory.from_buffer <kvbridge.memory.KVMemory.from_buffer>`
+    (kvbridge's default layout placed in it)."""
 
     addr: int
     nbytes: int
@@ -43,12 +45,12 @@ class TensorInfo:
         return self.alloc_addr + self.alloc_nbytes - self.addr
 
 
-def is_torch_tensor(x) -> bool:
+def is_torch_tensor(x: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def tensor_info(x) -> TensorInfo:
+def tensor_info(x: Any) -> TensorInfo:
     """Describe ``x`` without copying it; raises LayoutError for anything else."""
     if isinstance(x, RawRegion):
         if x.addr <= 0 or x.nbytes <= 0:
@@ -87,7 +89,7 @@ def _device_name(device: str) -> str:
     raise LayoutError(f"device {device!r}: use 'cpu' or 'cuda:N'")
 
 
-def buffer_region(buf) -> tuple[int, int, str]:
+def buffer_region(buf: Any) -> tuple[int, int, str]:
     """``(addr, nbytes, device)`` of a contiguous buffer (numpy array or torch tensor) to register."""
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
@@ -105,4 +107,6 @@ def buffer_region(buf) -> tuple[int, int, str]:
 def host_view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy view of host memory ``[addr, addr+nbytes)`` (no copy, nothing touched)."""
     import ctypes
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+    raw = (ctypes.c_uint8 * nbytes).from_address(addr)
+    view: np.ndarray = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
+    return view

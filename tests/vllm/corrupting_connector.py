@@ -8,7 +8,10 @@ Load it like the real one, with ``"kv_connector": "CorruptingKVBridgeConnector",
 * ``"corrupt": true`` — every received request;
 * ``"corrupt": "<text>"`` — only requests whose vLLM request id contains ``<text>`` (the router sets the
   id with an ``X-Request-Id`` header), so one engine serves clean and corrupted requests;
-* absent / false — behaves exactly like ``KVBridgeConnector``.
+* absent / false — behaves exactly like ``KVBridgeConnector``;
+* ``"corrupt_layers": "draft"`` — only the speculative draft's layers (EAGLE / MTP layers numbered after the
+  target's, a separate draft model's ``draft_model.*`` layers): the target's KV stays right, so the tokens
+  stay equal and only the draft's acceptance can show the corruption (tests/vllm/test_e2e_spec.py).
 
 When a read is reported done (``get_transfer_results`` → ``finished_recving``, not failed), the sign bit of
 every element of the request's received blocks, in every layer, is flipped *before* vLLM is told, i.e.
@@ -32,6 +35,8 @@ class CorruptingKVBridgeConnector(KVBridgeConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.corrupt = extra.get("corrupt", False)
+        self.corrupt_layers = extra.get("corrupt_layers", "all")
+        self.num_target_layers = int(getattr(vllm_config.model_config.hf_config, "num_hidden_layers", 0) or 0)
         self.corrupt_kv: dict = {}
         self.corrupt_blocks: dict[str, list[int]] = {}
         self.corrupted: list[str] = []
@@ -43,6 +48,11 @@ class CorruptingKVBridgeConnector(KVBridgeConnector):
 
     def register_kv_caches(self, kv_caches):
         self.corrupt_kv = dict(kv_caches)
+        if self.corrupt_layers == "draft":
+            from kvbridge.integrations.vllm.translate import layer_index
+            self.corrupt_kv = {n: t for n, t in kv_caches.items()
+                               if layer_index(n, self.num_target_layers) >= self.num_target_layers}
+            log.warning("corrupting_connector: corrupts the draft layers only: %s", sorted(self.corrupt_kv))
         super().register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata):

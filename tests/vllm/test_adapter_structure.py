@@ -1,5 +1,6 @@
 """The vLLM adapter is thin: it reaches kvbridge only through the public ``kvbridge`` API (names in
-``kvbridge.__all__``), never through its modules; it is split by role; the layout translation is pure.
+``kvbridge.__all__``, and the public modules ``kvbridge.integrations`` / ``failures`` / ``modes``), never
+through its other modules; it is split by role; the layout translation is pure.
 Read from the source (AST): runs without vLLM."""
 from __future__ import annotations
 
@@ -21,13 +22,23 @@ def test_the_adapter_is_a_package_split_by_role():
     assert not (PKG.parent / "vllm.py").exists()
 
 
+# kvbridge's public modules besides the package itself
+PUBLIC_MODULES = ("kvbridge.integrations", "kvbridge.failures", "kvbridge.modes")
+
+
 def test_the_adapter_imports_only_the_public_kvbridge_api():
     bad = []
     for path in _modules():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvbridge"):
-                bad.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
+                if node.module == "kvbridge":
+                    bad += [f"{path.name}:{node.lineno}: from kvbridge import {a.name}: not in kvbridge.__all__"
+                            for a in node.names if a.name not in kvbridge.__all__]
+                elif node.module not in PUBLIC_MODULES:
+                    bad.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
+            elif isinstance(node, ast.ImportFrom) and node.level >= 3:  # above kvbridge.integrations
+                bad.append(f"{path.name}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
             elif isinstance(node, ast.Import):
                 bad += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names
                         if a.name.startswith("kvbridge.")]

@@ -62,8 +62,12 @@ def test_side_channel_host_per_node():
     ``"auto"`` is the address vLLM discovers for this node."""
     assert side_channel_host({}, {}) == "127.0.0.1"
     assert side_channel_host({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.9"}) == "10.0.0.9"
-    assert side_channel_host({"side_channel_host": "10.0.0.1"}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.9"}) == "10.0.0.1"
-    assert side_channel_host({"side_channel_host": "10.0.0.1"}, {"KVBRIDGE_SIDE_CHANNEL_HOST": "10.0.0.2"}) == "10.0.0.2"
+    assert (
+        side_channel_host({"side_channel_host": "10.0.0.1"}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.9"}) == "10.0.0.1"
+    )
+    assert (
+        side_channel_host({"side_channel_host": "10.0.0.1"}, {"KVBRIDGE_SIDE_CHANNEL_HOST": "10.0.0.2"}) == "10.0.0.2"
+    )
     auto = side_channel_host({"side_channel_host": "auto"}, {})
     socket.inet_pton(socket.AF_INET6 if ":" in auto else socket.AF_INET, auto)  # an address, not a name
 
@@ -142,10 +146,12 @@ def test_decode_timeouts_from_the_extra_config_reach_the_endpoint():
         kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
         kv_role="kv_consumer", engine_id="d", kv_connector_extra_config=extra))
     c = ConnectorConfig.from_vllm(cfg, environ={})
-    assert c.decode_options == {"connect_timeout_s": 240.0, "stage_timeout_s": 90.0, "handshake_timeout_s": 7.5}
     from kvbridge.runtime.config import DecodeConfig
 
-    assert DecodeConfig.from_mapping(c.decode_options).connect_timeout_s == 240.0
+    # typed, the connector's own default for register_grace_s kept; lease_s is the prefill's
+    assert c.decode == DecodeConfig(connect_timeout_s=240.0, stage_timeout_s=90.0, handshake_timeout_s=7.5,
+                                    register_grace_s=5.0)
+    assert c.prefill.lease_s == c.lease_s == 3.0
 
 
 # ---------------------------------------------------------------------- worker side, over NIXL

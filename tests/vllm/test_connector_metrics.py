@@ -14,7 +14,7 @@ from sched_utils import TINY_LLAMA, make_vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 
 from kvbridge.integrations.vllm import KVBridgeStats  # noqa: E402
-from kvbridge.integrations.vllm.stats import StatsDelta  # noqa: E402
+from kvbridge.integrations.vllm.stats import StatsDelta, link_rows  # noqa: E402
 
 
 def test_worker_stats_aggregate_counters_and_observations_never_quantiles():
@@ -30,6 +30,38 @@ def test_worker_stats_aggregate_counters_and_observations_never_quantiles():
     r = total.reduce()
     assert r["reads_timed"] == 3 and r["read_ms_p50"] == 20.0 and r["read_ms_p90"] == 200.0
     assert all(not isinstance(v, list) for v in r.values())
+    # phase durations travel as observations too: the logged median is over every worker's reads
+    p1 = w1({"reads_done": 3}, [], [("decode:grant", 0.001), ("decode:grant", 0.003)])
+    p2 = w2({"reads_done": 2}, [], [("decode:grant", 0.002), ("prefill:acquire", 0.0001)])
+    r = KVBridgeStats(data={}).aggregate(p1).aggregate(p2).reduce()
+    assert r["decode:grant_ms_p50"] == 2.0 and r["prefill:acquire_ms_p50"] == 0.1
+
+
+def test_link_rows_are_reported_when_a_handshake_or_a_warning_changes_them():
+    """A decode worker's links (``DecodeEndpoint.links()``) become one row per path; the worker asks for them
+    only when a handshake completed or a link was warned degraded, and reports them only when they differ."""
+    figs = {"gbps": 5.5, "us_per_desc": 2.2, "factor": 1.0, "last_gbps": 0.0, "measured": True}
+    links = {"pre": {"(0, 1)": {"chosen": "host", "warning": "",
+                                "paths": {"direct": figs, "host": {**figs, "gbps": 9.0, "measured": False}}}}}
+    rows = link_rows((0, 0), links)
+    assert rows == [["pp0tp0", "pre", "pp0tp1", "direct", 0, 5.5, 2.2, 0, 1],
+                    ["pp0tp0", "pre", "pp0tp1", "host", 1, 9.0, 2.2, 0, 0]]
+    asked = []
+
+    def ask():
+        asked.append(1)
+        return link_rows((0, 0), links)
+
+    d = StatsDelta()
+    assert d({"decode_handshakes": 1}, links=ask).data["links"] == rows
+    assert d({"decode_handshakes": 1, "reads_done": 1}, links=ask).data == {"reads_done": 1} and len(asked) == 1
+    assert d({"decode_handshakes": 2, "reads_done": 1}, links=ask).data == {"decode_handshakes": 1}
+    assert len(asked) == 2  # a second handshake with the same figures: asked, nothing new reported
+    links["pre"]["(0, 1)"]["warning"] = "degraded"
+    got = d({"decode_handshakes": 2, "decode_degraded_links": 1, "reads_done": 1}, links=ask).data["links"]
+    assert [row[7] for row in got] == [1, 1]
+    total = KVBridgeStats(data={}).aggregate(d({"decode_handshakes": 3}, links=lambda: rows))
+    assert "links" not in total.reduce()  # the log line has the counters only
 
 
 def _sample(text: str, name: str, **labels) -> float:
@@ -65,9 +97,30 @@ def test_vllms_prometheus_plumbing_exports_kvbridge_figures_from_a_real_run():
     assert _sample(text, "vllm:kvbridge_read_seconds_count", **eng) == 3
     assert _sample(text, "vllm:kvbridge_read_seconds_sum", **eng) > 0
     assert _sample(text, "vllm:kvbridge_transfer_bytes_total", **eng) == r.stats["decode_transfer_bytes"] > 0
+    # the path each read took, and the degraded-link warnings (link-aware paths)
+    for key in ("staged_transfers", "host_staged_transfers", "degraded_links"):
+        assert _sample(text, f"vllm:kvbridge_{key}_total", **eng) == r.stats.get(f"decode_{key}", 0)
     assert _sample(text, "vllm:kvbridge_leases_freed_total", **eng) == 3 * 2  # every request on both prefill ranks
     assert _sample(text, "vllm:kvbridge_reads_failed_total", reason="LeaseExpired", **eng) == 2
     assert _sample(text, "vllm:kvbridge_reads_failed_total", reason="PeerDisconnected", **eng) == 1
+    # each read's phases, both sides: one decode "report" per read, the prefill's pins held until Done
+    assert _sample(text, "vllm:kvbridge_phase_seconds_count", phase="decode:report", **eng) == 3
+    assert _sample(text, "vllm:kvbridge_phase_seconds_count", phase="decode:grant", **eng) == 3
+    assert _sample(text, "vllm:kvbridge_phase_seconds_count", phase="prefill:pin_held", **eng) >= 3
+    # per link (decode rank, prefill engine and rank, path): the chosen path, measured GB/s and µs per
+    # descriptor, as the decode worker measured them at handshake; one chosen path per prefill rank
+    rows = r.stats["links"]
+    assert {(row[0], row[1], row[2]) for row in rows} == {("pp0tp0", "prefill-e", "pp0tp0"),
+                                                          ("pp0tp0", "prefill-e", "pp0tp1")}
+    for d, peer, p, path, chosen, gbps, us, degraded, measured in rows:
+        lab = dict(decode_rank=d, peer=peer, prefill_rank=p, path=path, **eng)
+        assert _sample(text, "vllm:kvbridge_link_chosen", **lab) == chosen
+        assert _sample(text, "vllm:kvbridge_link_gbps", **lab) == gbps > 0
+        assert _sample(text, "vllm:kvbridge_link_us_per_desc", **lab) == us >= 0
+        assert _sample(text, "vllm:kvbridge_link_degraded", **lab) == degraded
+        assert _sample(text, "vllm:kvbridge_link_measured", **lab) == measured
+    for p in ("pp0tp0", "pp0tp1"):
+        assert sum(row[4] for row in rows if row[2] == p) == 1
 
 
 def test_worker_counters_read_directly_name_what_the_endpoints_stats_name():

@@ -4,6 +4,7 @@ unavailable NIXL backends, KV-cache spec kinds it does not move, a decode whose 
 from the prefill's."""
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -29,7 +30,7 @@ def _cfg(extra=None, role="kv_both"):
 
 
 # ---------------------------------------------------------------------- context parallelism
-# (issue 21: supported; what vLLM's groups cannot form, or kvbridge cannot move, is refused by name)
+# (supported; what vLLM's groups cannot form, or kvbridge cannot move, is refused by name)
 @pytest.mark.parametrize("setting", ["prefill_context_parallel_size", "decode_context_parallel_size"])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_a_context_parallel_engine_is_supported(setting, role):
@@ -76,6 +77,38 @@ def test_backends_and_num_threads_are_read_from_the_extra_config():
             ConnectorConfig.from_vllm(_cfg({"backends": bad}), environ={})
     with pytest.raises(VLLMConfigError, match="num_threads"):
         ConnectorConfig.from_vllm(_cfg({"num_threads": 0}), environ={})
+
+
+def test_endpoint_options_from_the_extra_config_are_typed_and_checked():
+    """Keys naming PrefillConfig / DecodeConfig options configure the endpoints (converted, checked, named
+    when bad); lease_grace_s is register_grace_s under another name; unknown keys are left to subclasses."""
+    c = ConnectorConfig.from_vllm(_cfg({"lease_s": "12", "pin_s": 50, "lease_grace_s": 1.5, "transfer_mode": "staged",
+                                        "staging_bytes": 0, "corrupt": True}), environ={})
+    assert (c.prefill.lease_s, c.prefill.pin_s, c.prefill.staging_bytes) == (12.0, 50.0, 0)
+    assert (c.decode.register_grace_s, c.decode.transfer_mode, c.decode.staging_bytes) == (1.5, "staged", 0)
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode.register_grace_s == 5.0  # the connector's default
+    assert c.prefill_config((0, 0)) == dataclasses.replace(c.prefill, host=c.host, port=c.port)
+    for extra, words in (({"lease_s": "soon"}, "PrefillConfig.lease_s must be float"),
+                         ({"transfer_mode": "fast"}, "transfer_mode must be one of auto, direct, staged"),
+                         ({"lease_grace_s": 1, "register_grace_s": 2}, "both lease_grace_s and register_grace_s")):
+        with pytest.raises(VLLMConfigError, match=words):
+            ConnectorConfig.from_vllm(_cfg(extra), environ={})
+
+
+def test_transfer_params_round_trip_and_refuse_bad_values():
+    from kvbridge.errors import RequestError
+    from kvbridge.integrations.vllm.config import TransferParams
+
+    p = TransferParams(do_remote_prefill=True, remote_engine_id="e_dp1", remote_host="10.0.0.2", remote_port=7002,
+                       remote_block_ids=[[1, 2], [3]], remote_request_id="r", remote_num_tokens=40, remote_tp_size=2,
+                       remote_attempt=5)
+    d = p.to_dict()
+    assert TransferParams.from_dict({**d, "_kvbridge_truncated": True, "other": 1}) == p
+    assert TransferParams.from_dict({**d, "remote_port": "7002"}).remote_port == 7002
+    assert p.readable and not TransferParams().readable
+    assert p.endpoints() == {(0, 0): "10.0.0.2:7002", (0, 1): "10.0.0.2:7003"}
+    with pytest.raises(RequestError, match="remote_block_ids"):
+        TransferParams.from_dict({**d, "remote_block_ids": "1,2"})
 
 
 def _build_in_child(extra, role, model=None, side=None):

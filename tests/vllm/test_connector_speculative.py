@@ -3,6 +3,11 @@
 * Every ``KVCacheSpec`` class vLLM 0.33 defines is supported or refused by name (a new one fails here).
 * A draft model's layers (EAGLE, DeepSeek MTP: ``model.layers.{num_hidden_layers + i}``, the target's spec)
   travel with the target's, byte-exact over NIXL on vLLM's own tensors.
+* A separate draft model's layers (``method: "draft_model"``: vLLM names them
+  ``draft_model.model.layers.{i}``) are numbered after the target's; with the target's KV shape they join the
+  target's group, with another shape (vLLM still keeps them in the target's group, a
+  ``UniformTypeKVCacheSpecs``) they get their own kvbridge group on the same block ids, byte-exact across TP and
+  block-size changes.
 * A decode whose speculative config differs from the prefill's is refused at the request's first read with
   :class:`SpeculativeConfigMismatch` (failed_recving), and a multi-module MTP prefill keeps its lookahead
   window off the KV it hands over, as vLLM's NixlConnector does.
@@ -29,7 +34,7 @@ from kvbridge.integrations.vllm import (  # noqa: E402
     engine_from_vllm,
     speculative_fingerprint,
 )
-from kvbridge.integrations.vllm.translate import prefill_backoff, spec_kind  # noqa: E402
+from kvbridge.integrations.vllm.translate import block_sources, layer_index, prefill_backoff, spec_kind  # noqa: E402
 
 
 def _all_spec_classes():
@@ -76,6 +81,58 @@ def test_draft_layers_join_the_targets_group_and_are_described():
     assert g.layers == (0, 1, 2)
 
 
+def test_a_separate_draft_models_layers_are_numbered_after_the_targets():
+    """vLLM's DraftModelProposer loads the draft as ``draft_model.model.layers.{i}``, counting from 0 like the
+    target: its layers become model layers 2.. of a 2-layer target, in the target's group (same KV shape)."""
+    model = with_draft_layers(llama(2), 2, kind="draft_model")
+    cfg, kvc, kv = _engine(model, Side(1, 1, 16), DraftConfig(method="draft_model"))
+    assert "draft_model.model.layers.0.self_attn.attn" in kv
+    engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, 0))
+    assert names == ["g0"] and sorted(layers) == [0, 1, 2, 3] and engine.model.num_layers == 4
+    (g,) = engine.model.groups
+    assert g.layers == (0, 1, 2, 3)
+    # each model layer is described by its own tensor (not the target's layer with the same number)
+    assert layers[2].tensor.data_ptr() == kv["draft_model.model.layers.0.self_attn.attn"].data_ptr()
+    assert layers[0].tensor.data_ptr() == kv["model.layers.0.self_attn.attn"].data_ptr()
+    assert layer_index("draft_model.model.layers.1.self_attn.attn", 2) == 3
+    with pytest.raises(ValueError, match="draft model's layer"):
+        layer_index("draft_model.model.layers.1.self_attn.attn")
+
+
+@pytest.mark.parametrize("tp,shape,heads", [(2, ("full", 4, 64), 4), (2, ("full", 1, 128), 1)])
+def test_a_draft_model_of_another_kv_shape_gets_its_own_group_on_the_same_block_ids(tp, shape, heads):
+    """A draft with 4 KV heads (or 1 KV head of size 128, replicated at TP 2) next to a target with 2 of size
+    64: vLLM keeps them in one group (one block table, per-layer specs); kvbridge describes the draft layer
+    as its own group ``g0-draft`` with the draft's heads, fed the same block ids."""
+    model = with_draft_layers(llama(2), 1, shape=shape, kind="draft_model")
+    spec = DraftConfig(method="draft_model", hf_config={"num_key_value_heads": heads})
+    cfg, kvc, kv = _engine(model, Side(tp, 1, 16), spec, rank=(0, 1))
+    (vg,) = kvc.kv_cache_groups
+    assert type(vg.kv_cache_spec).__name__ == "UniformTypeKVCacheSpecs"  # what vLLM does with such a draft
+    engine, names, layers = engine_from_vllm(cfg, kvc, kv, (0, 1))
+    assert names == ["g0"]
+    g0, gd = engine.model.groups
+    assert (g0.name, g0.layers, g0.num_heads, g0.head_dim) == ("g0", (0, 1), 2, 64)
+    assert (gd.name, gd.layers, gd.num_heads, gd.head_dim) == ("g0-draft", (2,), heads, shape[2])
+    assert block_sources(names, engine.model.groups) == {"g0": 0, "g0-draft": 0}
+    # without the draft config's KV heads, 1 head per rank at TP 2 is ambiguous: refused by name
+    if shape[1] == 1:
+        cfg.speculative_config = DraftConfig(method="draft_model")
+        with pytest.raises(VLLMConfigError, match="1 KV head per rank at tp=2"):
+            engine_from_vllm(cfg, kvc, kv, (0, 1))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+def test_draft_layers_with_pipeline_parallelism_are_refused_by_name(kind):
+    """PP 2: the draft's layers live on the last stage; kvbridge moves draft KV at PP 1 only (typed)."""
+    model = with_draft_layers(llama(2), 1, kind=kind)
+    cfg = make_vllm_config(tempfile.mkdtemp(), model.hf, block_size=16, max_model_len=512)
+    cfg.speculative_config = DraftConfig(method=kind)
+    kvc, kv = plan_and_allocate(cfg, model, Side(1, 2, 16), (1, 0))
+    with pytest.raises(VLLMConfigError, match=r"draft-model layers \[2\] with pipeline parallelism"):
+        engine_from_vllm(cfg, kvc, kv, (1, 0))
+
+
 def test_draft_layers_without_a_speculative_config_are_refused_by_name():
     model = with_draft_layers(llama(2), 1)
     cfg, kvc, kv = _engine(model, Side(1, 1, 16), None)
@@ -119,6 +176,29 @@ def test_draft_model_kv_travels_with_the_targets_byte_exact(name):
     # the draft layer was checked too: 3 layers' worth of values
     r2 = run_pair(base, Side(2, 1, 16), Side(1, 1, 16), requests=((60, 0), (33, 1)))
     assert r.checked == r2.checked * 3 // 2
+
+
+@pytest.mark.parametrize("name", ["draft4heads-tp2-b16-to-tp1-b32", "draft1head128-tp1-to-tp2"])
+def test_a_separate_draft_models_kv_travels_byte_exact_in_its_own_group(name):
+    """``method: "draft_model"``, draft KV shape unlike the target's (4 KV heads, or 1 KV head of size 128
+    replicated at TP 2), across a TP change and (packed form) a block-size change: every layer's values
+    read byte-exact, the draft layer's included (it holds the values of its own model layer, 2)."""
+    pytest.importorskip("nixl._api")
+    from worker_harness import run_pair
+
+    if name.startswith("draft4"):
+        shape, heads, P, D = ("full", 4, 64), 4, Side(2, 1, 16), Side(1, 1, 32)
+        ratio = (2 * 2 + 4) / (2 * 2)  # decode TP1: 2 layers x 2 heads, then 4 draft heads
+    else:
+        shape, heads, P, D = ("full", 1, 128), 1, Side(1, 1, 16), Side(2, 1, 16)
+        ratio = (2 * 2 * 64 + 2 * 128) / (2 * 2 * 64)  # decode TP2: each rank checks its target head and the draft's
+    model = with_draft_layers(llama(2), 1, shape=shape, kind="draft_model")
+    spec = DraftConfig(method="draft_model", model="tiny-draft", hf_config={"num_key_value_heads": heads})
+    r = run_pair(model, P, D, requests=((60, 0), (33, 1)), specs=(spec, spec))
+    assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2"] and r.sent == ["req-1", "req-2"]
+    assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
+    r2 = run_pair(llama(2), P, D, requests=((60, 0), (33, 1)))
+    assert r2.bad == 0 and r.checked == r2.checked * ratio
 
 
 def test_a_decode_with_another_speculative_config_is_refused_typed():

@@ -36,8 +36,16 @@ def test_prefill_data_parallel_2_to_decode_and_kvbridge_metrics(tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (150, 40, 260, 90)]
     with EngineSet(tmp_path / "logs") as es:
-        p = es.start(EngineSpec("prefill-dp2", model, dtype=DTYPE, block_size=128, extra_args=[
-            "--data-parallel-size", "2"], kv_transfer_config=kv_config("prefill", "kv_producer", port=base, lease_s=600)))
+        p = es.start(
+            EngineSpec(
+                "prefill-dp2",
+                model,
+                dtype=DTYPE,
+                block_size=128,
+                extra_args=["--data-parallel-size", "2"],
+                kv_transfer_config=kv_config("prefill", "kv_producer", port=base, lease_s=600),
+            )
+        )
         # generous bounds: in one of ~10 runs on this 2-core machine the decode worker's handshake thread got
         # almost no CPU for ~100 s while vLLM's own threads busy-waited (the log named the step: "lowering the
         # plan" 96 s, a few ms of work); this test checks DP routing and counters, not latency

@@ -77,6 +77,9 @@ class Model:
     # {2: ("full", 2, 64)} on a 2-layer model, also in ``layers`` (with_draft_layers); the engines get a
     # speculative config (DraftConfig)
     drafts: dict = field(default_factory=dict)
+    # "draft_model": the drafts are a separate draft model's layers, named as vLLM's DraftModelProposer loads
+    # them ("draft_model.model.layers.{i - num_layers}..."); else EAGLE / MTP names ("model.layers.{i}...")
+    draft_kind: str = "eagle"
 
     @property
     def num_layers(self) -> int:
@@ -97,13 +100,14 @@ class DraftConfig:
     kv_cache_dtype: str | None = None
     revision: str | None = None
     code_revision: str | None = None
+    hf_config: dict | None = None  # the draft model's config (its KV heads), as draft_model_config.hf_config
 
     @property
     def draft_model_config(self):
         return self
 
     def use_eagle(self) -> bool:
-        return True
+        return self.method != "draft_model"
 
     def use_multi_module_mtp(self) -> bool:
         return self.multi_module_mtp
@@ -115,7 +119,7 @@ class DraftConfig:
         return False
 
     def uses_draft_model(self) -> bool:
-        return False
+        return self.method == "draft_model"
 
     def use_eagle_block_drop(self) -> bool:  # the scheduler's prefix-cache tail drop, not the connector's
         return False
@@ -130,15 +134,18 @@ def llama(num_kv_heads: int, num_layers: int = 2, head_dim: int = 64) -> Model:
     return Model(hf, {i: ("full", num_kv_heads, head_dim) for i in range(num_layers)})
 
 
-def with_draft_layers(model: Model, n: int = 1) -> Model:
-    """``model`` served with a draft model of ``n`` layers shaped like its layer 0 (EAGLE / MTP: vLLM names
-    them ``model.layers.{num_hidden_layers + i}``; same spec as the target's, so in the target's group)."""
+def with_draft_layers(model: Model, n: int = 1, shape: tuple | None = None, kind: str = "eagle") -> Model:
+    """``model`` served with a draft model of ``n`` layers shaped like its layer 0 or like ``shape`` (kind,
+    KV heads, head size). ``kind`` "eagle" (EAGLE / MTP: vLLM names them ``model.layers.{num_hidden_layers + i}``)
+    or "draft_model" (a separate draft model: ``draft_model.model.layers.{i}``). Same spec as the target's:
+    in the target's vLLM group; another KV shape of the same kind: in that group too, with its own spec."""
     import copy
 
     m = copy.deepcopy(model)
     for i in range(n):
-        m.drafts[m.num_layers + i] = m.layers[min(m.layers)]
+        m.drafts[m.num_layers + i] = shape or m.layers[min(m.layers)]
     m.layers.update(m.drafts)
+    m.draft_kind = kind
     return m
 
 
@@ -206,7 +213,15 @@ def free_port_base(n: int) -> int:
 def layer_name(i: int, model: Model | None = None) -> str:
     if model is not None and model.layers[i][0] == "mamba":
         return f"model.layers.{i}.mixer"  # Nemotron-H's MambaMixer2 prefix
+    if model is not None and i in model.drafts and model.draft_kind == "draft_model":
+        return f"draft_model.model.layers.{i - model.num_layers}.self_attn.attn"
     return f"model.layers.{i}.self_attn.attn"
+
+
+def layer_of(name: str, model: Model) -> int:
+    """The model layer of a vLLM layer name (:func:`layer_name`'s inverse)."""
+    i = int(name.split("layers.")[1].split(".")[0])
+    return model.num_layers + i if name.startswith("draft_model.") else i
 
 
 def _mamba_state(cfg, model: Model, side: Side) -> tuple[tuple, tuple]:
@@ -259,7 +274,7 @@ def _specs(model: Model, side: Side, stage: int, dtype=torch.bfloat16, cfg=None)
         e += len(model.drafts)  # the draft model's layers live with the last stage
     out = _specs_of_layers(model, side, range(s, e), dtype, cfg)
     for name in out:
-        if int(name.split(".")[2]) in model.drafts:  # as vLLM's model runner marks a drafter's layers
+        if layer_of(name, model) in model.drafts:  # as vLLM's model runner marks a drafter's layers
             out[name] = dataclasses.replace(out[name], is_draft=True)
     return out
 
@@ -283,12 +298,19 @@ def _specs_of_layers(model: Model, side: Side, layers, dtype, cfg) -> dict:
             out[layer_name(i, model)] = dataclasses.replace(spec, num_prefill_checkpoint_blocks=1,
                                                             prefill_checkpoint_alignment=1)
         elif kind == "mla":
-            out[layer_name(i)] = MLAAttentionSpec(block_size=side.block_size, num_kv_heads=1, head_size=hs, dtype=dtype)
+            out[layer_name(i, model)] = MLAAttentionSpec(
+                block_size=side.block_size, num_kv_heads=1, head_size=hs, dtype=dtype
+            )
         elif kind == "sliding":
-            out[layer_name(i)] = SlidingWindowSpec(block_size=side.block_size, num_kv_heads=per_rank, head_size=hs,
-                                                   dtype=dtype, sliding_window=model.window)
+            out[layer_name(i, model)] = SlidingWindowSpec(
+                block_size=side.block_size,
+                num_kv_heads=per_rank,
+                head_size=hs,
+                dtype=dtype,
+                sliding_window=model.window,
+            )
         else:
-            out[layer_name(i)] = FullAttentionSpec(block_size=block_size, num_kv_heads=per_rank, head_size=hs,
+            out[layer_name(i, model)] = FullAttentionSpec(block_size=block_size, num_kv_heads=per_rank, head_size=hs,
                                                    dtype=dtype)
     return out
 
@@ -351,10 +373,12 @@ def _values(req: int, layer: int, tok, head, c):
     return (v - 32760).to(torch.int16)
 
 
-def _cells(model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids, first: int, t0: int, t1: int, req: int):
+def _cells(
+    model: Model, side: Side, kvc, layer: int, t: torch.Tensor, rank, ids, first: int, t0: int, t1: int, req: int
+):
     """(view, block idx, token-in-block idx, expected values) for tokens [t0, t1) of one layer."""
     kind, heads, hs = model.layers[layer]
-    bs = kvc.kv_cache_groups[_group_of(kvc, layer)].kv_cache_spec.block_size
+    bs = kvc.kv_cache_groups[_group_of(kvc, layer, model)].kv_cache_spec.block_size
     tok = torch.arange(t0, t1)
     tp_rank = rank[1] % side.tp
     if side.dcp > 1:  # vLLM's slot mapping (the oracle's copy of its kernel): this DCP rank's tokens only
@@ -443,8 +467,8 @@ def _state_io(model: Model, side: Side, kvc, t, g: int):
     return conv, ssm.view(torch.int32)
 
 
-def _group_of(kvc, layer: int) -> int:
-    return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(int(n.split(".")[2]) == layer for n in g.layer_names))
+def _group_of(kvc, layer: int, model: Model) -> int:
+    return next(i for i, g in enumerate(kvc.kv_cache_groups) if any(layer_of(n, model) == layer for n in g.layer_names))
 
 
 def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, extra=None, spec=None):
@@ -455,8 +479,8 @@ def prefill_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ex
         cmd, reqs = conn_pipe.recv()  # {rid: (req no, num_tokens, [ids per group], attempt)}
         for _rid, (no, n, ids, _) in reqs.items():
             for lname, t in kv.items():
-                layer = int(lname.split(".")[2])
-                g = _group_of(kvc, layer)
+                layer = layer_of(lname, model)
+                g = _group_of(kvc, layer, model)
                 if model.layers[layer][0] == "mamba":  # the request's state slot
                     conv, ssm = _state_io(model, side, kvc, t, g)
                     want_c, want_s = _state_values(model, side, rank, no, layer)
@@ -516,8 +540,8 @@ def decode_main(conn_pipe, model, side, rank, engine_id, port, tmp, dp=None, ext
                 continue
             n = int(r.remote["remote_num_tokens"])
             for lname, t in kv.items():
-                layer = int(lname.split(".")[2])
-                g = _group_of(kvc, layer)
+                layer = layer_of(lname, model)
+                g = _group_of(kvc, layer, model)
                 if model.layers[layer][0] == "mamba":  # the state slot: every conv and ssm element
                     conv, ssm = _state_io(model, side, kvc, t, g)
                     want_c, want_s = _state_values(model, side, rank, no, layer)
@@ -596,8 +620,11 @@ def run_pair(model: Model, P: Side, D: Side, *, requests=((130, 0), (37, 1), (30
     try:
         for rank in P.ranks():
             a, b = ctx.Pipe()
-            pr = ctx.Process(target=prefill_main, args=(b, model, P, rank, "prefill-e", base, tmp, None, extra, specs[0]),
-                             daemon=True)
+            pr = ctx.Process(
+                target=prefill_main,
+                args=(b, model, P, rank, "prefill-e", base, tmp, None, extra, specs[0]),
+                daemon=True,
+            )
             pr.start()
             procs.append(pr)
             pipes_p[rank] = a
@@ -695,7 +722,7 @@ def _group_block_sizes(model: Model, side: Side) -> list[tuple[str, int]]:
     specs_all = [_specs(model, side, st, cfg=cfg) for st in range(side.pp)]
     groups = get_global_kv_cache_groups(cfg, specs_all)
     kvc = get_kv_cache_configs(cfg, specs_all, [BUDGET] * side.pp, groups)[0]
-    kinds = [model.layers[int(g.layer_names[0].split(".")[2])][0] for g in kvc.kv_cache_groups]
+    kinds = [model.layers[layer_of(g.layer_names[0], model)][0] for g in kvc.kv_cache_groups]
     return [(k, side.sched_block_size(k, g.kv_cache_spec.block_size)) for k, g in zip(kinds, kvc.kv_cache_groups)]
 
 

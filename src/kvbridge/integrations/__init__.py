@@ -1,1 +1,18 @@
-"""Engine integrations (each imported only by its engine)."""
+"""Helpers for engine integrations, and the integrations themselves (:mod:`kvbridge.integrations.vllm`).
+
+* :func:`from_hf_config` -- a Hugging Face ``config.json`` as a :class:`~kvbridge.ModelSpec`
+  (:class:`ConfigImportError` names what it cannot read);
+* :class:`CacheGroup`, :class:`MambaSpec`, :func:`dtype_size` -- to describe an engine's KV-cache groups
+  when its own config says more than the model's (an engine's cache planner, a draft model);
+* :func:`nixl_transport` -- an endpoint's NIXL transport with chosen backends and threads.
+
+Importing this module pulls in neither ZMQ, NIXL, torch nor an engine.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigImportError
+from ..layout import CacheGroup, MambaSpec, dtype_size
+from ..models import from_hf_config
+from ..runtime.server import nixl_transport
+
+__all__ = ["from_hf_config", "ConfigImportError", "CacheGroup", "MambaSpec", "dtype_size", "nixl_transport"]

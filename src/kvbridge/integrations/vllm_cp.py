@@ -1,4 +1,4 @@
-"""vLLM 0.33's context parallelism -> kvbridge's CP settings (issue 21). Pure translation: no engine, no
+"""vLLM 0.33's context parallelism -> kvbridge's CP settings. Pure translation: no engine, no
 process groups needed (the worker passes its ranks); vllm is imported only by :func:`cp_from_worker` and,
 if installed, for ``resolve_dcp_kv_block_size`` in :func:`check_cp_against_vllm`.
 
@@ -22,7 +22,9 @@ Use (connector, worker side, once the process groups exist)::
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..layout import ContextParallelError, EngineLayout
 
@@ -63,12 +65,14 @@ class VLLMCPSettings:
         """The kvbridge rank ``(pp_rank, stage_rank)`` of this worker."""
         return (pp_rank, self.stage_rank)
 
-    def engine_kwargs(self) -> dict:
+    def engine_kwargs(self) -> dict[str, int]:
         """``EngineLayout`` keyword arguments: ``pcp``, ``dcp``, ``cp_interleave``."""
         return {"pcp": self.pcp, "dcp": self.dcp, "cp_interleave": self.cp_interleave}
 
 
-def cp_from_vllm(parallel_config, *, tp_rank: int, pcp_rank: int = 0, dcp_rank: int | None = None) -> VLLMCPSettings:
+def cp_from_vllm(
+    parallel_config: Any, *, tp_rank: int, pcp_rank: int = 0, dcp_rank: int | None = None
+) -> VLLMCPSettings:
     """kvbridge's CP settings from vLLM's ``ParallelConfig`` and this worker's ranks. ``dcp_rank``: the
     worker's rank in its DCP group as vLLM built it (``get_dcp_group().rank_in_group``); given, it must
     match vLLM's group rule, else :class:`VLLMContextParallelError`."""
@@ -97,7 +101,7 @@ def cp_from_vllm(parallel_config, *, tp_rank: int, pcp_rank: int = 0, dcp_rank: 
     return VLLMCPSettings(tp, pcp, dcp, il, int(tp_rank), int(pcp_rank), expect)
 
 
-def cp_from_worker(vllm_config) -> VLLMCPSettings:
+def cp_from_worker(vllm_config: Any) -> VLLMCPSettings:
     """:func:`cp_from_vllm` with the ranks taken from vLLM's process groups (worker side, after
     ``initialize_model_parallel``); ranks 0 where a group does not exist (PCP/DCP size 1)."""
     from vllm.distributed import parallel_state as ps
@@ -110,15 +114,16 @@ def cp_from_worker(vllm_config) -> VLLMCPSettings:
     return cp_from_vllm(pc, tp_rank=tp_rank, pcp_rank=pcp_rank, dcp_rank=dcp_rank)
 
 
-def _spec(group):
+def _spec(group: Any) -> Any:
     """The (first) layer spec of a vLLM KV-cache group (UniformTypeKVCacheSpecs holds one per layer)."""
     spec = group.kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)
     return next(iter(inner.values())) if inner else spec
 
 
-def check_cp_against_vllm(engine: EngineLayout, kv_cache_config, group_names, *, tensor_tokens: dict | None = None,
-                          scheduler_block_sizes: dict | None = None) -> None:
+def check_cp_against_vllm(engine: EngineLayout, kv_cache_config: Any, group_names: Sequence[str], *,
+                          tensor_tokens: dict[str, int] | None = None,
+                          scheduler_block_sizes: dict[str, int] | None = None) -> None:
     """Cross-check kvbridge's CP geometry against what vLLM gives the connector; raises
     :class:`VLLMContextParallelError` naming the group and the setting on any disagreement.
 
@@ -131,8 +136,8 @@ def check_cp_against_vllm(engine: EngineLayout, kv_cache_config, group_names, *,
     try:
         from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
     except ImportError:  # the same rule, for a vLLM without it
-        def resolve_dcp_kv_block_size(spec, dcp):
-            return spec.block_size * (dcp if getattr(spec, "dcp_sharded", False) else 1)
+        def resolve_dcp_kv_block_size(spec: Any, dcp: int) -> int:
+            return int(spec.block_size) * (dcp if getattr(spec, "dcp_sharded", False) else 1)
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != len(group_names):
         raise VLLMContextParallelError(f"vLLM has {len(groups)} KV-cache groups, kvbridge {len(group_names)}")
@@ -144,7 +149,8 @@ def check_cp_against_vllm(engine: EngineLayout, kv_cache_config, group_names, *,
         if sharded != engine.token_sharded(g):
             raise VLLMContextParallelError(
                 f"{where}: vLLM {'shards' if sharded else 'does not shard'} its tokens over "
-                f"decode_context_parallel_size={engine.dcp}, kvbridge {'does' if engine.token_sharded(g) else 'does not'}"
+                f"decode_context_parallel_size={engine.dcp}, "
+                f"kvbridge {'does' if engine.token_sharded(g) else 'does not'}"
                 " (kvbridge shards every attention group with DCP, never Mamba state)")
         if not g.per_token:
             continue

@@ -1,9 +1,10 @@
-"""Typed, frozen options of a prefill and a decode rank, built from a plain mapping (a connector's extra
-config, CLI flags) with every key and value checked once, at build time.
+"""Typed, frozen options of a prefill and a decode rank: the one place their defaults are written.
 
-``PrefillRank(engine, rank, engine_id, memory=..., **PrefillConfig.from_mapping(m).kwargs())`` and the same
-for :class:`DecodeConfig` / ``DecodeRank``; an unknown key or a bad value raises :class:`ConfigError`
-naming the key, the value and what is allowed.
+A rank is built from one: ``PrefillEndpoint(engine, rank, engine_id, memory=..., config=PrefillConfig(...))``
+(or keyword options, ``PrefillEndpoint(..., lease_s=10)``, which replace fields of ``config``), and the
+same for :class:`DecodeConfig` / ``DecodeEndpoint``. :meth:`~_Config.from_mapping` builds one from a plain
+mapping (a connector's extra config, CLI flags), converting strings; an unknown key or a bad value raises
+:class:`ConfigError` naming the key, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from ..errors import KVBridgeError
+from ..errors import ConfigError
+from ..modes import AUTO, TransferMode, parse_mode
+from .lease import LEASE_S, MAX_READERS, MIN_READ_RATE, PIN_S, READER_IDLE_S
+from .probe import PROBE_BYTES, PROBE_MS
 from .protocol import STAGE_SEGMENT_BYTES
-
-
-class ConfigError(KVBridgeError, ValueError):
-    """An option of a prefill or decode rank is unknown or has a bad value."""
-
 
 T = TypeVar("T", bound="_Config")
 
@@ -28,6 +27,19 @@ class _Config:
     @classmethod
     def from_mapping(cls: type[T], m: Mapping[str, Any]) -> T:
         """Options from ``m`` (strings are converted: "30" -> 30.0); unknown keys are an error."""
+        return cls(**cls._convert(m))
+
+    @classmethod
+    def resolve(cls: type[T], config: T | None, options: Mapping[str, Any]) -> T:
+        """``config`` (None: every default) with ``options`` (a rank constructor's keyword arguments)
+        replacing its fields, converted and checked like :meth:`from_mapping`."""
+        base = config if config is not None else cls()
+        if not options:
+            return base
+        return dataclasses.replace(base, **cls._convert(options))
+
+    @classmethod
+    def _convert(cls, m: Mapping[str, Any]) -> dict[str, Any]:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(m) - set(known))
         if unknown:
@@ -46,11 +58,7 @@ class _Config:
                     values[k] = str(v)
             except (TypeError, ValueError):
                 raise ConfigError(f"{cls.__name__}.{k} must be {want}, got {v!r}") from None
-        return cls(**values)
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the rank's constructor."""
-        return dataclasses.asdict(self)
+        return values
 
     def _positive(self, *names: str, zero_ok: tuple[str, ...] = ()) -> None:
         for n in names:
@@ -63,47 +71,89 @@ class _Config:
 
 @dataclass(frozen=True)
 class PrefillConfig(_Config):
-    """Options of :class:`~kvbridge.runtime.prefill.PrefillRank` (see its docstring)."""
+    """Options of a prefill rank (:class:`~kvbridge.PrefillEndpoint`)."""
 
     host: str = "127.0.0.1"
+    """Address the side channel binds (and that decode ranks connect to)."""
     port: int = 0
-    lease_s: float = 30.0
-    pin_s: float = 120.0
+    """Side-channel port (0: any free port; the bound one is ``endpoint.port``)."""
+    lease_s: float = LEASE_S
+    """How long a request's blocks are held for readers that have not claimed them yet."""
+    pin_s: float = PIN_S
+    """Longest a reader's pin (an acquire or stage request) holds the blocks after it was made."""
     pin_idle_s: float | None = None
+    """A pin not refreshed (by its reader's heartbeats) for this long ends (None: ``lease_s``)."""
     staging_bytes: int = 64 << 20
+    """Staging buffer for staged reads, on the KV memory's device (0: none; decode ranks read directly)."""
     stage_wait_s: float = 2.0
+    """A stage request that finds the staging buffer full waits this long for space before the reader is
+    told to read directly."""
     staging_peer_share: float = 0.5
+    """Largest share of the staging buffer one decode engine's requests may hold at once, in (0, 1]."""
     lowered_cache: int = 64
+    """Lowered plans kept (one per decode layout and rank), least recently used first out."""
     lowered_per_peer: int = 16
-    max_readers: int = 4096
-    reader_idle_s: float = 60.0
+    """Lowered plans one decode engine may hold in that cache."""
+    max_readers: int = MAX_READERS
+    """Decode ranks this rank remembers (a live reader is never evicted)."""
+    reader_idle_s: float = READER_IDLE_S
+    """A reader without a live pin or message for this long may be forgotten."""
+    min_read_rate: float = MIN_READ_RATE
+    """Slowest read (bytes per second) accepted: a pin's bound grows by the request's bytes at this rate."""
 
     def __post_init__(self) -> None:
-        self._positive("lease_s", "pin_s", "pin_idle_s", "lowered_cache", "lowered_per_peer", "max_readers",
-                       "reader_idle_s", "staging_bytes", "stage_wait_s", "port", zero_ok=("staging_bytes",
-                                                                                      "stage_wait_s", "port"))
+        self._positive("lease_s", "pin_s", "pin_idle_s", "min_read_rate", "lowered_cache", "lowered_per_peer",
+                       "max_readers", "reader_idle_s", "staging_bytes", "stage_wait_s", "port",
+                       zero_ok=("staging_bytes", "stage_wait_s", "port"))
         if not 0 < self.staging_peer_share <= 1:
             raise ConfigError(f"PrefillConfig.staging_peer_share must be in (0, 1], got {self.staging_peer_share!r}")
 
 
 @dataclass(frozen=True)
 class DecodeConfig(_Config):
-    """Options of :class:`~kvbridge.runtime.decode.DecodeRank` (see its docstring)."""
+    """Options of a decode rank (:class:`~kvbridge.DecodeEndpoint`)."""
 
     handshake_timeout_s: float = 5.0
-    transfer_mode: str = "auto"
+    """Bound on each step of a handshake with one prefill rank (its metadata, its answer)."""
+    transfer_mode: TransferMode = AUTO
+    """``auto`` (the cost model picks a path per prefill rank and request), ``direct`` or ``staged``
+    (:mod:`kvbridge.modes`)."""
     staging_bytes: int = 64 << 20
+    """Staging buffer staged reads land in before their scatter (0, or ``transfer_mode="direct"``: none)."""
     stage_timeout_s: float = 10.0
+    """A staged read with no answer or segment from its prefill rank for this long fails (TransferTimeout)."""
     transfer_timeout_s: float = 120.0
+    """A posted read with no progress for this long fails (TransferTimeout)."""
     stage_segment_bytes: int = STAGE_SEGMENT_BYTES
+    """Largest segment a prefill rank packs and announces at once for a staged read."""
     post_threads: int = 1
+    """Threads that post reads to NIXL (its ``transfer()`` blocks for the whole copy on shared memory)."""
     register_grace_s: float = 2.0
+    """A read the prefill refuses because the request is not registered yet (its engine registers it when
+    its step ends) is asked again for this long."""
     connect_timeout_s: float | None = None
+    """Bound on a whole background handshake (None: ``2 * handshake_timeout_s + 5``)."""
     rehandshake_timeout_s: float = 1.0
+    """Reads re-queued after their prefill engine restarted or disconnected wait this long for it."""
+    peer_idle_s: float = 3600.0
+    """A prefill engine no read or connect asked for this long is released (side channel, NIXL agents,
+    prepared lists) and handshaken again on its next read (vLLM's NixlConnector: an hour)."""
+    max_peers: int = 1024
+    """Prefill engines kept live at most; past it the least recently used idle ones are released first."""
+    probe_ms: float = PROBE_MS
+    """Measuring time of the link probe of each prefill rank at handshake (0: no probe; the cost model's
+    constants stand in)."""
+    probe_bytes: int = PROBE_BYTES
+    """Bytes the link probe of one prefill rank moves at most."""
 
     def __post_init__(self) -> None:
-        if self.transfer_mode not in ("auto", "direct", "staged"):
-            raise ConfigError(f"DecodeConfig.transfer_mode must be auto, direct or staged, got {self.transfer_mode!r}")
+        object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))
         self._positive("handshake_timeout_s", "stage_timeout_s", "transfer_timeout_s", "stage_segment_bytes",
                        "post_threads", "register_grace_s", "connect_timeout_s", "rehandshake_timeout_s",
-                       "staging_bytes", zero_ok=("staging_bytes", "register_grace_s"))
+                       "staging_bytes", "peer_idle_s", "max_peers", "probe_ms", "probe_bytes",
+                       zero_ok=("staging_bytes", "register_grace_s", "probe_ms", "probe_bytes"))
+
+    @property
+    def connect_bound_s(self) -> float:
+        """The bound on a whole background handshake: ``connect_timeout_s``, or its default."""
+        return self.connect_timeout_s if self.connect_timeout_s is not None else 2 * self.handshake_timeout_s + 5.0

@@ -29,9 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import zmq
 
+from ..cost import CostModel
 from ..errors import (
     Aborted,
     HandshakeError,
@@ -41,23 +43,30 @@ from ..errors import (
     PeerDisconnected,
     ReadFailure,
     RequestError,
-    TransferError,
 )
 from ..layout import EngineLayout, engine_to_dict
 from ..memory import KVMemory
+from ..modes import TransferMode, TransferPath, parse_mode
 from ..plan import Rank
-from ..tensors import host_view
+from ..transport.base import Transport
+from ..transport.delayed import wrap_from_env
 from ..transport.nixl import NixlTransport
+from .config import DecodeConfig
 from .handshake import Handshaker, RemoteEngine, fetch_meta
-from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, to_host, transport_device
+from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, transport_device
 from .metrics import Metrics
+from .paths import new_host_buffer
 from .peer import Peer, PeerEvent, PeerState
 from .peers import PeerTable, Ready
-from .protocol import STAGE_SEGMENT_BYTES
+from .probe import Prober
 from .readloop import ReadLoop, queue_read
 from .readstate import Failed, ReadEvent
 from .request import InFlight, ReadRequest
 from .slots import SlotAllocator
+
+# the longest sleep of wait() while a background handshake runs / while messages wait for ZMQ to take them
+CONNECTING_POLL_S = 0.002
+UNSENT_POLL_S = 0.001
 
 __all__ = ["DecodeRank", "ReadRequest", "RemoteEngine", "Peer", "PeerState", "fetch_meta"]
 
@@ -68,19 +77,20 @@ class DecodeRank:
     """Decode side of one rank: reads requests' KV from prefill engines into the engine's KV memory
     (``memory``, a :class:`KVMemory` describing tensors the engine allocated)."""
 
-    def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, memory: KVMemory | None = None, transport=None,
-                 handshake_timeout_s: float = 5.0,
-                 transfer_mode: str = "auto", staging_bytes: int = 64 << 20, cost_model=None,
-                 stage_timeout_s: float = 10.0, transfer_timeout_s: float = 120.0,
-                 stage_segment_bytes: int = STAGE_SEGMENT_BYTES, post_threads: int = 1,
-                 register_grace_s: float = 2.0, connect_timeout_s: float | None = None,
-                 rehandshake_timeout_s: float = 1.0):
-        if transfer_mode not in ("auto", "direct", "staged"):
-            raise ValueError(f"transfer_mode must be auto, direct or staged, not {transfer_mode!r}")
-        self.engine, self.rank, self.engine_id = engine, tuple(rank), engine_id
+    def __init__(self, engine: EngineLayout, rank: Rank, engine_id: str, memory: KVMemory | None = None,
+                 transport: Transport | None = None, config: DecodeConfig | None = None,
+                 cost_model: CostModel | None = None, **options: Any) -> None:
+        """``config``: the rank's options (:class:`~kvbridge.runtime.config.DecodeConfig`; keyword
+        ``options`` replace its fields, e.g. ``transfer_mode="staged"``); ``transport``: a transport over
+        this rank's memory (default: a NIXL agent); ``cost_model``: picks a path per read in ``auto`` mode
+        (default: the measured one, :meth:`~kvbridge.cost.CostModel.load`)."""
+        cfg = self.config = DecodeConfig.resolve(config, options)
+        transfer_mode: TransferMode = cfg.transfer_mode
+        self.engine, self.rank, self.engine_id = engine, (rank[0], rank[1]), engine_id
         self.mem = check_memory(memory, engine, rank)
-        self.transport = transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}", post_threads=post_threads,
-                                                    **transport_device(self.mem))
+        self.transport = wrap_from_env(transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}",
+                                                                  post_threads=cfg.post_threads,
+                                                                  **transport_device(self.mem)))
         register_memory(self.transport, self.mem)
         # staged reads scatter on the KV memory's own device (torch ops for torch tensors, CPU or CUDA)
         self._kv = KVBytes(self.mem)
@@ -88,24 +98,30 @@ class DecodeRank:
             log.warning("decode rank %s: KV memory on %s given by address and torch is not loaded: no staged "
                         "reads (direct only); describe the memory with torch tensors to stage on the device",
                         self.rank, self.mem.device)
-            transfer_mode = "direct"
-        from ..cost import CostModel
+            transfer_mode = TransferPath.DIRECT
         self.transfer_mode = transfer_mode
-        self._requeued: set = set()  # read keys already re-queued once after a restart
-        self.ctx = zmq.Context.instance()
+        self._requeued: set[str] = set()  # read keys already re-queued once after a restart
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.metrics = Metrics()
-        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_timeout_s = cfg.handshake_timeout_s
         # the prefill peers and their lifecycle; a background handshake is bounded as a whole by
         # connect_timeout_s (default: 2 x handshake_timeout_s + 5 s); reads re-queued after their engine
-        # restarted or disconnected wait at most rehandshake_timeout_s for it
+        # restarted or disconnected wait at most rehandshake_timeout_s for it; peers unused for peer_idle_s
+        # (or past max_peers) are released and handshaken again on their next read
         self.peers = PeerTable(self.ctx, self.transport, self.metrics, self._handshaker, engine_id,
-                               float(connect_timeout_s if connect_timeout_s is not None
-                                     else 2 * handshake_timeout_s + 5.0), float(rehandshake_timeout_s))
+                               cfg.connect_bound_s, cfg.rehandshake_timeout_s, cfg.peer_idle_s, cfg.max_peers)
         self.cost_model = cost_model or CostModel.load()
         # the staging buffer lives on the KV memory's device (registered as VRAM there when on a GPU)
-        self.staging = self._kv.new_staging(staging_bytes if transfer_mode != "direct" else 0)
+        self.staging = self._kv.new_staging(cfg.staging_bytes if transfer_mode != TransferPath.DIRECT else 0)
         self.staging_bytes = staging_nbytes(self.staging)
         self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
+        # host staging mirrors the staging buffer's slots (the host-staged path: READ host -> host, then
+        # host -> device and scatter); pinned on a CUDA rank
+        self.host_staging = new_host_buffer(self._kv, self.staging_bytes)
+        self.host_staging_addr = self.transport.register(self.host_staging) if self.staging_bytes else 0
+        # measures each link at handshake (its own probe buffers; off the engine's step)
+        self.prober = Prober(self.transport, self._kv, self.cost_model, cfg.probe_ms, cfg.probe_bytes,
+                             metrics=self.metrics)
         self.slots = SlotAllocator(self.staging_bytes)
         # the reads in flight and their I/O; an acquire/stage request that finds no lease yet ("not
         # registered": the prefill engine registers a request when its step ends, the router may be
@@ -114,9 +130,10 @@ class DecodeRank:
             engine_id=engine_id, rank=self.rank, transport=self.transport, metrics=self.metrics, kv=self._kv,
             staging=self.staging, staging_addr=self.staging_addr, slots=self.slots,
             layout_dict=engine_to_dict(engine), mem_wire=self.mem.to_wire(),
-            stage_segment_bytes=int(stage_segment_bytes), stage_timeout_s=stage_timeout_s,
-            transfer_timeout_s=transfer_timeout_s, register_grace_s=float(register_grace_s),
-            restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died)
+            stage_segment_bytes=cfg.stage_segment_bytes, stage_timeout_s=cfg.stage_timeout_s,
+            transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
+            restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died,
+            host_staging=self.host_staging, host_staging_addr=self.host_staging_addr)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
@@ -133,12 +150,12 @@ class DecodeRank:
         return self.reads.failed
 
     @property
-    def _zombies(self) -> list:
+    def _zombies(self) -> list[Peer]:
         """Reads parked after a failure until NIXL lets go of them."""
         return self.reads.zombies
 
     @property
-    def _layout_dict(self) -> dict:
+    def _layout_dict(self) -> dict[str, Any]:
         return self.reads.layout_dict
 
     def _notify(self, agent: str, msg: bytes) -> None:
@@ -181,23 +198,21 @@ class DecodeRank:
 
     def _handshaker(self) -> Handshaker:
         return Handshaker(self.ctx, self.transport, self.engine, self.rank, self.mem, self.engine_id,
-                          self.handshake_timeout_s, self.staging_bytes, self.transfer_mode, self.cost_model)
+                          self.handshake_timeout_s, self.staging_bytes, self.transfer_mode, self.cost_model,
+                          prober=self.prober if self.prober.enabled else None,
+                          host_staging_bytes=staging_nbytes(self.host_staging))
 
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> Peer:
         """Contact the prefill engine's ranks this rank needs, on this thread; cached per engine id."""
-        endpoints = {tuple(k): v for k, v in endpoints.items()}
+        endpoints = {(k[0], k[1]): v for k, v in endpoints.items()}
         self.peers.endpoints[engine_id] = endpoints
         cur = self.peers.get(engine_id)
-        pending: list = []
-        if cur is not None and cur.live:
-            # still the same engine? (same endpoints and the same NIXL agent behind every rank)
-            if cur.endpoints == endpoints and self._handshaker().same_agents(cur.remote, endpoints):
-                return cur
-            self.forget(engine_id)
-        elif cur is not None:  # connecting in the background: this handshake replaces it
-            pending, cur.pending = cur.pending, []
-            self.peers.abandon(cur)
-        self._reap(engine_id=engine_id)  # its agents go before they are added again
+        # still the same engine? (same endpoints and the same NIXL agent behind every rank)
+        if cur is not None and cur.live and cur.remote is not None and cur.endpoints == endpoints and \
+                self._handshaker().same_agents(cur.remote, endpoints):
+            return cur
+        pending = self.peers.replace(engine_id, "the prefill engine was forgotten (re-handshake)", self.forget,
+                                     self._in_use, self._drop_reads)
         try:
             remote, prepped = self._handshaker().run(engine_id, endpoints)
         except (HandshakeError, IncompatibleLayoutsError):
@@ -225,26 +240,16 @@ class DecodeRank:
         engine and :meth:`poll` starts them once it is live, or fails them (:class:`HandshakeFailed`)
         if the handshake fails or runs past the bound. Idempotent: call it before every :meth:`start`
         (vLLM: when the scheduler first sees the request)."""
-        endpoints = {tuple(k): v for k, v in endpoints.items()}
+        endpoints = {(k[0], k[1]): v for k, v in endpoints.items()}
         self.peers.endpoints[engine_id] = endpoints
         cur = self.peers.get(engine_id)
         if cur is not None and cur.endpoints == endpoints:
             return  # live, or connecting to the same endpoints
-        pending = []
-        if cur is not None and cur.live:  # other endpoints: a new engine under this id
-            self.forget(engine_id, "the prefill engine's endpoints changed (connect)")
-        elif cur is not None:
-            pending, cur.pending = cur.pending, []
-            self.peers.abandon(cur)
-        self._connect(engine_id, endpoints, pending)
+        self._connect(engine_id, endpoints, [], why="the prefill engine's endpoints changed (connect)")
 
-    def _connect(self, engine_id: str, endpoints: dict, pending: list, bound_s: float | None = None) -> Peer:
-        cur = self.peers.get(engine_id)
-        if cur is not None and cur.live:
-            self.forget(engine_id, "the prefill engine is handshaken again")
-        elif cur is not None:
-            self.peers.abandon(cur)
-        self._reap(engine_id=engine_id)
+    def _connect(self, engine_id: str, endpoints: dict[Rank, str], pending: list[Any], bound_s: float | None = None,
+                 why: str = "the prefill engine is handshaken again") -> Peer:
+        pending = self.peers.replace(engine_id, why, self.forget, self._in_use, self._drop_reads) + pending
         return self.peers.begin(engine_id, endpoints, pending, bound_s)
 
     def _advance_peers(self, now: float) -> None:
@@ -294,8 +299,11 @@ class DecodeRank:
         if not connecting:
             for rid, g in list(self.inflight.items()):  # the old engine's reads that hold something: failed
                 if g.peer is old:
-                    self.reads.fail(rid, g, self.reads.failure(PeerDisconnected, g, None, f"{why}; its reads in progress "
-                                                                               "cannot continue"))
+                    self.reads.fail(
+                        rid,
+                        g,
+                        self.reads.failure(PeerDisconnected, g, None, f"{why}; its reads in progress cannot continue"),
+                    )
             self.peers.retire(old, event)
             # reaps the old peer (its reads that held pins fail); a re-handshake is bounded by
             # rehandshake_timeout_s: a restarted engine answers at once, a dead one must fail fast
@@ -311,7 +319,9 @@ class DecodeRank:
         for rid, f in list(self.inflight.items()):
             if f.peer.engine_id == engine_id:
                 cls = PeerDisconnected if dead else Aborted
-                self.reads.fail(rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead)
+                self.reads.fail(
+                    rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead
+                )
         self.peers.drop_live(engine_id)
 
     def _peer_died(self, peer: Peer, prank: Rank, detail: str) -> None:
@@ -360,6 +370,8 @@ class DecodeRank:
             raise RequestError(f"read {key!r} is already in flight on decode rank {self.rank}; give each read of "
                                "one prefill request its own ReadRequest.read_id")
         peer = self.peers.get(req.engine_id)
+        if peer is None and req.engine_id in self.peers.evicted:  # released idle: handshaken again
+            peer = self._connect(req.engine_id, self.peers.endpoints[req.engine_id], [])
         if peer is None or not peer.live:
             if peer is not None and peer.connecting:  # started once the engine is live
                 if any(p.key == key for p in peer.pending):
@@ -412,15 +424,16 @@ class DecodeRank:
             return
         self.reads.decline(peer, req)
 
-    def _request_modes(self, remote: Peer, req: ReadRequest) -> dict:
+    def _request_modes(self, remote: Peer, req: ReadRequest) -> dict[Rank, str]:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
         mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
         from ..cost import request_chunks, request_modes
         chunks, frac = request_chunks(remote.layout.model.groups, req.decode_blocks, req.prefill_blocks,
                                       self.engine.block_size_of, remote.lowered.chunk_tokens)
         shapes = {p: remote.shapes.get(p) for p in remote.modes}
+        links = getattr(remote.remote, "links", None) or {}
         staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
-                               lambda p: p in remote.can_stage)
+                               lambda p: p in remote.can_stage, links)
         return {p: staged.get(p, "direct") for p in remote.modes}
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
@@ -467,26 +480,79 @@ class DecodeRank:
         messages ZMQ could not take, of every peer with open sockets."""
         self.reads.flush(self.peers.active())
 
-    def wait(self, timeout_s: float = 60.0, sleep_s: float = 1e-4) -> tuple[list[str], dict[str, ReadFailure]]:
-        """Poll until nothing is in flight or waiting for a handshake (or timeout); returns everything
-        finished/failed meanwhile."""
-        done, failed = [], {}
+    def wait(self, timeout_s: float = 60.0, sleep_s: float | None = None,
+             first: bool = False) -> tuple[list[str], dict[str, ReadFailure]]:
+        """Poll until nothing is in flight or waiting for a handshake (or timeout; with ``first``, until
+        at least one read finished or failed); returns everything finished/failed meanwhile.
+
+        Between polls it sleeps on the events themselves: a side-channel reply (ZMQ), the side channel's
+        connection closing, a post or a staged scatter ending (the transport's wake-up fd), and otherwise
+        only until the earliest deadline of a read in flight (a retry, a heartbeat, a timeout).
+        ``sleep_s``: the longest sleep between polls (default: no bound but those)."""
+        done: list[str] = []
+        failed: dict[str, ReadFailure] = {}
         deadline = time.monotonic() + timeout_s
+        clear = getattr(self.transport, "clear_wake", None)
         while True:
+            if clear is not None:
+                clear()  # before looking: a post that ends from here on makes the fd readable again
             d, f = self.poll()
             done += d
             failed |= f
-            if not (self.inflight or self.peers.connecting()) or time.monotonic() > deadline:
+            now = time.monotonic()
+            if not (self.inflight or self.peers.connecting()) or now > deadline or (first and (done or failed)):
                 return done, failed
-            time.sleep(sleep_s)
+            pause = min(deadline - now, self._next_wake(now))
+            self._block(pause if sleep_s is None else min(pause, sleep_s))
 
-    def stats(self) -> dict:
+    def _next_wake(self, now: float) -> float:
+        """Seconds until the read loop may have something to do with no event (see :meth:`wait`)."""
+        pause = self.reads.next_wake(now, getattr(self.transport, "wake_fd", None) is not None)
+        if self.peers.connecting():
+            pause = min(pause, CONNECTING_POLL_S)  # a background handshake ends on its own thread
+        if any(p.outbox or p.unsent for p in self.peers.current.values()):
+            pause = min(pause, UNSENT_POLL_S)  # ZMQ could not take a message: try again soon
+        return pause
+
+    def _block(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s`` or until a side-channel socket, its monitor or the transport's
+        wake-up fd is readable."""
+        if timeout_s <= 0:
+            return
+        poller = zmq.Poller()
+        for peer in self.peers.active():
+            if peer.buffered:  # a reply already taken off its socket: poll now
+                return
+            for sock in peer.wait_sockets():
+                poller.register(sock, zmq.POLLIN)
+        fd = getattr(self.transport, "wake_fd", None)
+        if fd is not None:
+            poller.register(fd, zmq.POLLIN)
+        try:
+            poller.poll(max(1, int(timeout_s * 1000 + 0.999)))
+        except zmq.ZMQError:  # a socket closed under us: the next poll() sees why
+            pass
+
+    def stats(self) -> dict[str, Any]:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self.reads.zombies),
                 "retired_engines": len(self.peers.old),
-                "staging_used": self.slots.bytes_used,
+                "staging_used": self.slots.bytes_used, "links": self.links(),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
+
+    def links(self) -> dict[str, Any]:
+        """Per prefill engine and rank: the path chosen at handshake and each path's measured GB/s, µs per
+        descriptor and moving correction (``cost.LinkFigures.to_json``)."""
+        out: dict[str, Any] = {}
+        for eid, peer in self.remotes.items():
+            remote = peer.remote
+            if remote is None:
+                continue
+            for p, link in (getattr(remote, "links", None) or {}).items():
+                out.setdefault(eid, {})[str(tuple(p))] = {"chosen": str(remote.modes.get(p, "direct")),
+                                                          **link.to_json()}
+        return out
 
     def close(self) -> None:
         for eid, peer in list(self.peers.current.items()):
@@ -501,47 +567,11 @@ class DecodeRank:
         self.peers.close_old()
         self.transport.close()
 
-    # ---- benchmarks: timed direct and staged reads (appended) ----------------------------------
-    def timed_read(self, req: ReadRequest, timeout_s: float = 120.0) -> dict:
-        """Post ``req`` and wait for it here (no RPC in the timing); returns seconds, bytes, descriptors."""
-        t0 = time.perf_counter()
-        self.start(req)
-        f = self.inflight.get(req.key)
-        # poll every 0.2 ms, like an engine loop between steps: a tighter loop steals a core from the
-        # copies on a small machine (reads and scatters run on the post threads, packs in the prefill)
-        done, failed = self.wait(timeout_s, sleep_s=2e-4)
-        if req.req_id in failed or req.req_id not in done:
-            raise TransferError(f"request {req.req_id} failed: {failed.get(req.req_id, 'timeout')}")
-        dt = time.perf_counter() - t0
-        nbytes, ndescs = (f.nbytes, f.ndescs) if f else (0, 0)  # counted at completion
-        return {"seconds": dt, "bytes": nbytes, "descriptors": ndescs}
-
     def set_transfer_mode(self, mode: str) -> None:
         """Force direct/staged/auto for later handshakes (forgets cached engines so they re-handshake)."""
-        if mode not in ("auto", "direct", "staged"):
-            raise ValueError(f"transfer_mode must be auto, direct or staged, not {mode!r}")
-        if mode != "direct" and not self.staging_bytes:
+        mode = parse_mode(mode)
+        if mode != TransferPath.DIRECT and not self.staging_bytes:
             raise ValueError("this decode rank was created without a staging buffer (transfer_mode='direct')")
         self.transfer_mode = mode
         for eid in list(self.remotes):
             self.forget(eid)
-
-    def runs_digest(self, req: ReadRequest) -> str:
-        """sha256 of the request's destination runs in this rank's buffer (to compare direct and staged)."""
-        import hashlib
-        descs = self.remotes[req.engine_id].lowered.descriptors(req.num_tokens, req.prefill_blocks, req.decode_blocks)
-        h = hashlib.sha256()
-        for d in descs:
-            out = self._kv.new_staging(d.total_bytes)
-            self._kv.pack(d.dst, d.nbytes, out, 0)
-            h.update(to_host(out).tobytes())
-        return h.hexdigest()
-
-    def clear(self, value: int = 0xA5) -> None:
-        """Benchmarks/tests: set every byte of the KV memory to ``value``."""
-        if self._kv.torch is not None:  # torch memory (CPU or CUDA): one byte tensor per allocation
-            for b in self._kv.bufs:
-                b.fill_(value)
-            return
-        for a in self.mem.allocations:
-            host_view(a.addr, a.nbytes).fill(value)

@@ -30,8 +30,10 @@ def transport_device(mem: KVMemory) -> dict:
     """NIXL memory type and device of the rank's KV memory (one device per rank)."""
     dev = mem.device
     if dev == "mixed":
-        raise LayoutError(f"rank {mem.rank}: KV memory on several devices {sorted({a.device for a in mem.allocations})}; "
-                          f"one rank's cache must live on one device")
+        raise LayoutError(
+            f"rank {mem.rank}: KV memory on several devices {sorted({a.device for a in mem.allocations})}; "
+            f"one rank's cache must live on one device"
+        )
     if dev == "cpu":
         return {"mem_type": "DRAM", "device_id": 0}
     return {"mem_type": "VRAM", "device_id": mem.allocations[0].device_id}
@@ -77,16 +79,18 @@ class KVBytes:
     """The rank's KV memory as byte buffers for staged copies, on the memory's own device.
 
     Memory the engine described with torch tensors (CPU or CUDA) is seen as one uint8 torch tensor per
-    registered allocation on that device, and the staging buffer is a torch tensor there too: pack and
-    scatter are torch index/copy operations on the device (:func:`kvbridge.staging.copy_runs`), the
-    same code for CPU and CUDA tensors. Other host memory (numpy arrays, raw host regions) is one numpy
-    view over its span and a numpy staging buffer. Runs are given by absolute address; a run never
-    crosses an allocation (lowering never merges across two)."""
+    registered allocation on that device (``bufs``) and one over the span of all of them, and the staging
+    buffer is a torch tensor there too: pack and scatter are :class:`kvbridge.staging.DeviceCopies`
+    (index tensors and copies on the device, runs given as a :class:`kvbridge.staging.RunSlice` of the
+    lowering's descriptors or as addresses), the same code for CPU and CUDA tensors. Other host memory
+    (numpy arrays, raw host regions) is one numpy view over its span and a numpy staging buffer. A run
+    never crosses an allocation (lowering never merges across two)."""
 
     def __init__(self, mem: KVMemory):
         self.device = mem.device
         self.torch = torch_of(mem)
         self.cuda = self.device != "cpu"
+        self.copies = None  # staging.DeviceCopies for torch memory: pack and scatter on the device
         if self.torch is None:
             if self.cuda:  # device memory known only by address (RawRegion): torch if the engine loaded it
                 self.torch = sys.modules.get("torch")
@@ -97,12 +101,19 @@ class KVBytes:
                 buf, lo = host_span(mem)
                 self.bases, self.bufs = np.array([lo], np.int64), [buf]
                 return
+        from ..staging import DeviceCopies
         torch = self.torch
         self.bases = np.array([a.addr for a in mem.allocations], np.int64)
+        lo, hi = min(a.addr for a in mem.allocations), max(a.end for a in mem.allocations)
         if self.cuda:
             self.bufs = [torch.as_tensor(_CudaBytes(a.addr, a.nbytes), device=self.device) for a in mem.allocations]
+            span = torch.as_tensor(_CudaBytes(lo, hi - lo), device=self.device)
         else:
             self.bufs = [torch.from_numpy(host_view(a.addr, a.nbytes)) for a in mem.allocations]
+            span = torch.from_numpy(host_view(lo, hi - lo))
+        # one byte tensor over [lowest, highest) address of the allocations: a request's runs in every
+        # allocation move with one index operation; only bytes inside the allocations are ever indexed
+        self.copies = DeviceCopies(torch, span, lo)
 
     @property
     def usable(self) -> bool:
@@ -135,35 +146,39 @@ class KVBytes:
             out.append((self.bufs[i], addrs[idx] - self.bases[i], idx))
         return out
 
-    def pack(self, src: np.ndarray, nbytes: np.ndarray, staging, offset: int) -> int:
-        """Runs ``(src absolute, nbytes)`` one after the other into ``staging`` from ``offset``; returns the
-        bytes packed, the copy finished (a CUDA stream is synchronised: a peer reads the buffer next)."""
-        from ..staging import copy_runs, offsets
+    def pack(self, src, nbytes: np.ndarray, staging, offset: int) -> int:
+        """Runs (absolute addresses ``src``, or a :class:`kvbridge.staging.RunSlice` of a request's
+        descriptors) of lengths ``nbytes`` one after the other into ``staging`` from ``offset``; returns
+        the bytes packed, the copy finished (a peer reads the buffer next)."""
+        from ..staging import RunSlice, copy_runs, offsets
         nbytes = np.asarray(nbytes, np.int64)
         total = int(nbytes.sum())
         if offset + total > staging_nbytes(staging):
             raise ValueError(f"staging buffer too small: {offset + total} bytes needed, "
                              f"{staging_nbytes(staging)} available")
+        if self.copies is not None:
+            return int(self.copies.pack(src, nbytes, staging, offset))
+        if isinstance(src, RunSlice):
+            src = src.addresses()
         pos = offsets(nbytes) + offset
         for buf, rel, m in self._groups(np.asarray(src, np.int64)):
             copy_runs(staging, pos if m is None else pos[m], buf, rel, nbytes if m is None else nbytes[m])
-        self._sync()
         return total
 
-    def scatter(self, staging, dst: np.ndarray, nbytes: np.ndarray, offset: int) -> int:
-        """Inverse of :meth:`pack`: the packed runs of ``staging`` from ``offset`` to ``dst`` (absolute);
-        returns when the bytes are in the KV memory."""
-        from ..staging import copy_runs, offsets
+    def scatter(self, staging, dst, nbytes: np.ndarray, offset: int) -> int:
+        """Inverse of :meth:`pack`: the packed runs of ``staging`` from ``offset`` to ``dst`` (absolute
+        addresses or a :class:`kvbridge.staging.RunSlice`); returns when the bytes are in the KV memory."""
+        from ..staging import RunSlice, copy_runs, offsets
         nbytes = np.asarray(nbytes, np.int64)
+        if self.copies is not None:
+            return int(self.copies.scatter(staging, dst, nbytes, offset))
+        if isinstance(dst, RunSlice):
+            dst = dst.addresses()
         pos = offsets(nbytes) + offset
         for buf, rel, m in self._groups(np.asarray(dst, np.int64)):
             copy_runs(buf, rel, staging, pos if m is None else pos[m], nbytes if m is None else nbytes[m])
-        self._sync()
         return int(nbytes.sum())
 
-    def _sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.current_stream(self.torch.device(self.device)).synchronize()
 
 
 def staging_nbytes(buf) -> int:

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .metrics import HELP, Metrics, escape_label_value
+from .metrics import HELP, PHASE_HELP, Metrics, escape_label_value, phase_samples
 
 # stats() keys outside "metrics": (family suffix, type, help)
 _GAUGES = {
@@ -38,6 +38,16 @@ _NIXL = {
     "peers_added": "NIXL remote agents added",
     "peers_removed": "NIXL remote agents removed",
 }
+
+# a decode rank's per-link figures (stats()["links"]): path key -> (family suffix, help)
+_LINK = {
+    "gbps": ("link_gbps", "measured READ bandwidth of a path to a prefill rank (GB/s; probe at handshake)"),
+    "us_per_desc": ("link_us_per_desc", "measured READ cost per descriptor of a path to a prefill rank (us)"),
+    "factor": ("link_factor", "moving ratio of observed to predicted transfer time on a path (1: as measured)"),
+    "last_gbps": ("link_last_gbps", "effective GB/s of the last completed transfer on a path (0: none yet)"),
+}
+_LINK_CHOSEN = "1 for the path a decode rank chose for a prefill rank at handshake (auto re-decides per request)"
+_LINK_DEGRADED = "1 when a decode rank warned that its link to a prefill rank is degraded (device path slow)"
 
 
 def rank_labels(key) -> dict[str, str]:
@@ -68,8 +78,8 @@ def _families(stats_by_rank: dict, prefix: str):
     """Yield (name, type, help, [(labels, value)]) for every family present in some rank's stats."""
     fams: dict[str, tuple[str, str, list]] = {}
 
-    def add(name, typ, help_, labels, value):
-        fams.setdefault(name, (typ, help_, []))[2].append((labels, value))
+    def add(name, typ, help_, labels, value, suffix=""):
+        fams.setdefault(name, (typ, help_, []))[2].append((labels, value, suffix))
 
     for key, st in stats_by_rank.items():
         labels = rank_labels(key)
@@ -87,6 +97,17 @@ def _families(stats_by_rank: dict, prefix: str):
         for k, help_ in _NIXL.items():
             if k in st.get("nixl", {}):
                 add(prefix + "nixl_" + k + "_total", "counter", help_, labels, st["nixl"][k])
+        for suffix, lab, v in phase_samples(m.get("phase_seconds") or {}, labels):
+            add(prefix + "phase_seconds", "histogram", PHASE_HELP, lab, v, suffix)
+        for eng, per in (st.get("links") or {}).items():  # a decode rank's measured links
+            for prank, link in per.items():
+                lab = {**labels, "peer": str(eng), "prefill": str(prank)}
+                add(prefix + "link_degraded", "gauge", _LINK_DEGRADED, lab, 1 if link.get("warning") else 0)
+                for path, f in link.get("paths", {}).items():
+                    plab = {**lab, "path": path}
+                    add(prefix + "link_chosen", "gauge", _LINK_CHOSEN, plab, 1 if link.get("chosen") == path else 0)
+                    for k, (name, help_) in _LINK.items():
+                        add(prefix + name, "gauge", help_, plab, f[k])
     for name, (typ, help_, samples) in fams.items():
         yield name, typ, help_, samples
 
@@ -95,7 +116,7 @@ def to_prometheus_text(stats_by_rank: dict, prefix: str = "kvbridge_") -> str:
     lines = []
     for name, typ, help_, samples in _families(stats_by_rank, prefix):
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}"]
-        lines += [f"{name}{_labels(lab)} {_value(v)}" for lab, v in samples]
+        lines += [f"{name}{suffix}{_labels(lab)} {_value(v)}" for lab, v, suffix in samples]
     return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,10 @@ owns, once the handshake is done:
 * the handshake's result (:class:`~kvbridge.runtime.handshake.RemoteEngine`: layout, plan, lowered plan,
   NIXL agent per prefill rank) and the NIXL agents that handshake added to the transport;
 * the prepared descriptor lists per prefill rank (:mod:`~kvbridge.runtime.prepped_hook`);
-* one ZMQ DEALER per prefill rank (acquire, stage and heartbeat requests) and its monitor socket
-  (the side channel's TCP connection closing is the earliest sign of a dead prefill process);
+* its side channel (:class:`SideChannel`): one ZMQ ROUTER connected to every prefill rank this decode
+  rank asks (acquire, stage and heartbeat requests; one TCP connection per rank, addressed by a routing
+  id per rank) and one monitor socket (a TCP connection closing is the earliest sign of a dead prefill
+  process): three ZMQ sockets per peer whatever its number of ranks;
 * its outbox: batched acquires and heartbeats per prefill rank, and frames ZMQ could not take yet;
 * while connecting: the background handshake's future and the reads waiting for it.
 
@@ -31,14 +33,17 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import IllegalTransition
-from .readstate import step
+from ..errors import HandshakeError, IllegalTransition
+from ..transport.base import Transport
+from .machine import step
 
 if TYPE_CHECKING:
     from .handshake import RemoteEngine
@@ -81,12 +86,125 @@ def next_state(state: PeerState, event: PeerEvent) -> PeerState:
     return step(TRANSITIONS, state, event, "peer")
 
 
+class SideChannel:
+    """The side channel of one peer: one ZMQ ROUTER connected to each prefill rank's endpoint, the
+    connection to rank ``(pp, tp)`` addressed by routing id ``b"pp.tp"`` (``CONNECT_ROUTING_ID``, so
+    messages queue from the moment of ``connect``, as on a DEALER), and one monitor of TCP disconnects
+    (``EVENT_DISCONNECTED`` names the endpoint, hence the rank). Replies of every rank arrive on the one
+    socket; :meth:`recv` hands each rank its own (others wait in per-rank queues)."""
+
+    SOCKETS = 3  # ZMQ sockets it holds: the ROUTER, its monitor pair
+    FDS = 3      # file descriptors besides one TCP connection per rank: the three sockets' mailboxes
+    open_in_process = 0  # channels open in this process (every decode rank in it shares ZMQ's context)
+
+    def __init__(self, ctx: zmq.Context[Any], endpoints: dict[Rank, str]):
+        self.sock = ctx.socket(zmq.ROUTER)
+        SideChannel.open_in_process += 1
+        self._open = True
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown routing id raises, never drops silently
+        self.mon: Any = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.rid: dict[Rank, bytes] = {}
+        self.rank_of: dict[bytes, Rank] = {}
+        self.by_endpoint: dict[bytes, Rank] = {}
+        self.inbox: dict[Rank, deque[list[bytes]]] = {}
+        self.down: set[Rank] = set()
+        for prank, ep in endpoints.items():
+            rid = f"{prank[0]}.{prank[1]}".encode()
+            self.rid[prank], self.rank_of[rid] = rid, prank
+            self.by_endpoint[f"tcp://{ep}".encode()] = prank
+            self.inbox[prank] = deque()
+            self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
+            try:
+                self.sock.connect(f"tcp://{ep}")
+            except zmq.ZMQError as e:
+                self.close()
+                raise HandshakeError(f"cannot open the side channel to prefill rank {prank} at {ep!r} ({e}); "
+                                     "give endpoints as host:port") from None
+
+    def send(self, prank: Rank, frames: list[bytes], flags: int = 0) -> None:
+        self.sock.send_multipart([self.rid[prank], *frames], flags)
+
+    def recv(self, prank: Rank, flags: int = 0) -> list[bytes]:
+        """The next message of ``prank``; ``zmq.Again`` when it has none now."""
+        box = self.inbox[prank]
+        while not box:
+            rid, *frames = self.sock.recv_multipart(flags)
+            other = self.rank_of.get(rid)
+            if other is not None:
+                self.inbox[other].append(frames)
+        return box.popleft()
+
+    def disconnected(self, prank: Rank) -> bool:
+        """Whether ``prank``'s TCP connection closed since the last call (drains the monitor)."""
+        while True:
+            try:
+                ev = _recv_monitor(self.mon)
+            except zmq.ZMQError:
+                break
+            if ev is None:
+                break
+            event, endpoint = ev
+            if event == zmq.EVENT_DISCONNECTED and endpoint in self.by_endpoint:
+                self.down.add(self.by_endpoint[endpoint])
+        if prank in self.down:
+            self.down.discard(prank)
+            return True
+        return False
+
+    @property
+    def buffered(self) -> bool:
+        """Replies already taken off the socket for some rank, not handed out yet (no socket event will
+        announce them: poll before waiting)."""
+        return any(self.inbox.values())
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            SideChannel.open_in_process -= 1
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.mon.close(0)
+        self.sock.close(0)
+
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum ops cost µs
+
+
+def _recv_monitor(mon: Any) -> tuple[int, bytes] | None:
+    """(event, endpoint) of the next monitor message, None when there is none."""
+    if not mon.get(_EVENTS) & _POLLIN:
+        return None
+    try:
+        msg = recv_monitor_message(mon, zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+    return int(msg["event"]), bytes(msg["endpoint"])
+
+
+class RankSocket:
+    """One prefill rank's end of a :class:`SideChannel`, as a socket (``send_multipart``/``recv_multipart``)."""
+
+    __slots__ = ("channel", "prank")
+
+    def __init__(self, channel: Any, prank: Rank):
+        self.channel, self.prank = channel, prank
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.channel.send(self.prank, frames, flags)
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        return self.channel.recv(self.prank, flags)  # type: ignore[no-any-return]
+
+
 class Peer:
     """One prefill engine id on this decode rank, from connect to retirement (see the module docstring).
 
     ``transport``: what adds and removes NIXL agents and prepared lists (``remove_peer``, ``unprepare``).
-    ``monitor``: ``socket -> monitor socket or None`` (ZMQ ``get_monitor_socket``), injected so the
-    lifecycle is testable without sockets."""
+    ``open_channel``: ``endpoints -> side channel`` (:class:`SideChannel`), injected so the lifecycle is
+    testable without sockets."""
 
     def __init__(self, engine_id: str, endpoints: dict[Rank, str], *, started: float = 0.0,
                  bound_s: float = float("inf"), future: Future[Any] | None = None,
@@ -100,8 +218,8 @@ class Peer:
         self.error = ""                 # why the handshake failed (LOST from CONNECTING)
         self.remote: RemoteEngine | None = None
         self.prepped: dict[Rank, Any] = {}
-        self.socks: dict[Rank, Any] = {}      # prefill rank -> DEALER
-        self.monitors: dict[Rank, Any] = {}   # prefill rank -> its monitor socket
+        self.channel: Any = None              # the side channel (SideChannel), while open
+        self.socks: dict[Rank, Any] = {}      # prefill rank -> its end of the side channel (RankSocket)
         self.outbox: dict[Rank, list[tuple[str, int, str]]] = {}      # acquires (req_id, attempt, key)
         self.heartbeats: dict[Rank, list[tuple[str, int, str]]] = {}  # heartbeats, the same
         self.unsent: list[tuple[Rank, list[bytes]]] = []  # frames ZMQ could not queue yet
@@ -109,6 +227,8 @@ class Peer:
         self._removed: set[Rank] = set()      # prefill ranks whose agent was removed from the transport
         self.progress: dict[Rank, float] = {}  # prefill rank -> last time a read from it completed
         self.not_before = 0.0                 # LOST: reaped no earlier than this (monotonic)
+        self.used = started                   # last time a read or a connect asked for it (idle eviction)
+        self.running: float | None = None     # when its handshake thread started (None: queued or not background)
         self.closes = 0                       # how many times close() released anything (0 or 1)
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -130,18 +250,16 @@ class Peer:
         self.remote, self.prepped = remote, dict(prepped or {})
 
     def connected(self, remote: RemoteEngine, prepped: dict[Rank, Any] | None,
-                  open_sock: Callable[[str], tuple[Any, Any]]) -> None:
-        """CONNECTING -> LIVE: own the handshake's result and open one side-channel socket and its
-        monitor (``open_sock(endpoint) -> (socket, monitor or None)``) per prefill rank this decode
-        rank asks."""
+                  open_channel: Callable[[dict[Rank, str]], Any]) -> None:
+        """CONNECTING -> LIVE: own the handshake's result and open the side channel
+        (``open_channel({prefill rank: endpoint})``) to the prefill ranks this decode rank asks."""
+        next_state(self.state, PeerEvent.CONNECTED)  # an illegal event raises before anything opens
+        channel = open_channel({p: self.endpoints[p] for p in remote.side_ranks})  # may raise: still CONNECTING
         self.fire(PeerEvent.CONNECTED)
         self.adopt(remote, prepped)
         self.future = None
-        for prank in remote.side_ranks:
-            sock, mon = open_sock(self.endpoints[prank])
-            self.socks[prank] = sock
-            if mon is not None:
-                self.monitors[prank] = mon
+        self.channel = channel
+        self.socks = {p: RankSocket(channel, p) for p in remote.side_ranks}
 
     def lose(self, event: PeerEvent, not_before: float, why: str = "") -> None:
         """LIVE/CONNECTING -> LOST (no new reads); reaped no earlier than ``not_before``."""
@@ -155,7 +273,7 @@ class Peer:
         """No background handshake is still running for it (a late result would need releasing)."""
         return self.future is None or self.future.done()
 
-    def close(self, transport: Any, keep_agents: Collection[str] = ()) -> None:
+    def close(self, transport: Transport, keep_agents: Collection[str] = ()) -> None:
         """-> RETIRED: close the sockets and monitors, release the prepared lists and remove the NIXL
         agents (except ``keep_agents``, used by another live peer), exactly once; a later call only
         releases the late result of a handshake that was still running (never anything twice)."""
@@ -165,17 +283,10 @@ class Peer:
             self._release(transport, keep_agents)
         self._drop_late_result(transport, keep_agents)
 
-    def _release(self, transport: Any, keep_agents: Collection[str]) -> None:
-        for prank, sock in self.socks.items():
-            mon = self.monitors.get(prank)
-            if mon is not None:
-                try:
-                    sock.disable_monitor()
-                except Exception:  # noqa: BLE001 - ZMQError, or a socket that has no monitor API
-                    pass
-                mon.close(0)
-            sock.close(0)
-        self.socks, self.monitors = {}, {}
+    def _release(self, transport: Transport, keep_agents: Collection[str]) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel, self.socks = None, {}
         prepped, self.prepped = self.prepped, {}
         for p in prepped.values():
             transport.unprepare(p)
@@ -186,7 +297,7 @@ class Peer:
                 transport.remove_peer(agent)
         self.outbox, self.heartbeats, self.unsent, self.pending = {}, {}, [], []
 
-    def _drop_late_result(self, transport: Any, keep_agents: Collection[str]) -> None:
+    def _drop_late_result(self, transport: Transport, keep_agents: Collection[str]) -> None:
         """An abandoned (or closed-while-connecting) handshake's thread returned: release what it made."""
         fut = self.future
         if fut is None or not fut.done():
@@ -256,7 +367,7 @@ class Peer:
         self.gone.add(prank)
         return self.remote.agents.get(prank) if self.remote is not None else None
 
-    def remove_agent(self, prank: Rank, transport: Any) -> None:
+    def remove_agent(self, prank: Rank, transport: Transport) -> None:
         """Remove the agent of ``prank`` from the transport now (once; :meth:`close` removes the rest)."""
         if self.remote is not None and prank not in self._removed and prank in self.remote.agents:
             self._removed.add(prank)
@@ -270,18 +381,19 @@ class Peer:
         return self.remote.agents.get(prank)
 
     # ---- side channel ----------------------------------------------------------------------------
-    def disconnected(self, prank: Rank, recv_event: Callable[[Any], int | None]) -> bool:
-        """The side channel's TCP connection to ``prank`` closed: drains the monitor; ``recv_event``
-        returns the next ZMQ event code, or None when there is none."""
-        mon = self.monitors.get(prank)
-        if mon is None:
-            return False
-        seen = False
-        while True:
-            ev = recv_event(mon)
-            if ev is None:
-                return seen
-            seen = seen or ev == zmq.EVENT_DISCONNECTED
+    def wait_sockets(self) -> list[Any]:
+        """The ZMQ sockets to wait on for this peer's side channel (its socket and monitor; none once
+        closed). Check :attr:`buffered` first: a reply may already wait in the channel."""
+        ch = self.channel
+        return [ch.sock, ch.mon] if isinstance(ch, SideChannel) else []
+
+    @property
+    def buffered(self) -> bool:
+        return self.channel is not None and bool(self.channel.buffered)
+
+    def disconnected(self, prank: Rank) -> bool:
+        """The side channel's TCP connection to ``prank`` closed (a ZMQ monitor event, never text)."""
+        return self.channel is not None and prank in self.socks and bool(self.channel.disconnected(prank))
 
     def send(self, prank: Rank, frames: list[bytes]) -> None:
         """Queue a side-channel message without blocking; what ZMQ cannot take now is kept in the outbox
@@ -304,6 +416,25 @@ class Peer:
 
     def queue(self, box: dict[Rank, list[tuple[str, int, str]]], prank: Rank, item: tuple[str, int, str]) -> None:
         box.setdefault(prank, []).append(item)
+
+    def take_outbox(self) -> dict[Rank, list[tuple[str, int, str]]]:
+        """The batched acquires queued so far (per prefill rank), leaving the outbox empty."""
+        out, self.outbox = self.outbox, {}
+        return out
+
+    def take_heartbeats(self) -> dict[Rank, list[tuple[str, int, str]]]:
+        """The batched heartbeats queued so far (per prefill rank), leaving none queued."""
+        out, self.heartbeats = self.heartbeats, {}
+        return out
+
+    def record_progress(self, prank: Rank, now: float) -> None:
+        """A read from ``prank`` completed at ``now`` (the peer is alive: other reads' deadlines re-arm)."""
+        if now > self.progress.get(prank, float("-inf")):
+            self.progress[prank] = now
+
+    def progress_of(self, prank: Rank) -> float:
+        """When a read from ``prank`` last completed (-inf: never)."""
+        return self.progress.get(prank, float("-inf"))
 
     def __repr__(self) -> str:
         return f"Peer({self.engine_id!r}, {self.state.name})"

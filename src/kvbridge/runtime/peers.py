@@ -3,13 +3,38 @@
 :class:`PeerTable` owns the peers (the current one per engine id, CONNECTING or LIVE, and the old
 ones: LOST peers not reaped yet, retired ones whose background handshake still runs), the endpoints
 last given per engine id, and the background handshake pool. It moves peers through their lifecycle
-(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, retire, reap, drop) and
-never touches a read: where a step concerns reads it returns a typed result (:class:`Ready`,
-:class:`Unreachable`) or asks the caller through an explicit callback (``in_use``, ``drop_reads``),
-so the decode rank decides what happens to them.
+(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, retire, reap, drop,
+evict) and never touches a read: where a step concerns reads it returns a typed result
+(:class:`Ready`, :class:`Unreachable`) or asks the caller through an explicit callback (``in_use``,
+``drop_reads``, ``forget``), so the decode rank decides what happens to them.
+
+What happens to an engine id's current peer when a new one is wanted (a handshake, a connect to other
+endpoints, a re-handshake after a restart or a disconnect) is decided in one place,
+:meth:`PeerTable.replace`::
+
+    current peer     replace(engine id)
+    none             nothing
+    LIVE             forget(engine id, why): the caller fails its reads, the peer is closed
+    CONNECTING       abandoned (retired; what its thread still makes is released when it returns);
+                     its queued reads are handed to the new peer
+    (then)           the engine id's LOST peers are reaped now (their reads fail), so its agents go
+                     before they are added again
+
+Idle peers (no read or connect asked for them for ``idle_s``; none of their reads in flight) are
+released (sockets, NIXL agents, prepared lists) and handshaken again on their next read; past
+``max_peers`` live peers the least recently used idle ones go first (both set by
+:class:`~kvbridge.runtime.config.DecodeConfig`: ``peer_idle_s``, ``max_peers``). Each peer holds one side channel
+(:class:`~kvbridge.runtime.peer.SideChannel`: three ZMQ sockets, one TCP connection per prefill rank);
+opening one that would leave fewer than :data:`FD_RESERVE` of the process's file descriptors (or ZMQ's
+socket limit) fails the handshake, typed, before anything runs out.
+
+Handshakes run on a pool of :data:`HANDSHAKE_THREADS` threads; a handshake's bound
+(``connect_timeout_s``) counts from when its thread starts it, not while it waits in the queue (a
+queued handshake waits at most :data:`QUEUE_BOUNDS` bounds).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +44,28 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..errors import HandshakeError, HandshakeFailed, IncompatibleLayoutsError, TransferError
+from ..transport.base import Transport
 from .metrics import Metrics
-from .peer import Peer, PeerEvent, PeerState, Rank
+from .peer import Peer, PeerEvent, PeerState, Rank, SideChannel
 
 if TYPE_CHECKING:
     from .handshake import Handshaker, RemoteEngine
     from .request import ReadRequest
+
+
+HANDSHAKE_THREADS = 4  # background handshakes at once (the CPU part holds the GIL; the rest waits on the network)
+QUEUE_BOUNDS = 4       # a queued handshake waits at most this many connect_timeout_s for a thread
+FD_RESERVE = 256       # file descriptors left for everything else (NIXL, the engine) when opening a side channel
+
+
+def fd_budget() -> tuple[int, int] | None:
+    """(file descriptors open, the process's soft limit), or None where they cannot be read."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return len(os.listdir("/proc/self/fd")), soft
+    except (ImportError, OSError):
+        return None
 
 
 @dataclass
@@ -47,9 +88,27 @@ class Unreachable:
 class PeerTable:
     """The prefill peers of one decode rank (see the module docstring)."""
 
-    def __init__(self, ctx: zmq.Context[Any], transport: Any, metrics: Metrics, handshaker: Callable[[], Handshaker],
-                 engine_id: str, connect_timeout_s: float, rehandshake_timeout_s: float):
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        transport: Transport,
+        metrics: Metrics,
+        handshaker: Callable[[], Handshaker],
+        engine_id: str,
+        connect_timeout_s: float,
+        rehandshake_timeout_s: float,
+        idle_s: float,
+        max_peers: int,
+        threads: int = HANDSHAKE_THREADS,
+    ):
+        if idle_s <= 0 or max_peers < 1 or threads < 1:
+            raise ValueError(f"peer_idle_s must be > 0 (got {idle_s}), max_peers >= 1 (got {max_peers}) and "
+                             f"handshake threads >= 1 (got {threads})")
         self.ctx, self.transport, self.metrics, self.handshaker = ctx, transport, metrics, handshaker
+        self.idle_s, self.max_peers, self.threads = float(idle_s), int(max_peers), int(threads)
+        self.evicted: set[str] = set()  # engine ids released idle: handshaken again on their next read
+        self._next_evict = 0.0
+        self.channels = 0  # side channels open (SideChannel.SOCKETS ZMQ sockets each)
         self.engine_id = engine_id
         # engine id -> its current Peer (CONNECTING or LIVE); a background handshake is bounded as a whole
         # by connect_timeout_s
@@ -63,7 +122,11 @@ class PeerTable:
 
     # ---- views ---------------------------------------------------------------------------------
     def get(self, engine_id: str) -> Peer | None:
-        return self.current.get(engine_id)
+        """The current peer of ``engine_id`` (asking counts as a use: it is not idle)."""
+        peer = self.current.get(engine_id)
+        if peer is not None:
+            peer.used = time.monotonic()
+        return peer
 
     @property
     def remotes(self) -> dict[str, Peer]:
@@ -87,21 +150,70 @@ class PeerTable:
         return sum(len(p.pending) for p in self.current.values() if p.connecting)
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def open_sock(self, endpoint: str) -> tuple[Any, Any]:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # the side channel's TCP connection closing is the earliest sign of a dead prefill process
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(f"tcp://{endpoint}")
-        return sock, mon
+    def check_budget(self, engine_id: str, ranks: int) -> None:
+        """Raise :class:`HandshakeError` if a side channel to ``ranks`` prefill ranks would leave fewer
+        than :data:`FD_RESERVE` file descriptors, or pass ZMQ's socket limit."""
+        need = ranks + SideChannel.FDS
+        fds = fd_budget()
+        if fds is not None and fds[0] + need > fds[1] - FD_RESERVE:
+            raise HandshakeError(
+                f"no file descriptors left for the side channel to prefill engine {engine_id!r} ({ranks} ranks: "
+                f"{need} descriptors): {fds[0]} of the process's {fds[1]} are open and {FD_RESERVE} stay "
+                f"reserved; raise the limit (ulimit -n), release idle peers sooner (peer_idle_s, max_peers, "
+                f"now {self.idle_s:g} s and {self.max_peers}) or give this decode rank fewer prefill engines")
+        max_sockets = int(self.ctx.get(zmq.MAX_SOCKETS))
+        open_now = SideChannel.open_in_process
+        if (open_now + 1) * SideChannel.SOCKETS > max_sockets - FD_RESERVE // 4:
+            raise HandshakeError(
+                f"ZMQ's socket limit ({max_sockets}, zmq.MAX_SOCKETS of the context) leaves no room for the side "
+                f"channel to prefill engine {engine_id!r} ({open_now} open in this process, {SideChannel.SOCKETS} "
+                f"sockets each); raise the context's MAX_SOCKETS or lower max_peers ({self.max_peers})")
+
+    def open_channel(self, endpoints: dict[Rank, str]) -> SideChannel:
+        ch = SideChannel(self.ctx, endpoints)
+        self.channels += 1
+        close = ch.close
+
+        def closed() -> None:
+            self.channels -= 1
+            close()
+        ch.close = closed  # type: ignore[method-assign]
+        return ch
 
     def install(self, peer: Peer, remote: RemoteEngine, prepped: dict[Rank, Any] | None) -> list[ReadRequest]:
-        """CONNECTING -> LIVE: the peer owns the handshake's result and opens its sockets (on this thread).
-        Returns its queued reads (the caller starts them)."""
+        """CONNECTING -> LIVE: the peer owns the handshake's result and opens its side channel (on this
+        thread). Returns its queued reads (the caller starts them). Raises :class:`HandshakeError`,
+        before the peer changes and with the handshake's agents and lists released, if the channel does not
+        fit the budget (:meth:`check_budget`) or cannot be opened."""
+        try:
+            self.check_budget(peer.engine_id, len(remote.side_ranks))
+            peer.connected(remote, prepped, self.open_channel)
+        except HandshakeError:  # release what the handshake made (agents another live peer uses stay)
+            for prep in (prepped or {}).values():
+                self.transport.unprepare(prep)
+            for agent in set(remote.agents.values()) - self.live_agents():
+                self.transport.remove_peer(agent)
+            raise
         self.current[peer.engine_id] = peer
-        peer.connected(remote, prepped, self.open_sock)
+        peer.used = time.monotonic()
+        self.evicted.discard(peer.engine_id)
         self.metrics.handshakes += 1
         pending, peer.pending = peer.pending, []
+        return pending
+
+    def replace(self, engine_id: str, why: str, forget: Callable[[str, str], None],
+                in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None]) -> list[ReadRequest]:
+        """Make way for a new peer of ``engine_id`` (the table in the module docstring): a live one is
+        forgotten (``forget(engine_id, why)``: the caller fails its reads and calls :meth:`drop_live`),
+        a connecting one is abandoned and its queued reads are returned; then its lost peers are reaped."""
+        cur = self.current.get(engine_id)
+        pending: list[ReadRequest] = []
+        if cur is not None and cur.live:
+            forget(engine_id, why)
+        elif cur is not None:
+            pending, cur.pending = cur.pending, []
+            self.abandon(cur)
+        self.reap(engine_id, in_use, drop_reads)
         return pending
 
     def begin(self, engine_id: str, endpoints: dict[Rank, str], pending: list[ReadRequest],
@@ -109,12 +221,18 @@ class PeerTable:
         """A new CONNECTING peer for ``engine_id`` whose handshake runs on a background thread (the caller
         has dropped or abandoned the previous one)."""
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(2, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
-        phase = ["queued behind another handshake"]
-        fut = self.pool.submit(self.handshaker().background, engine_id, endpoints, phase)
-        peer = self.current[engine_id] = Peer(
-            engine_id, endpoints, started=time.monotonic(), future=fut, pending=pending,
-            bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"kvbridge-handshake-{self.engine_id}")
+        phase = ["queued behind other handshakes"]
+        peer = Peer(engine_id, endpoints, started=time.monotonic(), pending=pending,
+                    bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
+        handshaker = self.handshaker()
+
+        def run() -> tuple[RemoteEngine, dict[Rank, Any]]:
+            peer.running = time.monotonic()  # the bound counts from here, not from the queue
+            return handshaker.background(engine_id, endpoints, phase)
+        peer.future = self.pool.submit(run)
+        self.current[engine_id] = peer
+        self.evicted.discard(engine_id)
         return peer
 
     def abandon(self, peer: Peer) -> None:
@@ -161,11 +279,19 @@ class PeerTable:
                     out.append(self._failed(peer, PeerEvent.HANDSHAKE_FAILED,
                                             f"internal error: {type(e).__name__}: {e}", now))
                     continue
-                out.append(Ready(peer, self.install(peer, remote, prepped)))
-            elif now - peer.started > peer.bound_s:
+                try:
+                    out.append(Ready(peer, self.install(peer, remote, prepped)))
+                except HandshakeError as e:  # no room for its side channel (what it made is released)
+                    peer.future = None
+                    out.append(self._failed(peer, PeerEvent.HANDSHAKE_FAILED, str(e), now))
+            elif peer.running is not None and now - peer.running > peer.bound_s:
                 out.append(self._failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"no handshake within {peer.bound_s:g} s "
                                         "(prefill engine dead, frozen or unreachable; the handshake was at: "
                                         f"{peer.phase[0]})", now))
+            elif peer.running is None and now - peer.started > QUEUE_BOUNDS * peer.bound_s:
+                out.append(self._failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"the handshake waited "
+                                        f"{QUEUE_BOUNDS * peer.bound_s:g} s for a handshake thread (all "
+                                        f"{self.threads} busy with other prefill engines)", now))
         return out
 
     def _failed(self, peer: Peer, event: PeerEvent, why: str, now: float) -> Unreachable:
@@ -180,10 +306,38 @@ class PeerTable:
         self.old.append(peer)  # closed by reap (at once, or when an abandoned handshake returns)
         return Unreachable(peer, failures)
 
+    def evict_idle(self, now: float, in_use: Callable[[Peer], bool]) -> list[str]:
+        """Release live peers unused for ``idle_s`` (and, past ``max_peers``, the least recently used
+        idle ones) that no read references and that have nothing queued to send; returns their engine
+        ids (remembered: handshaken again on their next read). Looks at most every ``idle_s / 8``
+        (and at least every second)."""
+        if now < self._next_evict:
+            return []
+        self._next_evict = now + min(1.0, self.idle_s / 8)
+        live = [p for p in self.current.values() if p.live]
+        over = len(live) - self.max_peers
+        if over <= 0 and not any(now - p.used > self.idle_s for p in live):
+            return []
+        out = []
+        for peer in sorted(live, key=lambda p: p.used):
+            if now - peer.used <= self.idle_s and over <= 0:
+                break
+            if in_use(peer) or peer.outbox or peer.unsent or peer.heartbeats:
+                continue
+            del self.current[peer.engine_id]
+            peer.close(self.transport, self.live_agents())
+            self.evicted.add(peer.engine_id)
+            self.metrics.evicted_peers += 1
+            out.append(peer.engine_id)
+            over -= 1
+        return out
+
     def reap(self, engine_id: str | None, in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None]) -> None:
         """Close lost peers once nothing references them (``in_use`` false; or now, for ``engine_id``,
         which is about to be handshaken again: ``drop_reads`` fails its reads first), and release what
-        abandoned handshakes made once they return."""
+        abandoned handshakes made once they return; release idle peers (:meth:`evict_idle`)."""
+        if engine_id is None:
+            self.evict_idle(time.monotonic(), in_use)
         if not self.old:
             return
         now, keep = time.monotonic(), []

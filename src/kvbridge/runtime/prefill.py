@@ -6,6 +6,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zmq
@@ -14,15 +15,29 @@ from ..errors import KVBridgeError, LayoutError
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
+from ..modes import TransferPath
 from ..plan import plan_transfer
-from ..tensors import host_view
+from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, metadata_digest
-from .lease import Granted, Lease, LeaseEnded, LeaseState, LeaseTable, Outcome, PinEnded, ReaderTable, Refusal, Refused
+from .config import PrefillConfig
+from .lease import (
+    Lease,
+    LeaseEnded,
+    LeaseGranted,
+    LeaseRefused,
+    LeaseState,
+    LeaseTable,
+    Outcome,
+    PinEnded,
+    ReaderTable,
+)
 from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, transport_device, wire_key
 from .metrics import Metrics
+from .paths import new_host_buffer, to_host_segment
 from .protocol import (
     Acquire,
     Acquired,
+    Code,
     Done,
     ErrorReply,
     GetMeta,
@@ -58,6 +73,10 @@ def _slot_key(msg: Stage) -> tuple:
     return (msg.req_id, msg.decode_engine, tuple(msg.decode_rank), _read_id(msg))
 
 
+# the paths a stage request may name (cost.TransferPath values that stage on this rank)
+STAGE_PATHS = frozenset({TransferPath.STAGED.value, TransferPath.HOST.value})
+
+
 def new_attempt() -> int:
     """A random, non-zero 63-bit attempt id (0 never names a lease)."""
     return secrets.randbits(63) | 1
@@ -78,16 +97,22 @@ class PrefillRank:
     side channel, holds requests' blocks under leases until their readers are done."""
 
     def __init__(self, engine: EngineLayout, rank: tuple[int, int], engine_id: str, memory: KVMemory | None = None,
-                 host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0, transport=None,
-                 staging_bytes: int = 64 << 20, stage_wait_s: float = 2.0, pin_s: float = 120.0,
-                 lowered_cache: int = 64, lowered_per_peer: int = 16, staging_peer_share: float = 0.5,
-                 pin_idle_s: float | None = None, max_readers: int = 4096, reader_idle_s: float = 60.0):
+                 transport: Transport | None = None, config: PrefillConfig | None = None, **options: Any) -> None:
+        """``config``: the rank's options (:class:`~kvbridge.runtime.config.PrefillConfig`; keyword
+        ``options`` replace its fields, e.g. ``port=5600``); ``transport``: a transport over this rank's
+        memory (default: a NIXL agent)."""
+        cfg = self.config = PrefillConfig.resolve(config, options)
+        host, port, lease_s, pin_s, pin_idle_s = cfg.host, cfg.port, cfg.lease_s, cfg.pin_s, cfg.pin_idle_s
+        staging_bytes, stage_wait_s, staging_peer_share = cfg.staging_bytes, cfg.stage_wait_s, cfg.staging_peer_share
+        lowered_cache, lowered_per_peer = cfg.lowered_cache, cfg.lowered_per_peer
+        max_readers, reader_idle_s, min_read_rate = cfg.max_readers, cfg.reader_idle_s, cfg.min_read_rate
         self.engine, self.rank, self.engine_id, self.lease_s = engine, tuple(rank), engine_id, lease_s
         # leases (runtime/lease.py): a pin (a reader's acquire or stage request) holds until that reader's
-        # Done, pin_idle_s (default lease_s) without a refresh (its heartbeats), or pin_s after it was made;
+        # Done, pin_idle_s (default lease_s) without a refresh (its heartbeats), pin_s without progress (its
+        # heartbeats report bytes read), or pin_s + the request's bytes at min_read_rate after it was made;
         # readers count the granted remainder down on their own clock
-        self.pin_s = pin_s
-        self.table = LeaseTable(lease_s, pin_s, pin_idle_s)
+        self.pin_s, self.min_read_rate = pin_s, min_read_rate
+        self.table = LeaseTable(lease_s, pin_s, pin_idle_s, min_read_rate=min_read_rate)
         # readers this rank handshook with: (decode engine, decode rank) bound to a NIXL agent (bounded,
         # never evicting a live reader)
         self.readers = ReaderTable(max_readers, reader_idle_s)
@@ -99,6 +124,9 @@ class PrefillRank:
         self.stage_wait_s = stage_wait_s
         self._parked: list[_Parked] = []
         self.mem = check_memory(memory, engine, rank)
+        # bytes of one block of each group in this rank's memory (a lease's size bounds its pins)
+        self._block_bytes = {g: sum(v.num_layers * r.tokens_per_block * v.num_units * v.unit_bytes
+                                    for v in r.components) for g, r in self.mem.regions.items()}
         # NIXL's thread-safe mode: an engine serves this endpoint from more than one thread (PrefillServer: its
         # own thread and the engine's step, one at a time) next to NIXL's progress thread
         self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=True,
@@ -116,11 +144,15 @@ class PrefillRank:
         self.staging = self._kv.new_staging(staging_bytes) if staging_bytes else np.empty(0, np.uint8)
         self.staging_bytes = staging_nbytes(self.staging)
         self.staging_addr = self.transport.register(self.staging) if self.staging_bytes else 0
+        # host staging mirrors the staging buffer (same slots): the host-staged path packs on the device,
+        # copies device -> host here, and the decode READs host -> host (pinned on a CUDA rank)
+        self.host_staging = (
+            new_host_buffer(self._kv, self.staging_bytes) if self.staging_bytes else np.empty(0, np.uint8)
+        )
+        self.host_staging_addr = self.transport.register(self.host_staging) if self.staging_bytes else 0
         self.slots = SlotAllocator(self.staging_bytes)
         # per-peer quota: one decode engine's staging slots (all its ranks together) hold at most this
         # share of the buffer, so a slow, stuck or dead decode engine cannot starve the others
-        if not 0 < staging_peer_share <= 1:
-            raise ValueError(f"staging_peer_share must be in (0, 1], not {staging_peer_share!r}")
         self.staging_peer_bytes = int(self.staging_bytes * staging_peer_share)
         # (decode layout, decode rank) -> (LoweredPlan, decode engine that caused it): LRU, bounded in
         # total and per decode engine
@@ -137,6 +169,8 @@ class PrefillRank:
         self.freed: list[str] = []
         self.expired: list[str] = []
         self.metrics = Metrics()
+        self._pinned_at: dict[tuple, int] = {}  # (req_id, reader, read_id) -> perf_counter_ns of its grant
+        self._kind = ""  # the kind of side-channel message being answered (its phase)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: str, blocks: dict[str, GroupBlocks], lease_s: float | None = None,
@@ -150,8 +184,13 @@ class PrefillRank:
         :meth:`expect_reads`."""
         attempt = int(attempt) if attempt else new_attempt()
         # re-registered: the old attempt's lease is REPLACED (its pins end, its staging slots go back)
-        self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s, reads=reads))
+        self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s, reads=reads,
+                                          nbytes=self._bytes_of(blocks)))
         return attempt
+
+    def _bytes_of(self, blocks: dict[str, GroupBlocks]) -> int:
+        """Bytes of ``blocks`` in this rank's memory (what its readers may read at most)."""
+        return sum(len(b.block_ids) * self._block_bytes.get(g, 0) for g, b in blocks.items())
 
     def expect_reads(self, req_id: str, attempt: int, reads: int) -> bool:
         """The live lease of ``attempt`` of ``req_id`` is held until ``reads`` reads are done (only ever
@@ -174,6 +213,9 @@ class PrefillRank:
         for e in effects:
             if isinstance(e, PinEnded):
                 (eng, rank), read_id = e.pin
+                t = self._pinned_at.pop((e.req_id, (eng, tuple(rank)), read_id), 0)
+                if t:  # granted -> ended (the reader's Done, mostly; a timeout too)
+                    self.metrics.observe_phase("pin_held", (time.perf_counter_ns() - t) / 1e9)
                 key = (e.req_id, eng, tuple(rank), read_id)
                 self.slots.free(key)
                 lease = self.table.get(e.req_id)
@@ -189,34 +231,65 @@ class PrefillRank:
                     self.expired.append(e.req_id)
                     self.metrics.expired_requests += 1
 
+    def idle_hint(self, notif_s: float, parked_s: float, idle_s: float) -> float:
+        """How long a serving loop may wait for a side-channel message before it must serve anyway:
+        ``parked_s`` with stage requests parked for staging space, ``notif_s`` while pins are held (NIXL
+        notifications, readers' Done, have no file descriptor to wait on), a lease tick (at most 50 ms)
+        while leases are held, else ``idle_s``."""
+        if self._parked:
+            return parked_s
+        if self._pinned_at:
+            return notif_s
+        if self.table.leases:
+            return min(idle_s, 0.05)
+        return idle_s
+
     def take_freed(self) -> dict:
         out = {"freed": self.freed, "expired": self.expired}
         self.freed, self.expired = [], []
         return out
 
     # ---- event loop ----------------------------------------------------------------------------
-    def serve_once(self) -> None:
+    def serve_once(self) -> int:
+        """One serving turn: answer every side-channel message waiting, act on NIXL notifications (Done),
+        expire leases and pins, retry parked stage requests. Returns how many messages and notifications
+        it handled."""
+        t_turn = time.perf_counter_ns()
+        work = 0
         while True:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            work += 1
             # REQ peers (handshake) put an empty delimiter frame after the identity; DEALER peers
             # (stage requests) do not: answer in the same envelope
             envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
+            t0, first, self._kind = time.perf_counter_ns(), 0, ""
             try:
                 for answer in self._answers(frames[len(envelope):], envelope):
                     self.sock.send_multipart(envelope + answer)
+                    first = first or time.perf_counter_ns()
             except Exception as e:  # noqa: BLE001 - a request that fails while packing must not stop the rank
                 log.warning("side-channel request failed: %r", e)
                 self.metrics.failed_stage_requests += 1
                 self.sock.send_multipart(envelope + pack(self._failure_reply(frames[len(envelope):], e)))
+            kind = self._kind  # what _answers found ("acquire", "stage", or "" for the rest)
+            if kind:
+                t1 = time.perf_counter_ns()
+                if kind == "stage":
+                    self.metrics.observe_phase("stage_first", ((first or t1) - t0) / 1e9)
+                self.metrics.observe_phase(kind, (t1 - t0) / 1e9)
         for agent, msgs in self.transport.get_notifs().items():
             for m in msgs:
+                work += 1
                 self._on_notif(agent, m)
         self._effects(self.table.tick(time.monotonic()))
         if self._parked:
             self._retry_parked()
+        if work:
+            self.metrics.observe_phase("serve_turn", (time.perf_counter_ns() - t_turn) / 1e9)
+        return work
 
     def _retry_parked(self) -> None:
         """Serve stage requests that waited for staging space, in arrival order (first fit). A request
@@ -245,7 +318,7 @@ class PrefillRank:
                 self.metrics.failed_stage_requests += 1
                 self.sock.send_multipart(p.envelope + pack(StageError(
                     p.msg.req_id, f"prefill rank {self.rank} failed packing {p.msg.req_id!r}; read it directly",
-                    code="internal", ttl_s=self._ttl(lease, p.msg) if lease is not None else 0.0,
+                    code=Code.INTERNAL, ttl_s=self._ttl(lease, p.msg) if lease is not None else 0.0,
                     read_id=_read_id(p.msg), attempt=p.msg.attempt)))
 
     def _failure_reply(self, body: list[bytes], e: Exception):
@@ -259,10 +332,10 @@ class PrefillRank:
         if isinstance(msg, Stage):  # the decode falls back to a direct read of this request only
             lease = self.leases.get(msg.req_id)
             ok = lease is not None and lease.attempt == msg.attempt
-            return StageError(msg.req_id, f"cannot stage: {text}", code="internal",
+            return StageError(msg.req_id, f"cannot stage: {text}", code=Code.INTERNAL,
                               ttl_s=self._ttl(lease, msg) if ok else 0.0, read_id=_read_id(msg),
                               attempt=msg.attempt)
-        return ErrorReply(text, code="internal")
+        return ErrorReply(text, code=Code.INTERNAL)
 
     # ---- leases: attempts, pins, reader identities ----------------------------------------------
     def _ttl(self, lease: Lease, msg: Stage) -> float:
@@ -274,18 +347,18 @@ class PrefillRank:
         self.metrics.refused_reads += 1
         return StageError(msg.req_id, f"request {msg.req_id!r} is unknown, expired or re-registered (another "
                                       f"attempt) on prefill rank {self.rank}; its blocks may be reused: do not read "
-                                      "them", expired=True, code=Refusal.LEASE_EXPIRED.value, read_id=_read_id(msg),
+                                      "them", expired=True, code=Code.LEASE_EXPIRED, read_id=_read_id(msg),
                           attempt=msg.attempt)
 
-    def _check_reader(self, reader: tuple, agent: str, incarnation: str) -> tuple[Refusal, str] | None:
+    def _check_reader(self, reader: tuple, agent: str, incarnation: str) -> tuple[Code, str] | None:
         """None if ``reader`` (as ``agent``) may read from this process; else (code, message)."""
         if incarnation and incarnation not in self._digests:
-            return Refusal.RESTARTED, (f"prefill rank {self.rank} of {self.engine_id!r} is not the process this "
+            return Code.RESTARTED, (f"prefill rank {self.rank} of {self.engine_id!r} is not the process this "
                                        "decode rank handshook with (restarted); handshake again")
         bound = self.readers.agent_of(reader)
         if bound is None or agent != bound:
             self.metrics.forged_messages += 1
-            return Refusal.UNKNOWN_READER, (f"decode rank {reader[1]} of {reader[0]!r} has not handshaken with "
+            return Code.UNKNOWN_READER, (f"decode rank {reader[1]} of {reader[0]!r} has not handshaken with "
                                             f"prefill rank {self.rank} as agent {agent!r}; handshake first")
         self.readers.touch(reader, time.monotonic())
         return None
@@ -295,27 +368,31 @@ class PrefillRank:
         granted, refused = [], []
         bad = self._check_reader(reader, msg.decode_agent, msg.incarnation)
         now = time.monotonic()
-        for item in msg.reqs:
+        progress = msg.progress if len(msg.progress) == len(msg.reqs) else [None] * len(msg.reqs)
+        for item, done in zip(msg.reqs, progress):
             rid, attempt, read_id = (tuple(item) + ("",))[:3]
             read_id = read_id or rid
             if bad is not None:
-                got = Refused(rid, attempt, read_id, *bad)
+                got = LeaseRefused(rid, attempt, read_id, *bad)
             elif msg.heartbeat:
-                got = self.table.heartbeat(rid, attempt, reader, read_id, now)
+                got = self.table.heartbeat(rid, attempt, reader, read_id, now,
+                                           None if done is None else (int(done[0]), int(done[1])))
             else:
                 got = self.table.acquire(rid, attempt, reader, read_id, msg.readers, now)
-            if isinstance(got, Granted):
+            if isinstance(got, LeaseGranted):
                 granted.append((rid, attempt, read_id, got.ttl_s))
+                if not msg.heartbeat:
+                    self._pinned_at.setdefault((rid, reader, read_id), time.perf_counter_ns())
             else:
                 self._count_refusal(got)
-                refused.append((rid, attempt, read_id, got.code.value, got.message))
+                refused.append((rid, attempt, read_id, got.code, got.message))
         return Acquired(granted, refused, heartbeat=msg.heartbeat)
 
-    def _count_refusal(self, r: Refused) -> None:
+    def _count_refusal(self, r: LeaseRefused) -> None:
         self.metrics.refused_reads += 1
-        if r.code is Refusal.NOT_REGISTERED:
+        if r.code is Code.NOT_REGISTERED:
             self.metrics.not_registered += 1
-        elif r.code is Refusal.LEASE_EXPIRED and r.req_id in self.leases:  # another attempt: stale or guessed
+        elif r.code is Code.LEASE_EXPIRED and r.req_id in self.leases:  # another attempt: stale or guessed
             self.metrics.stale_messages += 1
 
     def _remember(self, d: OrderedDict, key, value, cap: int) -> None:
@@ -353,25 +430,27 @@ class PrefillRank:
         try:
             msg = unpack(body)
         except KVBridgeError as e:  # noqa: BLE001 - answer the peer, keep serving
-            yield pack(ErrorReply(str(e), code="bad_request"))
+            yield pack(ErrorReply(str(e), code=Code.BAD_REQUEST))
             return
         except Exception:  # noqa: BLE001
-            yield pack(ErrorReply("malformed side-channel message", code="bad_request"))
+            yield pack(ErrorReply("malformed side-channel message", code=Code.BAD_REQUEST))
             return
         if isinstance(msg, Stage):
+            self._kind = "stage"
             for reply in self._stage(msg, list(envelope)):
                 yield pack(reply)
             return
         if isinstance(msg, Acquire):
+            self._kind = "" if msg.heartbeat else "acquire"
             yield pack(self._acquire(msg))
             return
         if not isinstance(msg, GetMeta):
             yield pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta, acquire or stage",
-                                  code="unexpected"))
+                                  code=Code.UNEXPECTED))
             return
         if tuple(msg.prefill_rank) != self.rank:
             yield pack(ErrorReply(f"this endpoint is prefill rank {self.rank}, not {tuple(msg.prefill_rank)}",
-                                  code="wrong_rank"))
+                                  code=Code.WRONG_RANK))
             return
         md = self.transport.metadata()
         # the reader's identity from the handshake: its Done notifications must come from this agent. A
@@ -379,16 +458,17 @@ class PrefillRank:
         reader = (msg.decode_engine, tuple(msg.decode_rank))
         refusal = self.readers.bind(reader, msg.decode_agent, time.monotonic(), self.table.pins_held)
         if refusal is not None:
-            self.metrics.forged_messages += refusal is Refusal.IDENTITY_IN_USE
-            why = ("is bound to another NIXL agent that is still live" if refusal is Refusal.IDENTITY_IN_USE
+            self.metrics.forged_messages += refusal is Code.IDENTITY_IN_USE
+            why = ("is bound to another NIXL agent that is still live" if refusal is Code.IDENTITY_IN_USE
                    else f"cannot be added: {len(self.readers)} live readers fill the table")
             yield pack(ErrorReply(f"decode rank {reader[1]} of {reader[0]!r} {why} on prefill rank {self.rank}; "
-                                  "use a distinct decode engine id per engine", code=refusal.value))
+                                  "use a distinct decode engine id per engine", code=refusal))
             return
         self._remember(self._digests, metadata_digest(md), True, 8)
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
-                             self.staging_bytes))
+                             self.staging_bytes, self.staging_addr, self.host_staging_addr,
+                             staging_nbytes(self.host_staging), float(self.pin_s), float(self.min_read_rate)))
 
     def _stage(self, msg: Stage, envelope: list[bytes]):
         """Answer a stage request: pin the lease for this reader's read (as an acquire does), pack this
@@ -399,27 +479,33 @@ class PrefillRank:
         reader = (msg.decode_engine, tuple(msg.decode_rank))
         read_id = _read_id(msg)
         bad = self._check_reader(reader, msg.decode_agent, msg.incarnation)
-        got = (Refused(msg.req_id, msg.attempt, read_id, *bad) if bad is not None else
+        got = (LeaseRefused(msg.req_id, msg.attempt, read_id, *bad) if bad is not None else
                self.table.acquire(msg.req_id, msg.attempt, reader, read_id, msg.readers, time.monotonic()))
-        if isinstance(got, Refused):  # stage slots only for readers that hold a pin
+        if isinstance(got, LeaseRefused):  # stage slots only for readers that hold a pin
             self._count_refusal(got)
-            yield StageError(msg.req_id, got.message, expired=got.code in (Refusal.LEASE_EXPIRED, Refusal.RESTARTED,
-                                                                            Refusal.DONE),
-                             code=got.code.value, read_id=read_id, attempt=msg.attempt)
+            yield StageError(msg.req_id, got.message, expired=got.code in (Code.LEASE_EXPIRED, Code.RESTARTED,
+                                                                            Code.DONE),
+                             code=got.code, read_id=read_id, attempt=msg.attempt)
             return
         ttl = got.ttl_s
+        self._pinned_at.setdefault((msg.req_id, reader, read_id), time.perf_counter_ns())
         lease = self.leases[msg.req_id]
+        if msg.path not in STAGE_PATHS:
+            yield StageError(msg.req_id, f"cannot stage over path {msg.path!r}: this prefill rank stages over "
+                                         f"{', '.join(sorted(STAGE_PATHS))}", code=Code.BAD_REQUEST, ttl_s=ttl,
+                             read_id=read_id, attempt=msg.attempt)
+            return
         try:
             lp = self._lowering(msg)
             descs = {d.prefill: d for d in lp.descriptors(msg.num_tokens, blocks_from_wire(msg.prefill_blocks),
                                                           blocks_from_wire(msg.decode_blocks), only=(self.rank,))}
         except KVBridgeError as e:  # a bad request must not take the rank down
-            yield StageError(msg.req_id, f"cannot stage: {e}", code="bad_request", ttl_s=ttl, read_id=read_id,
+            yield StageError(msg.req_id, f"cannot stage: {e}", code=Code.BAD_REQUEST, ttl_s=ttl, read_id=read_id,
                              attempt=msg.attempt)
             return
         except Exception:  # noqa: BLE001
             yield StageError(msg.req_id, f"cannot stage {msg.req_id!r}: internal error on prefill rank {self.rank}",
-                             code="bad_request", ttl_s=ttl, read_id=read_id, attempt=msg.attempt)
+                             code=Code.BAD_REQUEST, ttl_s=ttl, read_id=read_id, attempt=msg.attempt)
             return
         d = descs.get(self.rank)
         self._unpark(*_slot_key(msg))  # a retried request replaces a parked one
@@ -445,13 +531,13 @@ class PrefillRank:
         else:
             why = f"staging buffer full: {self.slots.bytes_used} of {self.slots.capacity} B used"
         return StageError(msg.req_id, f"cannot stage {total} B ({why}; waited up to {self.stage_wait_s:g} s); "
-                                      "read directly", code="full", ttl_s=self._ttl(lease, msg),
+                                      "read directly", code=Code.FULL, ttl_s=self._ttl(lease, msg),
                           read_id=_read_id(msg), attempt=msg.attempt)
 
     def _pack_into_slot(self, msg: Stage, d):
         """Allocate a staging slot (held by the reader's pin) and return a generator of Staged replies
         that packs segment by segment; None when there is no free slot of the size needed."""
-        from ..staging import segment_bounds
+        from ..staging import RunSlice, run_lengths, segment_bounds
         total = d.total_bytes if d is not None else 0
         slot_key = _slot_key(msg)
         off = self.slots.alloc(slot_key, total, group=msg.decode_engine, limit=self.staging_peer_bytes)
@@ -461,16 +547,22 @@ class PrefillRank:
         lease.staged.add(slot_key)
         read_id = _read_id(msg)
 
+        host = msg.path == TransferPath.HOST  # the decode READs host staging: each packed segment is copied there
+        base = self.host_staging_addr if host else self.staging_addr
+
         def replies():
             if not total:
-                yield Staged(msg.req_id, self.staging_addr + off, 0, 0, 0, True, self._ttl(lease, msg), read_id,
+                yield Staged(msg.req_id, base + off, 0, 0, 0, True, self._ttl(lease, msg), read_id,
                              msg.attempt)
                 return
-            bounds = segment_bounds(d.nbytes, msg.segment_bytes)
+            lengths = run_lengths(d)  # the runs' addresses stay factored: computed where the copy runs
+            bounds = segment_bounds(lengths, msg.segment_bytes)
             pos = 0
             for i, (a, b) in enumerate(bounds):
-                n = self._kv.pack(d.src[a:b], d.nbytes[a:b], self.staging, off + pos)
-                yield Staged(msg.req_id, self.staging_addr + off + pos, n, pos, total, i == len(bounds) - 1,
+                n = self._kv.pack(RunSlice(d, "src", a, b), lengths[a:b], self.staging, off + pos)
+                if host:
+                    to_host_segment(self.staging, self.host_staging, off + pos, n)
+                yield Staged(msg.req_id, base + off + pos, n, pos, total, i == len(bounds) - 1,
                              self._ttl(lease, msg), read_id, msg.attempt)
                 pos += n
         return replies()
@@ -516,13 +608,3 @@ class PrefillRank:
     def close(self) -> None:
         self.sock.close(0)
         self.transport.close()
-
-    # ---- benchmarks ------------------------------------------------------------------------------
-    def fill_random(self, seed: int = 0) -> None:
-        """Benchmarks: fill the KV memory with a random pattern (period 16 MiB + 4099 B)."""
-        pat = np.random.default_rng(seed).integers(0, 256, (16 << 20) + 4099, dtype=np.uint8)
-        for a in self.mem.allocations:
-            buf = host_view(a.addr, a.nbytes)
-            for i in range(0, buf.size, pat.size):
-                n = min(pat.size, buf.size - i)
-                buf[i:i + n] = pat[:n]

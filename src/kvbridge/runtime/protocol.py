@@ -2,31 +2,65 @@
 
 Every message is three frames: ``[MAGIC, version (u16 big-endian), msgpack payload]``. The version is
 checked before the payload is decoded, so a peer speaking another version gets a clear error, not a
-decode failure. Version history:
+decode failure. Version 4 speaks:
 
-1. initial: GetMeta / RankMeta / ErrorReply; Stage / Staged / StageError (staged transfers: the
-   prefill packs a request's runs for one decode rank into its staging buffer, answering one Staged
-   per packed segment); Done notifications over NIXL.
-2. leases bound to attempts: ``add_request`` issues an attempt id that the decode presents in
-   Acquire / Stage / Done; a direct read starts only after an Acquire the prefill granted (it pins
-   the lease and answers the pin's remaining duration, never a wall-clock time); GetMeta names the
-   decode's NIXL agent (Done notifications must come from it); errors carry a ``code``.
-4. per-reader pins (issue 20): every read names a ``read_id`` (the decode's own request id; several
-   reads of one prefill request may coexist) in Acquire / Stage / Done and the answers; Acquire and
-   Stage name the decode's NIXL agent; ``Acquire(heartbeat=True)`` refreshes pins / extends queued
-   leases without pinning; ``Done(decline=True)`` settles a read the sender never pinned (nothing to
-   read, or aborted before reading); refusal codes include ``not_registered`` (retry briefly).
+* GetMeta / RankMeta / ErrorReply: a rank's layout, memory and NIXL agent (GetMeta names the decode's
+  agent: Done notifications must come from it);
+* Acquire / Acquired: a read pins a lease bound to an attempt id (``add_request`` issues it, the decode
+  presents it) and names its ``read_id`` (the decode's own request id; several reads of one prefill
+  request may coexist); the answer is the pin's remaining duration, never a wall-clock time;
+  ``Acquire(heartbeat=True)`` refreshes pins and extends queued leases without pinning;
+* Stage / Staged / StageError: the prefill packs a request's runs for one decode rank into its staging
+  buffer and answers one Staged per packed segment;
+* Done over NIXL notifications: a read settled; ``Done(decline=True)`` settles a read the sender never
+  pinned (nothing to read, or aborted before reading);
+* every refusal or error carries a :class:`Code`.
 """
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 4  # 2: memory descriptions (engine-owned memory); 3: lease attempts, acquire; 4: read ids, pins
+PROTOCOL_VERSION = 4
 MAGIC = b"KVB1"
+
+
+class Code(enum.StrEnum):
+    """Every ``code`` a prefill rank answers with (``Acquired.refused``, ``StageError``, ``ErrorReply``);
+    both sides compare against these members (a member equals, and hashes as, its wire string)."""
+
+    # refusals of an acquire, stage request or heartbeat: no pin was made
+    NOT_REGISTERED = "not_registered"      # no lease for this attempt yet: the decode retries, bounded
+    LEASE_EXPIRED = "lease_expired"        # the attempt's lease ended (freed, expired, replaced)
+    RESTARTED = "restarted"                # the prefill process is not the one the reader handshook with
+    UNKNOWN_READER = "unknown_reader"      # no handshake from this reader (or from another agent)
+    DONE = "done"                          # this reader already settled its part of this read
+    # a stage request the prefill cannot stage: the pin holds (``ttl_s``), read directly
+    FULL = "full"                          # no staging room
+    INTERNAL = "internal"                  # packing failed on the prefill
+    # bad requests and handshakes
+    BAD_REQUEST = "bad_request"            # readers < 1, a readers count that disagrees, too many reads, malformed
+    IDENTITY_IN_USE = "identity_in_use"    # GetMeta claims a live reader's identity with another agent
+    TOO_MANY_READERS = "too_many_readers"  # the reader table is full of live readers
+    WRONG_RANK = "wrong_rank"              # GetMeta for another prefill rank than the one at this address
+    UNEXPECTED = "unexpected"              # a message a prefill rank does not serve
+    ERROR = "error"                        # an error reply with no more specific code
+
+    @classmethod
+    def parse(cls, text: str) -> Code | None:
+        """The member for ``text`` from the wire, or None (a code this release does not know)."""
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+
+
+# codes that refuse an acquire or stage request: no pin was made
+REFUSALS = frozenset({Code.NOT_REGISTERED, Code.LEASE_EXPIRED, Code.RESTARTED, Code.UNKNOWN_READER, Code.DONE})
 
 
 class GetMeta(msgspec.Struct, tag="get_meta"):
@@ -46,6 +80,14 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     metadata_sha256: str
     memory: dict[str, Any]  # the rank's KVMemory.to_wire(): registered regions, per-layer addresses, strides
     staging_bytes: int = 0
+    # host staging (the host-staged path, and what a link probe READs to time host memory); 0: none
+    staging_addr: int = 0   # the staging buffer (on the KV memory's device): a link probe READs it
+    host_staging_addr: int = 0
+    host_staging_bytes: int = 0
+    # a pin holds for pin_s plus the request's bytes at min_read_rate (0: not said): a path predicted to
+    # take longer is avoided
+    pin_s: float = 0.0
+    min_read_rate: float = 0.0
 
 
 # the prefill answers (and the decode reads) a stage request per segment of about this size, so
@@ -73,16 +115,20 @@ class Stage(msgspec.Struct, tag="stage"):
     incarnation: str = ""   # sha256 of the prefill rank's metadata this decode rank handshook with
     read_id: str = ""       # the decode's id of this read (its pin); "" means req_id
     decode_agent: str = ""  # the decode rank's NIXL agent (must be the one bound at handshake)
+    path: str = "staged"    # cost.TransferPath: "staged" (device staging) or "host" (host staging)
 
 
 class Acquire(msgspec.Struct, tag="acquire"):
     """Ask a prefill rank to pin the leases of ``reqs`` ((req_id, attempt, read_id)) before direct reads.
 
     The prefill pins ``(reader, read_id)`` on a lease whose attempt matches (the pin holds until this
-    reader's Done for it, ``pin_idle_s`` without a refresh, or the hard cap ``pin_s``) and answers with
+    reader's Done for it, ``pin_idle_s`` without a refresh, ``pin_s`` without progress, or its bound
+    from the request's size) and answers with
     the remaining duration; it refuses unknown, expired or other attempts (``not_registered``: not yet).
     ``heartbeat``: refresh pins this reader holds, or extend the lease of a request queued at the decode
-    (never pins). Durations only: the decode counts down on its own clock from when it sent this.
+    (never pins); ``progress``: per entry of ``reqs``, the read's bytes ``(done, inflight)`` so far (read,
+    and in transfers posted and not finished): a pin whose read progresses holds past ``pin_s``, up to
+    its bound. Durations only: the decode counts down on its own clock from when it sent this.
     """
 
     decode_engine: str
@@ -92,12 +138,13 @@ class Acquire(msgspec.Struct, tag="acquire"):
     reqs: list[tuple[str, int, str]]
     decode_agent: str = ""
     heartbeat: bool = False
+    progress: list[tuple[int, int]] = []
 
 
 class Acquired(msgspec.Struct, tag="acquired"):
     """Answer to :class:`Acquire`: ``granted`` (req_id, attempt, read_id, seconds the pin still holds)
-    and ``refused`` (req_id, attempt, read_id, code, message); codes: ``not_registered``,
-    ``lease_expired``, ``restarted``, ``unknown_reader``, ``done``, ``bad_request``."""
+    and ``refused`` (req_id, attempt, read_id, code, message); codes (:class:`Code`): the
+    :data:`REFUSALS` and ``bad_request``."""
 
     granted: list[tuple[str, int, str, float]]
     refused: list[tuple[str, int, str, str, str]]
@@ -126,8 +173,7 @@ class StageError(msgspec.Struct, tag="stage_error"):
     req_id: str
     message: str
     expired: bool = False
-    code: str = ""      # not_registered | lease_expired | restarted | unknown_reader | full | bad_request |
-    #                     internal | done
+    code: str = ""      # a Code: one of REFUSALS (do not read), full or internal (read directly), bad_request
     ttl_s: float = 0.0  # "full": the lease is pinned for this long; read directly under it
     read_id: str = ""
     attempt: int = 0
@@ -135,7 +181,7 @@ class StageError(msgspec.Struct, tag="stage_error"):
 
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
-    code: str = "error"  # bad_request | wrong_rank | unexpected | internal | identity_in_use | too_many_readers
+    code: str = Code.ERROR  # a Code: bad_request, wrong_rank, unexpected, internal, identity_in_use, too_many_readers
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -183,7 +229,10 @@ def unpack(frames: list[bytes]) -> Message:
 
 def blocks_to_wire(blocks: dict[str, Any]) -> dict[str, tuple[bytes, int]]:
     import numpy as np
-    return {g: (np.ascontiguousarray(b.block_ids, dtype="<i8").tobytes(), int(b.first_block)) for g, b in blocks.items()}
+
+    return {
+        g: (np.ascontiguousarray(b.block_ids, dtype="<i8").tobytes(), int(b.first_block)) for g, b in blocks.items()
+    }
 
 
 def blocks_from_wire(wire: dict[str, tuple[bytes, int]]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ channel or NIXL agent went away, is handed to the caller's callbacks (``restarte
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -21,14 +22,18 @@ from typing import Any, cast
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import HandshakeError, LeaseExpired, PeerGoneError, PeerRestarted, ReadFailure, TransferError
+from ..lower import Descriptors
+from ..modes import TransferPath
 from ..plan import Rank
+from ..transport.base import Transport
 from . import prepped_hook as _prepped_hook
 from .memhost import KVBytes
 from .metrics import Metrics
+from .paths import from_host_segment
 from .peer import Peer, PeerEvent
+from .probe import observe_read
 from .protocol import (
     Acquire,
     Acquired,
@@ -76,6 +81,22 @@ from .readstate import (
 from .request import InFlight, ReadRequest
 from .slots import SlotAllocator
 
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 0.05      # a waiting decode looks at its reads at least this often
+XFER_POLL_S = 0.0002   # a transfer NIXL completes with no event (posted, in progress) is checked this often
+ZOMBIE_POLL_S = 0.01   # reads parked after a failure are checked this often
+
+# InFlight.marks: the end of each phase of metrics.DECODE_PHASES (index 0: the start)
+M_START, M_SENT, M_GRANTED, M_POSTED, M_RETURNED, M_XFER, M_SCATTERED, M_DONE = range(8)
+
+
+def _mark(f: InFlight, i: int) -> None:
+    """Phase ``i`` of ``f`` ended now (the latest over its prefill ranks counts)."""
+    t = time.perf_counter_ns()
+    if t > f.marks[i]:
+        f.marks[i] = t
+
 
 class ReadLoop:
     """The reads in flight of one decode rank and their I/O (see the module docstring).
@@ -85,13 +106,16 @@ class ReadLoop:
     prank, detail)``: the prefill rank's side channel or NIXL agent went away (the caller fails or
     re-queues the reads that use it)."""
 
-    def __init__(self, *, engine_id: str, rank: Rank, transport: Any, metrics: Metrics, kv: KVBytes,
+    def __init__(self, *, engine_id: str, rank: Rank, transport: Transport, metrics: Metrics, kv: KVBytes,
                  staging: Any, staging_addr: int, slots: SlotAllocator, layout_dict: dict[str, Any],
                  mem_wire: Any, stage_segment_bytes: int, stage_timeout_s: float, transfer_timeout_s: float,
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
-                 retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None]):
+                 retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
+                 host_staging: Any = None, host_staging_addr: int = 0):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
         self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
+        # host staging (same slots as the staging buffer): the host-staged path
+        self.host_staging, self.host_staging_addr = host_staging, host_staging_addr
         self.layout_dict, self.mem_wire = layout_dict, mem_wire  # sent with stage requests
         self.stage_segment_bytes = stage_segment_bytes
         self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
@@ -116,9 +140,9 @@ class ReadLoop:
         to pin the lease (direct reads are posted when the pin is granted; staged ranks pack on the stage
         request, which pins too; a rank with nothing to read is pinned and released at once)."""
         key = req.key
-        direct = [p for p, m in modes.items() if m == "direct"]
-        staged = [p for p, m in modes.items() if m == "staged"]
-        descs = _prepped_hook.direct_reads(peer.prepped, peer, req, direct)  # [i14]
+        direct = [p for p, m in modes.items() if m == TransferPath.DIRECT]
+        staged = [p for p, m in modes.items() if m in (TransferPath.STAGED, TransferPath.HOST)]
+        descs = _prepped_hook.direct_reads(peer.prepped, peer, req, direct)
         missing = [p for p in peer.agents if not req.attempt_for(p) and (
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
@@ -129,6 +153,7 @@ class ReadLoop:
                 req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
             return
         f = InFlight(req, peer, {}, t0)
+        f.marks[M_START] = int(t0 * 1e9)
         now = time.monotonic()
         ctx = self.read_ctx()
         for prank in peer.agents:
@@ -148,12 +173,20 @@ class ReadLoop:
                 msg = Stage(
                     req.req_id, self.engine_id, self.rank, layout, self.mem_wire, req.num_tokens, wire_p, wire_d,
                     self.stage_segment_bytes, req.attempt_for(prank), peer.readers[prank],
-                    peer.digests.get(prank, ""), key, self.transport.agent_name)
+                    peer.digests.get(prank, ""), key, self.transport.agent_name, str(TransferPath(modes[prank])))
                 # lowered at most once, when the first segment is announced (or on a fallback to direct)
-                f.ranks[prank] = RankRead(prank, ReadState.STAGE_REQUESTED, now, ctx, request=msg, slot_key=(key, prank),
-                                          lower=partial(lower_one, peer.lowered, req, prank))
+                f.ranks[prank] = RankRead(
+                    prank,
+                    ReadState.STAGE_REQUESTED,
+                    now,
+                    ctx,
+                    request=msg,
+                    slot_key=(key, prank),
+                    lower=partial(lower_one, peer.lowered, req, prank),
+                )
                 peer.send(prank, pack(msg))
             f.stage_sent = time.perf_counter()
+            _mark(f, M_SENT)
         self.metrics.post_seconds_sum += time.perf_counter() - t0
         if not f.ranks:
             self.finished.append(key)
@@ -208,9 +241,33 @@ class ReadLoop:
                 self._complete(rid, f)
         self._reap_zombies()
 
+    def next_wake(self, now: float, wakes: bool) -> float:
+        """Seconds until a read in flight may need :meth:`advance` with no event: its machine's next
+        deadline (a retry, a heartbeat, a timeout); a transfer whose post returned but is still in
+        progress (RDMA: NIXL completes it later, with no event) every ``XFER_POLL_S``; a post or scatter
+        under way every ``XFER_POLL_S`` too unless the transport's wake-up fd tells (``wakes``)."""
+        pause = MAX_WAIT_S
+        for f in self.inflight.values():
+            for rr in f.ranks.values():
+                if rr.terminal:
+                    continue
+                pause = min(pause, rr.wake_at - now)
+                for t in rr.reads:
+                    if t.cancelled:
+                        continue
+                    if not t.done:
+                        fut = getattr(t.xfer, "future", None)
+                        if fut is None or fut.done() or not wakes:
+                            pause = min(pause, XFER_POLL_S)
+                    elif t.scatter is not None and not t.scatter.done() and not wakes:
+                        pause = min(pause, XFER_POLL_S)
+        if self.zombies:
+            pause = min(pause, ZOMBIE_POLL_S)
+        return max(0.0, pause)
+
     def read_ctx(self) -> ReadContext:
         return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
-                           self.staging_addr)
+                           self.staging_addr, host_staging_addr=self.host_staging_addr)
 
     def flush(self, peers: Iterable[Peer]) -> None:
         """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
@@ -219,25 +276,32 @@ class ReadLoop:
             if peer.unsent:
                 peer.retry_unsent()
             if peer.outbox:
-                out, peer.outbox = peer.outbox, {}
-                for prank, reqs in out.items():
+                for prank, reqs in peer.take_outbox().items():
                     live = [(rid, a, k) for rid, a, k in reqs if k in self.inflight]
                     now = time.monotonic()
-                    for _, _, k in live:
-                        rr = self.inflight[k].ranks.get(prank)
-                        if rr is not None:
-                            rr.handle(Sent(), now)
                     if live and prank in peer.socks:
                         peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
                                                       peer.digests.get(prank, ""), live, self.transport.agent_name)))
+                    for _, _, k in live:
+                        g = self.inflight[k]
+                        _mark(g, M_SENT)
+                        rr = g.ranks.get(prank)
+                        if rr is not None:
+                            self.apply(g, rr, rr.handle(Sent(), now))
             if peer.heartbeats:
-                out, peer.heartbeats = peer.heartbeats, {}
-                for prank, reqs in out.items():
+                for prank, reqs in peer.take_heartbeats().items():
                     if prank in peer.socks:
                         self.metrics.heartbeats += len(reqs)
                         peer.send(prank, pack(Acquire(self.engine_id, self.rank, peer.readers[prank],
                                                       peer.digests.get(prank, ""), reqs, self.transport.agent_name,
-                                                      heartbeat=True)))
+                                                      heartbeat=True, progress=[self._progress(k, prank)
+                                                                                for _, _, k in reqs])))
+
+    def _progress(self, key: str, prank: Rank) -> tuple[int, int]:
+        """Bytes ``(done, inflight)`` of read ``key`` from ``prank`` ((0, 0): not started here)."""
+        f = self.inflight.get(key)
+        rr = f.ranks.get(prank) if f is not None else None
+        return rr.progress() if rr is not None else (0, 0)
 
     def done_msg(self, req: ReadRequest, remote: Peer, prank: Rank, ok: bool = True,
               decline: bool = False) -> bytes:
@@ -263,27 +327,38 @@ class ReadLoop:
         prank, peer = rr.prefill, f.peer
         for a in actions:
             if isinstance(a, Post):
-                a.transfer.xfer = self.transport.post(
-                    peer.agents[prank], a.transfer.work, self.done_msg(f.req, peer, prank), cancel=a.transfer,
-                    remote_device=_device_of(peer, prank))
+                w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
+                done = self.done_msg(f.req, peer, prank)
+                if isinstance(w, Descriptors):  # a staged rank read directly (its staging was full)
+                    a.transfer.xfer = self.transport.read(agent, w.src, w.dst, w.nbytes, done, remote_device=dev,
+                                                          cancel=a.transfer)
+                else:
+                    assert w is not None, "a Post carries its work"
+                    a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
                 # sizes of a direct read are worked out on the post thread: counted when the request completes
                 self.metrics.transfers += 1
             elif isinstance(a, PostSegment):
                 t, one = a.transfer, np.ones(1, dtype=np.int64)
                 nbytes = cast(int, t.nbytes)  # set on a segment's transfer
-                t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
-                                             remote_device=_device_of(peer, prank))
+                if a.host:  # host staging on both sides
+                    t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
+                                                 remote_device="cpu", local_device="cpu")
+                else:
+                    t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
+                                                 remote_device=_device_of(peer, prank))
                 f.nbytes += nbytes
                 f.ndescs += 1
                 self.metrics.transfers += 1
             elif isinstance(a, Scatter):
-                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer)
+                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
             elif isinstance(a, Ask):
                 if not a.stage:
                     queue_read(peer.outbox, peer, prank, f.req)
                 elif prank in peer.socks:
                     peer.send(prank, pack(rr.request))
-                    rr.handle(Sent(), time.monotonic())
+                    _mark(f, M_SENT)
+                    if self.apply(f, rr, rr.handle(Sent(), time.monotonic())):
+                        return True
             elif isinstance(a, Heartbeat):
                 queue_read(peer.heartbeats, peer, prank, f.req)
             elif isinstance(a, Notify):
@@ -300,9 +375,10 @@ class ReadLoop:
                     sib = g.ranks.get(prank) if g is not f else None
                     if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
                             and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
-                        at = min(a.at, sib.retry_at)
-                        rr.handle(AlignRetry(at), 0.0)
-                        sib.handle(AlignRetry(at), 0.0)
+                        at, now = min(a.at, sib.retry_at), time.monotonic()
+                        if self.apply(f, rr, rr.handle(AlignRetry(at), now)):
+                            return True
+                        self.apply(g, sib, sib.handle(AlignRetry(at), now))
             elif isinstance(a, Restarted):
                 if self.restarted(f):
                     return True
@@ -327,14 +403,15 @@ class ReadLoop:
         if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
             for rid, attempt, read_id, ttl_s in msg.granted:
                 f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-                if rr is not None:
-                    rr.handle(Refreshed(ttl_s), now)
+                if f is not None and rr is not None:
+                    self.apply(f, rr, rr.handle(Refreshed(ttl_s), now))
             return
         for rid, attempt, read_id, ttl_s in msg.granted:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
             if f is None or rr is None:
                 self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
+            _mark(f, M_GRANTED)
             self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
@@ -360,6 +437,7 @@ class ReadLoop:
         now = time.monotonic()
         ev: Segment | StageFailed
         if isinstance(msg, Staged):
+            _mark(f, M_GRANTED)
             ev = Segment(msg.total, msg.offset, msg.nbytes, msg.addr, msg.last, msg.ttl_s)
         else:
             ev = StageFailed(msg.code, msg.message, msg.expired, msg.ttl_s)
@@ -370,12 +448,15 @@ class ReadLoop:
             self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
         self.apply(f, rr, actions, ids)
 
-    def _scatter(self, r: Transfer) -> None:
-        """Staging -> KV buffer for one staged segment (runs on a post thread)."""
+    def _scatter(self, r: Transfer, f: InFlight) -> None:
+        """Staging -> KV buffer for one staged segment (runs on a copy thread)."""
         t0 = time.perf_counter()
         dst, nbytes = cast(tuple[Any, Any], r.runs)  # set on a staged segment's transfer
+        if r.host:  # READ into host staging: host -> device staging first (same offsets)
+            from_host_segment(self.host_staging, self.staging, cast(int, r.slot), cast(int, r.nbytes))
         self.kv.scatter(self.staging, dst, nbytes, cast(int, r.slot))
         self.metrics.scatter_seconds_sum += time.perf_counter() - t0
+        _mark(f, M_SCATTERED)
 
     def notify(self, agent: str, msg: bytes) -> None:
         try:
@@ -387,10 +468,14 @@ class ReadLoop:
         """Replies of ``peers`` (every peer with open sockets) -> read events; a closed side channel -> ``died``."""
         for peer in peers:
             for prank, sock in list(peer.socks.items()):
-                if peer.disconnected(prank, _monitor_event) and prank not in peer.gone and prank in peer.agents:
+                if peer.disconnected(prank) and prank not in peer.gone and prank in peer.agents:
                     self.died(peer, prank, "its side-channel connection closed")
+                real = isinstance(sock, zmq.Socket)
                 while True:
                     try:
+                        # (EVENTS first: an empty socket costs no exception on every poll)
+                        if real and not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                            break
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except (zmq.Again, zmq.ZMQError):
                         break
@@ -410,16 +495,18 @@ class ReadLoop:
         try:
             for i, t in enumerate(rr.reads):
                 if not t.done and self.transport.check(t.xfer) == "DONE":
-                    peer.progress[prank] = now
+                    _mark(f, M_XFER)
+                    peer.record_progress(prank, now)
                     self.apply(f, rr, rr.handle(XferDone(i), now))
                 if t.scatter is not None and not t.scattered and t.scatter.done():
                     e = t.scatter.exception()
                     if e is not None:
                         return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
-                    rr.handle(ScatterDone(i), now)
+                    if self.apply(f, rr, rr.handle(ScatterDone(i), now)):
+                        return True
         except TransferError as e:
             # typed: the transport's PeerGoneError, or the side channel's ZMQ disconnect event (never text)
-            if prank in peer.agents and (isinstance(e, PeerGoneError) or peer.disconnected(prank, _monitor_event)):
+            if prank in peer.agents and (isinstance(e, PeerGoneError) or peer.disconnected(prank)):
                 self.died(peer, prank, f"NIXL: {e}")
                 return True
             return self.apply(f, rr, rr.handle(XferFailed(str(e)), now))
@@ -435,7 +522,7 @@ class ReadLoop:
                     queued = True
                 else:
                     latest = max(latest, posted)
-        return self.apply(f, rr, rr.handle(Tick(peer.progress.get(prank, 0.0), queued, latest), now))
+        return self.apply(f, rr, rr.handle(Tick(peer.progress_of(prank), queued, latest), now))
 
     def _complete(self, rid: str, f: InFlight) -> None:
         self.release_reads(f)
@@ -444,15 +531,25 @@ class ReadLoop:
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
             if rr.notify_at_end and rr.pinned:
                 self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank))
-            rr.handle(PinsReleased(), now)  # direct reads' Done rode on the read
+            self.apply(f, rr, rr.handle(PinsReleased(), now))  # direct reads' Done rode on the read
         self.metrics.observe_transfer(time.perf_counter() - f.started)
+        marks = f.marks
         for rr in f.ranks.values():
             for t in rr.reads:
                 if t.work is not None:
                     f.nbytes += t.work.total_bytes
                     f.ndescs += t.work.count
+                # when the post thread began and ended posting (the transport's handle records them)
+                marks[M_POSTED] = max(marks[M_POSTED], getattr(t.xfer, "posted_ns", 0))
+                marks[M_RETURNED] = max(marks[M_RETURNED], getattr(t.xfer, "returned_ns", 0))
+        _mark(f, M_DONE)
+        phases = self.metrics.observe_marks(marks)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("read %s (%d B from %s): %s", rid, f.nbytes, f.peer.engine_id,
+                      ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in phases.items()))
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
+        observe_read(f, time.perf_counter(), self.metrics)  # the pair's measured link figures follow what it delivered
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 
@@ -536,20 +633,12 @@ class ReadLoop:
                     self.linger_until = max(self.linger_until, time.monotonic() + self.stage_timeout_s)
                 else:
                     self._released[(f.req.key, p, f.req.attempt_for(p))] = True
-            rr.handle(PinsReleased(), now)
+            self.apply(f, rr, rr.handle(PinsReleased(), now))
 
 
 def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: Rank, req: ReadRequest) -> None:
     """Queue ``req`` in one of ``peer``'s batches (``outbox``: acquires, ``heartbeats``) for ``prank``."""
     peer.queue(box, prank, (req.req_id, req.attempt_for(prank), req.key))
-
-
-def _monitor_event(mon: Any) -> int | None:
-    """The next event on a ZMQ monitor socket, or None when there is none."""
-    try:
-        return int(recv_monitor_message(mon, zmq.NOBLOCK)["event"])
-    except (zmq.Again, zmq.ZMQError):
-        return None
 
 
 def lower_one(lowered: Any, req: ReadRequest, prank: Rank) -> Any:

@@ -14,7 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import LeaseExpired, NotRegistered, ReadFailure, RemoteError, TransferFailed, TransferTimeout
-from ..staging import offsets
+from ..modes import TransferPath
+from ..staging import RunSlice, offsets, run_lengths
+from .lease import MIN_READ_RATE
+from .protocol import REFUSALS as REFUSALS  # re-exported: the read loop tells pinning answers by it
+from .protocol import Code
 from .readstate import (
     AWAITING_REPLY,
     Abort,
@@ -58,24 +62,27 @@ class Staging:
     """Our staging slot of a staged rank and the runs the packed stream feeds."""
 
     slot: int
-    dst: Any       # run destinations (absolute), in packed order
+    dst: Any       # the request's descriptors (run destinations on this side, in packed order)
     nbytes: Any
     starts: Any    # offset of each run in the packed stream
 
 
 @dataclass(frozen=True)
 class ReadContext:
-    """What every read of a decode rank shares: its timeouts, staging allocator and staging address."""
+    """What every read of a decode rank shares: its timeouts, staging allocator and staging address.
+    ``min_read_rate``: the slowest read accepted (bytes per second): a transfer in flight has its bytes
+    at this rate beyond ``transfer_timeout_s`` (NIXL reports no bytes until a transfer ends), as the
+    prefill holds its pin."""
 
     stage_timeout_s: float
     transfer_timeout_s: float
     register_grace_s: float
     slots: Any            # SlotAllocator
     staging_addr: int
+    min_read_rate: float = MIN_READ_RATE
+    host_staging_addr: int = 0  # host staging (mirrors the staging buffer's slots): the host-staged path
 
 
-# refusal codes of an acquire/stage request: no pin was made
-REFUSALS = frozenset({"not_registered", "lease_expired", "restarted", "unknown_reader", "done"})
 
 
 class RankRead:
@@ -98,6 +105,10 @@ class RankRead:
         self.work = work                 # direct: posted once the pin is granted
         self._lower, self._lowered = lower, None
         self.request, self.slot_key = request, slot_key
+        # the path this rank's bytes take: a stage request names it (device or host staging), else direct
+        self.path = (
+            TransferPath(getattr(request, "path", TransferPath.STAGED)) if request is not None else TransferPath.DIRECT
+        )
         self.pin_deadline = float("inf")
         self.reads: list[Transfer] = []
         self.staging: Staging | None = None
@@ -118,6 +129,17 @@ class RankRead:
     @property
     def terminal(self) -> bool:
         return self.sm.terminal
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes ``(done, inflight)`` of this read: transfers finished, and transfers posted (or queued to
+        post) and not finished; heartbeats carry it, and the prefill holds a progressing read's pin."""
+        done = inflight = 0
+        for t in self.reads:
+            if t.done:
+                done += t.size
+            elif not t.cancelled:
+                inflight += t.size
+        return done, inflight
 
     def lowered(self) -> Any:
         if self._lowered is None:
@@ -217,19 +239,19 @@ class RankRead:
     def _not_registered(self, code: str, now: float) -> list[Action]:
         """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
         No pin exists and nothing is sent meanwhile."""
-        if code != "not_registered" or now - self.first_sent >= self.ctx.register_grace_s:
+        if code != Code.NOT_REGISTERED or now - self.first_sent >= self.ctx.register_grace_s:
             return []
         self.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - self.first_sent) / 0.02)))
         self.progress_at = now
         return [Count("register_retries"), Retry(self.retry_at)]
 
     def _refused(self, code: str, text: str) -> list[Action]:
-        if code == "restarted":
+        if code == Code.RESTARTED:
             return [Restarted(text)]
-        if code == "not_registered":
+        if code == Code.NOT_REGISTERED:
             return self._fail(ReadEvent.REFUSED, NotRegistered,
                               f"{text} (asked for {self.ctx.register_grace_s:g} s: register_grace_s)")
-        if code in ("lease_expired", "done"):
+        if code in (Code.LEASE_EXPIRED, Code.DONE):
             return self._fail(ReadEvent.REFUSED, LeaseExpired, text)
         return self._fail(ReadEvent.REFUSED, RemoteError, f"[{code}] {text}")
 
@@ -247,7 +269,7 @@ class RankRead:
                 if retry:
                     return retry
             if ev.expired or ev.code in REFUSALS:
-                return self._refused(ev.code or "lease_expired", ev.text)
+                return self._refused(ev.code or Code.LEASE_EXPIRED, ev.text)
             if self.state is ReadState.STAGE_REQUESTED and ev.ttl_s > 0:  # no room: read directly, pinned
                 self.pin_deadline = self.sent_at + ev.ttl_s
                 self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
@@ -272,9 +294,12 @@ class RankRead:
             off = self.ctx.slots.alloc(self.slot_key, ev.total)
             if off is None:  # our staging is full: read directly (under the pin), ignore the rest
                 return self._direct_fallback()
-            self.staging = Staging(off, d.dst, d.nbytes, offsets(d.nbytes))
+            lengths = run_lengths(d)
+            self.staging = Staging(off, d, lengths, offsets(lengths))
             self.notify_at_end = True
             out.append(Count("staged_transfers"))
+            if self.path is TransferPath.HOST:
+                out.append(Count("host_staged_transfers"))
         st = self.staging
         if st is None:
             return out
@@ -287,12 +312,20 @@ class RankRead:
         self.sm.fire(ReadEvent.STAGE_LAST if ev.last else ReadEvent.STAGE_SEGMENT)
         # no notification on segment reads: Done is sent once every segment is read (the prefill frees
         # its staging slot on Done, and segments may complete out of order)
-        t = Transfer(nbytes=int(ev.nbytes), slot=st.slot + ev.offset, runs=(st.dst[a:b], st.nbytes[a:b]))
+        host = self.path is TransferPath.HOST
+        t = Transfer(
+            nbytes=int(ev.nbytes),
+            slot=st.slot + ev.offset,
+            runs=(RunSlice(st.dst, "dst", a, b), st.nbytes[a:b]),
+            host=host,
+        )
         self.reads.append(t)
-        return out + [PostSegment(t, ev.addr, self.ctx.staging_addr + st.slot + ev.offset)]
+        base = self.ctx.host_staging_addr if host else self.ctx.staging_addr
+        return out + [PostSegment(t, ev.addr, base + st.slot + ev.offset, host)]
 
     def _direct_fallback(self) -> list[Action]:
         self.sm.fire(ReadEvent.STAGE_FULL)
+        self.path = TransferPath.DIRECT
         out: list[Action] = [Count("staging_fallbacks")]
         d = self.lowered()  # the lowering the staged path made (or makes now), not a second one
         if d.count:
@@ -328,7 +361,8 @@ class RankRead:
             self.sm.fire(ReadEvent.COMPLETED)
             return out
         waiting = self.state in AWAITING_REPLY and not (self.state is ReadState.STAGING and not finished)
-        limit = self.ctx.stage_timeout_s if waiting else self.ctx.transfer_timeout_s
+        limit = self.ctx.stage_timeout_s if waiting else \
+            self.ctx.transfer_timeout_s + self.progress()[1] / self.ctx.min_read_rate
         if now - self._progress_ref(ev, now, waiting) > limit:
             what = ("did not answer the acquire/stage request within stage_timeout_s" if waiting
                     else "made no progress within transfer_timeout_s")

@@ -2,12 +2,13 @@
 
 Everything that changes a read's state is in :data:`TRANSITIONS` (``state -> event -> next state``);
 a missing entry is an illegal transition and raises :class:`~kvbridge.errors.IllegalTransition`
-naming the event and the state. The machine does no I/O (h11's pattern): :class:`RankRead`
-owns all of one read's state (its deadlines, pin, staging slot and posted transfers) and
-:meth:`RankRead.handle` takes one frozen event (built from a ZMQ frame or a NIXL state by the decode
-rank's I/O loop, in one place) and returns the actions the loop must run (post a read, send a request,
-notify the prefill, fail the request); the loop never changes the read's fields itself. This
-module is the machine's vocabulary (table, events, actions); the machine is ``readmachine.py``.
+naming the event and the state (:func:`~kvbridge.runtime.machine.step`, shared with the peer and the
+lease). The machine does no I/O (h11's pattern): :class:`RankRead` owns all of one read's state (its
+deadlines, pin, staging slot and posted transfers) and :meth:`RankRead.handle` takes one frozen event
+(built from a ZMQ frame or a NIXL state by the decode rank's I/O loop, in one place) and returns the
+actions the loop must run (post a read, send a request, notify the prefill, fail the request); the
+loop never changes the read's fields itself. This module is the machine's vocabulary (table, events,
+actions); the machine is ``readmachine.py``.
 
 ::
 
@@ -23,11 +24,16 @@ DONE, FAILED and CANCELLED are terminal.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from ..errors import IllegalTransition, ReadFailure
+from ..errors import ReadFailure
+from .machine import step as step  # the transition helper of every machine here (re-exported)
+from .machine import terminal_states
+
+if TYPE_CHECKING:
+    from ..lower import Descriptors
+    from ..transport.base import DirectRead
 
 
 class ReadState(enum.Enum):
@@ -69,23 +75,9 @@ TRANSITIONS: dict[ReadState, dict[ReadEvent, ReadState]] = {
     S.FAILED: {},
     S.CANCELLED: {},
 }
-TERMINAL = frozenset(s for s, t in TRANSITIONS.items() if not t)
+TERMINAL = terminal_states(TRANSITIONS)
 # waiting for the prefill to answer on the side channel (a frozen prefill shows up here first)
 AWAITING_REPLY = frozenset({S.ACQUIRING, S.STAGE_REQUESTED, S.STAGING})
-
-
-_S = TypeVar("_S", bound=enum.Enum)
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def step(table: Mapping[_S, Mapping[_E, _S]], state: _S, event: _E, machine: str) -> _S:
-    """``table[state][event]``; an event the state does not accept raises :class:`IllegalTransition` naming
-    ``machine``, the event, the state and what it accepts (shared by every transition table here)."""
-    try:
-        return table[state][event]
-    except KeyError:
-        raise IllegalTransition(f"{machine} state machine: event {event.name} is not allowed in state {state.name} "
-                                f"(allowed: {sorted(e.name for e in table.get(state, {}))})") from None
 
 
 def next_state(state: ReadState, event: ReadEvent) -> ReadState:
@@ -255,6 +247,7 @@ class PostSegment:
     transfer: Transfer
     addr: int
     local: int
+    host: bool = False  # host staging on both sides (the host-staged path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,10 +306,11 @@ class Transfer:
 
     ``cancelled`` is checked on the post thread before anything is handed to the transport's library."""
 
-    work: Any = None           # direct: what to post (a lowered work item); sizes counted at completion
+    work: DirectRead | Descriptors | None = None  # direct: what to post; sizes counted at completion
     nbytes: int | None = None  # staged: the segment's bytes
     slot: int | None = None    # staged: our staging offset of the segment
     runs: tuple[Any, Any] | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
+    host: bool = False         # staged: READ into host staging (copied to device staging before the scatter)
     xfer: Any = None           # the transport's handle (set by the loop when posted)
     scatter: Any = None        # the scatter's Future (set by the loop)
     done: bool = False         # the transfer completed
@@ -326,3 +320,10 @@ class Transfer:
     @property
     def finished(self) -> bool:
         return self.done and (self.runs is None or self.scattered)
+
+    @property
+    def size(self) -> int:
+        """Bytes this transfer reads (a direct work item's are counted when first asked)."""
+        if self.nbytes is not None:
+            return self.nbytes
+        return int(getattr(self.work, "total_bytes", 0) or 0)

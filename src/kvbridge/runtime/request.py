@@ -1,7 +1,7 @@
 """What the decode side knows of a request (:class:`ReadRequest`, public) and of a read in flight."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..lower import GroupBlocks
@@ -54,6 +54,9 @@ class InFlight:
     nbytes: int = 0
     ndescs: int = 0
     stage_sent: float = 0.0
+    # perf_counter_ns of the end of each phase (metrics.DECODE_PHASES; index 0: start), the latest over
+    # its prefill ranks; 0: not reached (readloop.py records them, observed when the read completes)
+    marks: list[int] = field(default_factory=lambda: [0] * 8)
 
     @property
     def xfers(self) -> list[Any]:

@@ -1,25 +1,45 @@
 """Serving a prefill endpoint from an engine that has its own loop (a vLLM worker): :class:`PrefillServer`.
 
-An engine embedding :class:`~kvbridge.PrefillEndpoint` must call ``serve_once`` often enough that
-decode ranks' acquires and stage requests are answered while the engine is busy in a forward pass or
-idle. :class:`PrefillServer` does that from a background thread *and* from the engine's own thread
+An engine embedding :class:`~kvbridge.PrefillEndpoint` must have ``serve_once`` run when decode ranks'
+acquires and stage requests arrive, while the engine is busy in a forward pass or idle.
+:class:`PrefillServer` does that from a background thread *and* from the engine's own thread
 (:meth:`PrefillServer.pump`), one at a time under a lock; the endpoint is only ever used under that lock.
 
-Why both: inside a vLLM worker the background thread alone was seen to stall for 4-45 s (issue 12, TP2
-decode): py-spy showed it inside ``zmq_poll`` with a 2 ms timeout the whole time, while acquires from the
-decode sat unanswered. So the thread never waits in ZMQ (it sleeps on a Python event), and the engine's
-own steps serve the channel as well: while a prefill holds blocks for a decode, vLLM keeps stepping it to
-collect ``finished_sending``.
+The thread waits on the event itself, never on a timer: ``poll(2)`` on the side-channel socket's ZMQ
+file descriptor (an OS fd, waited on without touching the socket, which only the lock holder uses) and
+on a wake-up fd that :meth:`add`, :meth:`expect` and :meth:`close` write. After every serving turn the
+socket's ``EVENTS`` is read again under the lock (ZMQ's fd is edge-triggered: an operation may consume
+the edge of a message that arrived meanwhile), so a message is never left waiting for a timeout. NIXL
+notifications (readers' Done) have no file descriptor: while pins are held (reads in flight) they are
+checked every ``poll_s``; with none, the thread sleeps until the next lease deadline (at most
+``IDLE_S``). An idle prefill process wakes a few times a second.
+
+Both the thread and the engine's steps serve: inside a vLLM worker a background thread alone was seen
+starved of CPU while vLLM's own threads busy-wait; while a prefill holds blocks for a decode, vLLM keeps
+stepping it to collect ``finished_sending``.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import select
 import threading
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from ..lower import GroupBlocks
+    from ..memory import KVMemory
+    from ..transport.nixl import NixlTransport
+    from .prefill import PrefillRank
 
 log = logging.getLogger(__name__)
 STALL_S = 2.0  # a serving gap or turn longer than this is logged (a warning)
+IDLE_S = 0.5   # the serving thread's longest sleep with nothing to wait for (leases are ticked on wake)
+PARKED_S = 0.001  # stage requests parked for staging space are retried this often
 
 
 class PrefillServer:
@@ -28,25 +48,34 @@ class PrefillServer:
     blocks may be given back to the engine with :meth:`take_finished` (freed by every reader's Done, or
     expired)."""
 
-    def __init__(self, endpoint, poll_s: float = 0.002):
+    def __init__(self, endpoint: PrefillRank, poll_s: float = 0.002) -> None:
+        # poll_s: how often NIXL notifications (Done) are checked while pins are held; side-channel
+        # messages and hand-overs wake the thread at once
         self.ep, self.poll_s = endpoint, poll_s
-        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[tuple[str, dict[str, GroupBlocks] | None, int, int]] = queue.SimpleQueue()
         self._serve = threading.Lock()
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._stop = threading.Event()
+        self._wake = Wakeup()
+        sock = getattr(endpoint, "sock", None)
+        self._zfd = sock.getsockopt(_zmq().FD) if sock is not None else None
+        self.wakeups = 0  # times the thread woke up (tests and benchmarks read the idle rate)
+        self._sleep_until = 0.0  # when the thread's current wait ends at the latest
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
 
-    def add(self, req_id: str, blocks: dict, attempt: int, reads: int = 1) -> None:
+    def add(self, req_id: str, blocks: dict[str, GroupBlocks], attempt: int, reads: int = 1) -> None:
         """Hold ``blocks`` under a lease for ``req_id`` with the attempt id the scheduler drew (registered
         on the next serving turn, before any acquire that turn answers), for at least ``reads`` reads."""
         self._new.put((req_id, blocks, attempt, reads))
+        self._wake.set()
 
     def expect(self, req_id: str, attempt: int, reads: int) -> None:
         """Hold the lease of ``req_id`` (added before) for ``reads`` reads (``PrefillEndpoint.expect_reads``),
         in order with :meth:`add`."""
         self._new.put((req_id, None, attempt, reads))
+        self._wake.set()
 
     def take_finished(self) -> set[str]:
         """Requests freed (every reader's Done) or expired since the previous call."""
@@ -54,7 +83,7 @@ class PrefillServer:
             out, self._finished = self._finished, set()
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The endpoint's ``stats()`` now (waits for a serving turn in progress to end)."""
         with self._serve:
             return self.ep.stats()
@@ -66,6 +95,8 @@ class PrefillServer:
             return False
         try:
             self._tick()
+            if time.monotonic() + self._timeout() < self._sleep_until:
+                self._wake.set()  # the thread sleeps longer than what this turn left needs (new pins)
         except Exception:  # noqa: BLE001 - a bad message must not take the engine's step down
             log.exception("kvbridge: prefill side channel")
         finally:
@@ -82,19 +113,45 @@ class PrefillServer:
                     self.ep.add_request(rid, blocks, attempt=attempt, reads=reads)
         except queue.Empty:
             pass
-        self.ep.serve_once()
+        for _ in range(64):  # a message that arrived during the turn is served now, not after a sleep
+            self.ep.serve_once()
+            if not self._readable():
+                break
         freed = self.ep.take_freed()
         with self._lock:
             self._finished.update(freed["freed"])
             self._finished.update(freed["expired"])
 
+    def _readable(self) -> bool:
+        """A side-channel message is waiting (ZMQ ``EVENTS``; call with the serving lock held)."""
+        sock = getattr(self.ep, "sock", None)
+        if sock is None:
+            return False
+        zmq = _zmq()
+        try:
+            return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
+
+    def _timeout(self) -> float:
+        """How long the thread may sleep with no event (seconds; call with the serving lock held)."""
+        hint = getattr(self.ep, "idle_hint", None)
+        if hint is None or self._zfd is None:
+            return self.poll_s  # an endpoint that cannot say: serve every poll_s
+        return float(hint(self.poll_s, PARKED_S, IDLE_S))
+
     def _run(self) -> None:
         last = time.monotonic()
+        waiter = select.poll()
+        waiter.register(self._wake.fd, select.POLLIN)
+        if self._zfd is not None:
+            waiter.register(self._zfd, select.POLLIN)
         while not self._stop.is_set():
+            timeout = 0.01
             try:
                 with self._serve:
                     start = time.monotonic()
-                    if start - last > STALL_S:  # an operator's clue when decode ranks see no answer
+                    if start - last > STALL_S + IDLE_S:  # an operator's clue when decode ranks see no answer
                         log.warning("kvbridge: prefill side channel %s was not served for %.1f s (its thread was not "
                                     "scheduled: CPU starved, or the GIL held by another thread)", self._name(),
                                     start - last)
@@ -103,10 +160,15 @@ class PrefillServer:
                     if last - start > STALL_S:
                         log.warning("kvbridge: one serving turn of prefill side channel %s took %.1f s",
                                     self._name(), last - start)
+                    timeout = self._timeout()
             except Exception:  # noqa: BLE001 - the side channel must outlive a bad message
                 log.exception("kvbridge: prefill side channel")
-                self._stop.wait(0.01)
-            self._stop.wait(self.poll_s)
+            if self._stop.is_set():
+                break
+            self._sleep_until = time.monotonic() + timeout
+            waiter.poll(max(0, int(timeout * 1000 + 0.999)))
+            self.wakeups += 1
+            self._wake.clear()
 
     def _name(self) -> str:
         return f"{getattr(self.ep, 'engine_id', '?')} rank {getattr(self.ep, 'rank', '?')}"
@@ -114,13 +176,20 @@ class PrefillServer:
     def close(self) -> None:
         """Stop the thread and close the endpoint."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         with self._serve:
             self.ep.close()
+        self._wake.close()
 
 
-def nixl_transport(memory, agent_name: str, *, initiator: bool, backends=("UCX",), num_threads: int = 0,
-                   post_threads: int = 1):
+def _zmq() -> Any:
+    import zmq
+    return zmq
+
+
+def nixl_transport(memory: KVMemory, agent_name: str, *, initiator: bool, backends: Sequence[str] = ("UCX",),
+                   num_threads: int = 0, post_threads: int = 1) -> NixlTransport:
     """A NIXL transport for an endpoint over ``memory`` (a :class:`~kvbridge.KVMemory`) with the given NIXL
     backends (``["UCX"]``, ``["LIBFABRIC"]`` for EFA, ...) and backend threads, to pass as
     ``PrefillEndpoint(..., transport=)`` (``initiator=False``) or ``DecodeEndpoint(..., transport=)``

@@ -9,7 +9,7 @@ request against a memcpy of the same bytes in the same run; then checks every de
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from rich.console import Console
@@ -63,7 +63,19 @@ class DemoResult:
     leaked_handles: int
     staged_transfers: int = 0
     direct_transfers: int = 0
+    host_staged_transfers: int = 0  # of the staged transfers, those through host staging
+    links: dict | None = None   # decode rank -> its stats()["links"] (the measured path figures per prefill rank)
     warm: Phase | None = None   # sequential single requests after a warm-up one (handshake excluded)
+    # the warm requests read again, timed inside each decode process (no RPC): kvbridge's read, and NIXL's
+    # own READ of the same descriptors between the same processes (seconds, slowest decode rank)
+    inproc: list[float] = field(default_factory=list)
+    nixl: list[float] = field(default_factory=list)
+    large_phases: dict = field(default_factory=dict)  # phase -> ms of the large request (slowest decode rank)
+    large_prefill: dict = field(default_factory=dict)  # prefill phase -> mean ms over prefill ranks
+    # NIXL's own READ of the large request's bytes, same processes, right after it (seconds, slowest decode
+    # rank): the same descriptors a direct read posts, and the same bytes as one descriptor per prefill rank
+    large_nixl: float = 0.0
+    large_nixl_1: float = 0.0
     burst: Phase | None = None
     large: Phase | None = None  # one large request (``--large``)
     decode_ranks: int = 1
@@ -91,13 +103,20 @@ def blocks_needed(prefill: EngineLayout, decode: EngineLayout, lengths) -> int:
 
 # tokens of the one large request of ``--large`` (enough for the copy, not per-request costs, to dominate)
 LARGE_TOKENS = 131072
+# ``--large``'s staging buffers (MiB): a staged read larger than a decode engine's share of the prefill's
+# buffer is read directly, one descriptor per head-sliced run (1,700 a request here: NIXL's own READ of
+# those runs moved 0.2-0.8 GB/s against 6-15 GB/s for the same bytes as one descriptor)
+LARGE_STAGING_MIB = 192
 
 
 def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32, max_tokens: int = 2048,
              seed: int = 0, prefix_hits: bool = True, show_progress: bool = True,
              transfer_mode: str = "auto", metrics_dir: str | None = None, warm_requests: int = 0,
-             large: bool = False, large_tokens: int = LARGE_TOKENS) -> DemoResult:
-    """Three timed phases on one pair of engines, every byte verified at the end:
+             large: bool = False, large_tokens: int = LARGE_TOKENS, staging_mib: int | None = None,
+             segment_mib: float | None = None, decode_options: dict | None = None) -> DemoResult:
+    """Three timed phases on one pair of engines, every byte verified at the end (``decode_options``: more
+    options of the decode ranks, :class:`~kvbridge.runtime.config.DecodeConfig` fields; ``staging_mib``:
+    every rank's staging buffer; ``segment_mib``: the decode's stage segment size):
 
     1. *warm single requests*: one untimed request (the first read from each prefill rank sets up what the
        handshake left), then ``warm_requests`` requests of ``max_tokens // 2`` tokens one at a time;
@@ -120,6 +139,13 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
     start_errors: dict = {}
     finished: dict = {}
     failed: dict = {}
+    inproc: list[float] = []
+    nixl: list[float] = []
+    large_phases: dict = {}
+    large_prefill: dict = {}
+    large_nixl = large_nixl_1 = 0.0
+    extra = {"transfer_bytes": 0, "descriptors": 0, "transfers": 0, "staged_transfers": 0}
+    from ..runtime.prefill import new_attempt
 
     def moved() -> int:
         return sum(s["metrics"]["transfer_bytes"] for s in D.call_all("stats").values())
@@ -141,8 +167,11 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
     with Progress(console=console, transient=True, disable=not show_progress) as prog:
         task = prog.add_task("starting engines", total=7)
         try:
-            P = EngineProcs.start("prefill", prefill, "prefill-0")
-            D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode)
+            staging = {} if staging_mib is None else {"staging_bytes": int(staging_mib) << 20}
+            P = EngineProcs.start("prefill", prefill, "prefill-0", **staging)
+            seg = {} if segment_mib is None else {"stage_segment_bytes": int(segment_mib * (1 << 20))}
+            D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode,
+                                  **{**staging, **seg, **(decode_options or {})})
             prog.update(task, advance=1, description="handshake")
             D.call_all("handshake", "prefill-0", P.endpoints())
             prog.update(task, advance=1, description="filling prefill cache from global coordinates")
@@ -153,7 +182,6 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 prefix = int(rng.integers(0, n)) if in_burst and prefix_hits and rng.random() < 0.3 else 0
                 reqs.append(make_request(i, int(n), prefill, decode, p_pool, d_pool, prefix))
             P.call_all("fill_many", [(r.req_id, r.num_tokens, r.prefill_blocks) for r in reqs])
-            from ..runtime.prefill import new_attempt
             # one lease attempt per request, every rank
             reads = [ReadRequest(f"req-{r.req_id}", "prefill-0", r.num_tokens, r.prefill_blocks, r.decode_blocks,
                                  new_attempt()) for r in reqs]
@@ -166,6 +194,18 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
                 b0 = moved()
                 secs = [run([rr]) for rr in warm_reads[1:]]
                 warm = Phase("warm", warm_requests, warm_len * warm_requests, warm_len, moved() - b0, secs)
+                # the same requests again (same bytes, a new lease each), timed inside the decode processes,
+                # alternating with NIXL's own READ of the same descriptors
+                s0 = D.call_all("stats")
+                for rr in warm_reads[1:]:
+                    again = replace(rr, req_id=rr.req_id + AGAIN, attempt=new_attempt())
+                    for w in P.workers.values():
+                        w.call("add_request", again.req_id, again.prefill_blocks, None, again.attempt)
+                    inproc.append(max(v["seconds"] for v in D.call_all("timed_read", again).values()))
+                    nixl.append(max(v[0] for v in D.call_all("nixl_reads", [rr]).values()))
+                for r, st in D.call_all("stats").items():  # (not part of the bytes the requests needed)
+                    for k in extra:
+                        extra[k] += st["metrics"][k] - s0[r]["metrics"][k]
             prog.update(task, advance=1, description=f"burst: {num_requests} requests at once")
             b0 = moved()
             burst = Phase("burst", num_requests, int(sum(lengths)), int(max(lengths)), 0, [run(burst_reads)])
@@ -173,8 +213,13 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
             if large_reads:
                 prog.update(task, advance=1, description=f"one large request ({large_tokens} tokens)")
                 b0 = moved()
+                d0, p0 = D.call_all("stats"), P.call_all("stats")
                 big = Phase("large", 1, large_tokens, large_tokens, 0, [run(large_reads)])
                 big.bytes_moved = moved() - b0
+                large_phases.update(_phase_delta(d0, D.call_all("stats"), slowest=True))
+                large_prefill.update(_phase_delta(p0, P.call_all("stats"), slowest=False))
+                large_nixl = max(v[0] for v in D.call_all("nixl_reads", large_reads).values())
+                large_nixl_1 = max(v[0] for v in D.call_all("nixl_reads", large_reads, True).values())
             prog.update(task, advance=1, description="verifying every decode byte")
             ver = D.call_all("verify", [(r.req_id, rr) for r, rr in zip(reqs, reads)])
             stats = D.call_all("stats")
@@ -186,7 +231,8 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
             while time.monotonic() < deadline:
                 for _r, got in P.call_all("take_freed").items():
                     for rid in got["freed"]:
-                        freed[rid] = freed.get(rid, 0) + 1
+                        if not rid.endswith(AGAIN):  # (the timed re-reads of the warm requests)
+                            freed[rid] = freed.get(rid, 0) + 1
                 if sum(1 for v in freed.values() if v == len(P.workers)) == len(reqs):
                     break
                 time.sleep(0.02)
@@ -210,18 +256,46 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
         requests=len(reqs),
         finished=sum(1 for v in finished.values() if v == n_ranks),
         failed=failed, start_errors=start_errors,
-        bytes_moved=sum(s["metrics"]["transfer_bytes"] for s in stats.values()),
+        bytes_moved=sum(s["metrics"]["transfer_bytes"] for s in stats.values()) - extra["transfer_bytes"],
         bytes_needed=sum(v["needed_bytes"] for v in ver.values()),
-        descriptors=sum(s["metrics"]["descriptors"] for s in stats.values()),
+        descriptors=sum(s["metrics"]["descriptors"] for s in stats.values()) - extra["descriptors"],
         transfer_seconds=burst.seconds[0], memcpy_gbps=memcpy,
         mismatched_bytes=sum(v["mismatched_bytes"] for v in ver.values()),
         checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
         prefill_freed=sum(1 for v in freed.values() if v == len(P.workers)),
         leaked_handles=sum(s["live_handles"] for s in stats.values()),
-        staged_transfers=sum(s["metrics"]["staged_transfers"] for s in stats.values()),
-        direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values()),
-        warm=warm, burst=burst, large=big, decode_ranks=n_ranks,
+        staged_transfers=sum(s["metrics"]["staged_transfers"] for s in stats.values()) - extra["staged_transfers"],
+        direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values())
+        - extra["transfers"] + extra["staged_transfers"],
+        host_staged_transfers=sum(s["metrics"].get("host_staged_transfers", 0) for s in stats.values())
+        - extra.get("host_staged_transfers", 0),
+        links={r: s.get("links", {}) for r, s in stats.items()},
+        warm=warm, burst=burst, large=big, decode_ranks=n_ranks, inproc=inproc, nixl=nixl,
+        large_phases=large_phases, large_prefill=large_prefill, large_nixl=large_nixl, large_nixl_1=large_nixl_1,
     )
+
+
+AGAIN = "-again"  # suffix of the warm requests' timed re-reads
+
+
+def _phase_delta(before: dict, after: dict, slowest: bool) -> dict:
+    """{phase: ms} spent between two ``stats()`` snapshots of every rank: the slowest rank's (decode) or
+    the mean per observation over the ranks (prefill)."""
+    out: dict = {}
+    for r, st in after.items():
+        b = before.get(r, {}).get("metrics", {}).get("phase_seconds", {})
+        for ph, h in st["metrics"].get("phase_seconds", {}).items():
+            h0 = b.get(ph, {"sum": 0.0, "count": 0})
+            n, sec = h["count"] - h0["count"], h["sum"] - h0["sum"]
+            if n <= 0:
+                continue
+            if slowest:
+                out[ph] = max(out.get(ph, 0.0), sec * 1e3)
+            else:
+                acc = out.setdefault(ph, [0.0, 0])
+                acc[0] += sec * 1e3
+                acc[1] += n
+    return out if slowest else {ph: v[0] / v[1] for ph, v in out.items()}
 
 
 def headline(res: DemoResult) -> list[tuple[str, str]]:
@@ -235,6 +309,11 @@ def headline(res: DemoResult) -> list[tuple[str, str]]:
                      f"{w.longest} tokens ({w.bytes_moved / w.requests / res.decode_ranks / mib:.2f} MiB "
                      f"per decode rank), one at a time; handshake and first request excluded",
                      f"{w.median_s * 1e3:.2f} / {w.min_s * 1e3:.2f} ms"))
+    if res.inproc and res.nixl:
+        k, n = float(np.median(res.inproc)), float(np.median(res.nixl))
+        rows.append((f"the same single requests timed inside the decode processes (no RPC; slowest decode rank), "
+                     f"median of {len(res.inproc)}: kvbridge vs NIXL's own READ of the same descriptors between "
+                     "the same processes", f"{k * 1e3:.2f} vs {n * 1e3:.2f} ms ({(k - n) * 1e3:+.2f} ms)"))
     b = res.burst
     if b:
         rows += [(f"burst wall time: {b.requests} requests of up to {b.longest} tokens started at once, "
@@ -248,6 +327,19 @@ def headline(res: DemoResult) -> list[tuple[str, str]]:
                   f"ranks, transfer wall time", f"{g.seconds[0] * 1e3:.1f} ms"),
                  ("large request GB/s vs one-thread numpy memcpy of the same bytes, same run",
                   f"{res.large_gbps:.2f} vs {res.memcpy_gbps:.2f} GB/s ({ratio})")]
+        if res.large_nixl:
+            per = g.bytes_moved / 1e9
+            one = (f"{per / res.large_nixl_1:.2f}", f"{res.large_nixl_1 * 1e3:.0f}") if res.large_nixl_1 else ("-", "-")
+            rows.append(("NIXL's own READ of the large request's bytes, same processes, right after: the "
+                         "descriptors a direct read posts / the same bytes as one descriptor per prefill rank "
+                         "(per staging buffer's worth)",
+                         f"{per / res.large_nixl:.2f} / {one[0]} GB/s ({res.large_nixl * 1e3:.0f} / {one[1]} ms)"))
+        if res.large_phases:
+            rows.append(("large request: where the time went (ms, slowest decode rank; phases overlap across "
+                         "segments and prefill ranks)", " ".join(f"{k} {v:.1f}" for k, v in res.large_phases.items())))
+        if res.large_prefill:
+            rows.append(("large request on the prefill ranks (mean ms per answer)",
+                         " ".join(f"{k} {v:.1f}" for k, v in res.large_prefill.items() if k != "serve_turn")))
     else:
         rows.append(("GB/s vs memcpy", "not measured: small requests are bound by per-request latency; "
                                        "run `kvbridge demo --large` for one large request"))
@@ -255,8 +347,10 @@ def headline(res: DemoResult) -> list[tuple[str, str]]:
 
 
 def print_result(res: DemoResult, prefill: EngineLayout, decode: EngineLayout) -> None:
-    t = Table(title=f"kvbridge demo: {prefill.model.name}  prefill tp={prefill.tp} pp={prefill.pp} bs={prefill.block_size} "
-                    f"{prefill.memory} -> decode tp={decode.tp} pp={decode.pp} bs={decode.block_size} {decode.memory}")
+    t = Table(
+        title=f"kvbridge demo: {prefill.model.name}  prefill tp={prefill.tp} pp={prefill.pp} bs={prefill.block_size} "
+        f"{prefill.memory} -> decode tp={decode.tp} pp={decode.pp} bs={decode.block_size} {decode.memory}"
+    )
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
@@ -287,7 +381,9 @@ def cmd_demo(args, _engine) -> int:
     prefill, decode = _engine(args, "prefill", model), _engine(args, "decode", model)
     res = run_demo(prefill, decode, args.requests, args.max_tokens, args.seed, prefix_hits=not args.no_prefix_hits,
                    transfer_mode=args.mode, metrics_dir=args.metrics_dir, warm_requests=args.warm_requests,
-                   large=args.large, large_tokens=args.large_tokens)
+                   large=args.large, large_tokens=args.large_tokens,
+                   staging_mib=args.staging_mib if args.staging_mib or not args.large else LARGE_STAGING_MIB,
+                   segment_mib=args.segment_mib)
     print_result(res, prefill, decode)
     return 0 if res.ok else 1
 
@@ -304,10 +400,23 @@ def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     p.add_argument("--large", action="store_true",
                    help="also move one large request and report its GB/s against memcpy of the same bytes")
     p.add_argument("--large-tokens", type=int, default=LARGE_TOKENS, help="tokens of the --large request")
+    p.add_argument(
+        "--staging-mib",
+        type=int,
+        default=None,
+        help="staging buffer of every prefill and decode rank, MiB (default: the endpoints' 64, with --large "
+        f"{LARGE_STAGING_MIB}); a staged read larger than a decode engine's share of the prefill's "
+        "buffer reads directly",
+    )
+    p.add_argument("--segment-mib", type=float, default=None,
+                   help="staged reads are packed, read and scattered in segments of this size (MiB; default: "
+                        "the decode endpoint's): smaller segments overlap the three")
     p.add_argument("--metrics-dir", help="write each side's counters there as JSON and Prometheus text")
-    p.add_argument("--mode", choices=("auto", "direct", "staged"), default="auto",
-                   help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), or "
-                        "auto: the cost model chooses per (decode rank, prefill rank)")
+    from ..modes import TRANSFER_MODES
+    p.add_argument("--mode", choices=TRANSFER_MODES, default="auto",
+                   help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), host (staged "
+                        "through host staging buffers), or auto: chosen per (decode rank, prefill rank) and request "
+                        "from the links measured at handshake")
     p.set_defaults(fn=lambda args: cmd_demo(args, engine_from_args))
 
 

@@ -118,7 +118,11 @@ def _state_layer(g: CacheGroup, eng: EngineLayout):
     conv = np.zeros((eng.num_blocks, heads * m.head_dim + 2 * groups * m.d_state, k1), dt)
     ssm = np.zeros((eng.num_blocks, heads, m.head_dim, m.d_state), sdt)
     views, pos = [], 0
-    for name, units, per in (("conv_x", heads, m.head_dim), ("conv_b", groups, m.d_state), ("conv_c", groups, m.d_state)):
+    for name, units, per in (
+        ("conv_x", heads, m.head_dim),
+        ("conv_b", groups, m.d_state),
+        ("conv_c", groups, m.d_state),
+    ):
         if name in comps:
             views.append(conv[:, pos:pos + units * per, :].reshape(eng.num_blocks, units, per * k1))
             pos += units * per
@@ -156,7 +160,13 @@ def allocate(eng: EngineLayout, rank, form: str, seed: int = 0) -> RankCache:
             if g.kind == "mla":
                 shape = (eng.num_blocks, eng.block_size_of(g), g.components[0].unit_elems)
             else:
-                shape = (2, eng.num_blocks, eng.block_size_of(g), _units(g.components[0], eng.tp), g.components[0].unit_elems)
+                shape = (
+                    2,
+                    eng.num_blocks,
+                    eng.block_size_of(g),
+                    _units(g.components[0], eng.tp),
+                    g.components[0].unit_elems,
+                )
             nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
             per = nbytes + 4096
             flat = _flat(per * len(stage) + 4096)

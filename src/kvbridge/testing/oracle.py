@@ -51,7 +51,9 @@ def vllm_slots(positions: np.ndarray, block_table: GroupBlocks, block_size: int,
     virtual_block_indices = positions // virtual_block_size
     virtual_block_offsets = positions - virtual_block_indices * virtual_block_size
     is_local = (virtual_block_offsets // interleave) % dcp == dcp_rank
-    local_block_offsets = (virtual_block_offsets // (dcp * interleave)) * interleave + (virtual_block_offsets % interleave)
+    local_block_offsets = (virtual_block_offsets // (dcp * interleave)) * interleave + (
+        virtual_block_offsets % interleave
+    )
     block_numbers = block_table.block_ids[virtual_block_indices - block_table.first_block]
     return is_local, block_numbers, local_block_offsets
 

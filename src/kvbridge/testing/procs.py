@@ -12,12 +12,15 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 
 from .. import errors
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..memory import rank_memory
+from . import rankbench
 from .engine import buffer_of, default_memory
 from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
 
@@ -82,6 +85,107 @@ def _start_freeze(obj, reqs: list, done: list, failed: dict, min_finished: int =
         time.sleep(1e-4)
 
 
+class _Worker:
+    """A rank in its worker process: the commands of :class:`EngineProcs` (a method each, or any method of
+    the rank) and the reads it finished between two commands."""
+
+    def __init__(self, role: str, obj: Any) -> None:
+        self.role, self.obj = role, obj
+        self.done: list[str] = []
+        self.failed: dict[str, Any] = {}
+
+    def take(self) -> tuple[list[str], dict[str, Any]]:
+        out = (self.done, self.failed)
+        self.done, self.failed = [], {}
+        return out
+
+    def wait(self, *args: Any, **kwargs: Any) -> tuple[list[str], dict[str, Any]]:
+        d, f = self.obj.wait(*args, **kwargs)
+        self.done, self.failed = self.done + d, self.failed | f
+        return self.take()
+
+    def verify(self, *args: Any) -> Any:
+        return _verify(self.obj, *args)
+
+    def handshake(self, *args: Any, **kwargs: Any) -> Any:
+        remote = self.obj.handshake(*args, **kwargs)
+        _LOWERED[remote.engine_id] = remote.lowered
+        return remote.summary()
+
+    def memcpy_gbps(self, *args: Any) -> Any:
+        return _memcpy_gbps(*args)
+
+    def fill_many(self, items: list[Any]) -> None:
+        for a in items:
+            fill_rank(self.obj, *a)
+
+    def fill(self, *args: Any) -> Any:
+        return fill_rank(self.obj, *args)
+
+    def start_abort(self, req: Any) -> bool:
+        """Tests: abort while the read is surely in flight (no poll between)."""
+        self.obj.start(req)
+        res = req.req_id in self.obj.inflight
+        self.obj.abort(req.req_id)
+        return res
+
+    def start_many(self, reqs: list[Any]) -> dict[str, str]:
+        res = {}
+        for req in reqs:
+            try:
+                self.obj.start(req)
+            except errors.KVBridgeError as e:
+                res[req.req_id] = f"{type(e).__name__}: {e}"
+        return res
+
+    COMMANDS = ("take", "wait", "verify", "handshake", "memcpy_gbps", "fill_many", "fill", "start_abort", "start_many")
+
+    def call(self, cmd: str, args: Any, kwargs: Any) -> Any:
+        if cmd in rankbench.OPERATIONS:  # benchmark operations on the rank
+            return rankbench.OPERATIONS[cmd](self.obj, *args, **kwargs)
+        fn = getattr(self, cmd) if cmd in self.COMMANDS else getattr(self.obj, cmd)
+        return fn(*args, **kwargs)
+
+    def pump(self) -> None:
+        """Serve (prefill) or collect finished reads (decode; idle ranks still reap parked reads and
+        retired peers)."""
+        obj = self.obj
+        if self.role == "prefill":
+            obj.serve_once()
+        elif obj.busy or obj.finished or obj.failed:
+            d, f = obj.poll()
+            self.done += d
+            self.failed |= f
+
+
+def _reply(conn: Any, fn: Any) -> bool:
+    """Send ``fn()``'s result, or its error (a kvbridge error by name; anything else with its traceback);
+    whether it succeeded."""
+    try:
+        res = fn()
+    except errors.KVBridgeError as e:
+        conn.send(("err", type(e).__name__, str(e)))
+        return False
+    except Exception as e:  # noqa: BLE001 - report, keep the rank alive
+        conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+        return False
+    conn.send(("ok", res))
+    return True
+
+
+def _build(conn: Any, role: str, layout: dict[str, Any], rank: Rank, engine_id: str, kw: dict[str, Any]) -> Any:
+    """The rank, or None (the error sent to the parent)."""
+    from ..runtime.decode import DecodeRank
+    from ..runtime.prefill import PrefillRank
+    try:
+        engine = engine_from_dict(layout)
+        memory = default_memory(engine, tuple(rank))  # the harness allocates, as an engine would
+        return (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, memory=memory, **kw)
+    except Exception as e:  # noqa: BLE001
+        conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+        return None
+
+
 def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -> None:
     import logging
 
@@ -89,18 +193,12 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
     from ..malloc import tune_malloc
     tune_malloc()  # per-request descriptor arrays reuse heap memory instead of page-faulting (kvbridge.malloc)
-    from ..runtime.decode import DecodeRank
-    from ..runtime.prefill import PrefillRank
     skew = kw.pop("clock_skew_s", 0.0)
     if skew:  # fault injection: this process's wall clock is off by ``skew`` seconds (kvbridge must not care)
         real_time = time.time
         time.time = lambda: real_time() + skew
-    try:
-        engine = engine_from_dict(layout)
-        memory = default_memory(engine, tuple(rank))  # the harness allocates, as an engine would
-        obj = (PrefillRank if role == "prefill" else DecodeRank)(engine, tuple(rank), engine_id, memory=memory, **kw)
-    except Exception as e:  # noqa: BLE001
-        conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+    obj = _build(conn, role, layout, rank, engine_id, kw)
+    if obj is None:
         return
     if role == "decode":
         buffer_of(obj.mem).fill(0xA5)  # oracle sentinel: bytes no read touches must stay as they are
@@ -109,7 +207,7 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
     poller.register(conn.fileno(), zmq.POLLIN)
     if role == "prefill":
         poller.register(obj.sock, zmq.POLLIN)
-    done, failed = [], {}
+    w = _Worker(role, obj)
     while True:
         busy = role == "decode" and obj.busy
         events = dict(poller.poll(timeout=1 if busy else 2))
@@ -121,57 +219,12 @@ def _main(conn, role: str, layout: dict, rank: Rank, engine_id: str, kw: dict) -
                 finally:
                     conn.send(("ok", None))
                 return
-            try:
-                if cmd == "take":
-                    res = (done, failed)
-                    done, failed = [], {}
-                elif cmd == "wait":
-                    d, f = obj.wait(*args, **kwargs)
-                    res = (done + d, failed | f)
-                    done, failed = [], {}
-                elif cmd == "verify":
-                    res = _verify(obj, *args)
-                elif cmd == "handshake":
-                    remote = obj.handshake(*args, **kwargs)
-                    _LOWERED[remote.engine_id] = remote.lowered
-                    res = remote.summary()
-                elif cmd == "memcpy_gbps":
-                    res = _memcpy_gbps(*args)
-                elif cmd == "fill_many":
-                    for a in args[0]:
-                        fill_rank(obj, *a)
-                    res = None
-                elif cmd == "fill":
-                    res = fill_rank(obj, *args)
-                elif cmd == "start_abort":  # tests: abort while the read is surely in flight (no poll between)
-                    obj.start(args[0])
-                    res = args[0].req_id in obj.inflight
-                    obj.abort(args[0].req_id)
-                elif cmd == "start_freeze":  # fault injection: freeze (SIGSTOP) this rank with reads in flight
-                    res = _start_freeze(obj, args[0], done, failed, **kwargs)
-                    conn.send(("ok", res))
+            if cmd == "start_freeze":  # fault injection: freeze (SIGSTOP) this rank with reads in flight
+                if _reply(conn, partial(_start_freeze, obj, args[0], w.done, w.failed, **kwargs)):
                     os.kill(os.getpid(), signal.SIGSTOP)  # the caller kills it (or SIGCONT)
-                    continue
-                elif cmd == "start_many":
-                    res = {}
-                    for req in args[0]:
-                        try:
-                            obj.start(req)
-                        except errors.KVBridgeError as e:
-                            res[req.req_id] = f"{type(e).__name__}: {e}"
-                else:
-                    res = getattr(obj, cmd)(*args, **kwargs)
-                conn.send(("ok", res))
-            except errors.KVBridgeError as e:
-                conn.send(("err", type(e).__name__, str(e)))
-            except Exception as e:  # noqa: BLE001 - report, keep the rank alive
-                conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
-        if role == "prefill":
-            obj.serve_once()
-        elif obj.busy or obj.finished or obj.failed:  # idle ranks still reap parked reads and retired peers
-            d, f = obj.poll()
-            done += d
-            failed |= f
+                continue
+            _reply(conn, partial(w.call, cmd, args, kwargs))
+        w.pump()
 
 
 class WorkerError(RuntimeError):

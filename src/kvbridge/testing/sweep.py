@@ -11,7 +11,7 @@ mode (the default, used by the tests and ``kvbridge verify --sweep``) has 8 TP p
 one PP pair; the full mode takes every TP pair of ``{1,2,4,8}^2`` with every PP pair. Memory layouts
 and block sizes are cycled so that every ordered pair of distinct layout presets occurs.
 
-:func:`cp_sweep_cases` adds context parallelism (issue 21): every preset over a grid of prefill
+:func:`cp_sweep_cases` adds context parallelism: every preset over a grid of prefill
 TP x PCP x DCP -> decode TP x PCP x DCP pairs (:data:`CP_TOPOLOGIES`), cycling block sizes,
 interleaves and layouts; settings vLLM refuses for a model (SWA or Mamba with CP, GQA with too few TP
 ranks per head) are skipped. ``kvbridge verify --sweep`` runs both.
@@ -55,7 +55,8 @@ def shrink(model: ModelSpec, max_dim: int = 8) -> ModelSpec:
 
 def pad_mamba(engine: EngineLayout, extra: int = 0) -> EngineLayout:
     """``engine`` with ``mamba_blocks_per_request`` set to the fewest attention pages that hold one
-    Mamba layer's state on a rank (the largest Mamba group's), plus ``extra`` (vLLM pads the state slot to whole pages). Returned
+    Mamba layer's state on a rank (the largest Mamba group's), plus ``extra`` (vLLM pads the state slot to
+    whole pages). Returned
     unchanged if the model lacks a Mamba group or a per-token group."""
     state = max((g.bytes_per_rank(engine.tp) for g in engine.model.groups if g.kind == "mamba"), default=None)
     page = attention_page_bytes(engine)
@@ -114,7 +115,13 @@ CP_TOPOLOGIES: tuple = (
     ((16, 1, 2), (4, 1, 1)),  # GQA models with 8 KV heads: DCP needs TP > heads
     ((4, 1, 1), (16, 1, 2)),
 )
-CP_BLOCKS: tuple = ((16, 16, 16, 16), (16, 4, 8, 8), (8, 2, 32, 1), (4, 4, 12, 3), (32, 8, 16, 2))  # bs_p, il_p, bs_d, il_d
+CP_BLOCKS: tuple = (
+    (16, 16, 16, 16),
+    (16, 4, 8, 8),
+    (8, 2, 32, 1),
+    (4, 4, 12, 3),
+    (32, 8, 16, 2),
+)  # bs_p, il_p, bs_d, il_d
 
 
 def cp_sweep_cases() -> list[tuple[EngineLayout, EngineLayout]]:

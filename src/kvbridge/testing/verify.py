@@ -27,8 +27,10 @@ class BlockPool:
     """Free-list allocator of block ids per group (random order, like a busy engine)."""
 
     def __init__(self, engine: EngineLayout, rng: np.random.Generator, shuffled: bool = True):
-        self.free = {g.name: list((rng.permutation(engine.num_blocks) if shuffled else np.arange(engine.num_blocks)).tolist())
-                     for g in engine.model.groups}
+        self.free = {
+            g.name: list((rng.permutation(engine.num_blocks) if shuffled else np.arange(engine.num_blocks)).tolist())
+            for g in engine.model.groups
+        }
 
     def take(self, group: str, n: int) -> np.ndarray:
         f = self.free[group]
@@ -106,8 +108,10 @@ def verify(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 4, s
     p_pool, d_pool = BlockPool(prefill, rng, shuffled), BlockPool(decode, rng, shuffled)
     # every request must fit in whole blocks on both sides (n tokens take ceil(n / block_size) blocks)
     per_req = max(1, num_requests)
-    cap_tokens = min((prefill.num_blocks // per_req) * min(prefill.scheduler_block_size(g) for g in prefill.model.groups),
-                     (decode.num_blocks // per_req) * min(decode.scheduler_block_size(g) for g in decode.model.groups))
+    cap_tokens = min(
+        (prefill.num_blocks // per_req) * min(prefill.scheduler_block_size(g) for g in prefill.model.groups),
+        (decode.num_blocks // per_req) * min(decode.scheduler_block_size(g) for g in decode.model.groups),
+    )
     max_tokens = max(1, min(max_tokens or cap_tokens, cap_tokens))
     for i in range(num_requests):
         n = int(rng.integers(1, max_tokens + 1))

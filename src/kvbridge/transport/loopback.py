@@ -9,29 +9,38 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ..errors import HandshakeError, TransferError
-from .base import TransportStats
+from .base import Cancellable, DirectRead, TransportBookkeeping, check_cancel
+
+if TYPE_CHECKING:
+    from ..lower import LoweredPlan
+    from ..prepped import Prepared
+
+R = TypeVar("R")
 
 
 class LoopbackRegistry:
     """Agents of one process: name -> transport."""
 
     def __init__(self) -> None:
-        self.agents: dict[str, "LoopbackTransport"] = {}
+        self.agents: dict[str, LoopbackTransport] = {}
         self.lock = threading.Lock()
 
 
 DEFAULT_REGISTRY = LoopbackRegistry()
 
 
-class LoopbackTransport:
+class LoopbackTransport(TransportBookkeeping):
     name = "loopback"
 
-    def __init__(self, agent_name: str, registry: LoopbackRegistry | None = None):
+    def __init__(self, agent_name: str, registry: LoopbackRegistry | None = None) -> None:
+        super().__init__()
         self.agent_name = agent_name
         self.registry = registry or DEFAULT_REGISTRY
         with self.registry.lock:
@@ -39,14 +48,11 @@ class LoopbackTransport:
                 raise HandshakeError(f"a loopback agent named {agent_name!r} exists already")
             self.registry.agents[agent_name] = self
         self._regions: dict[int, int] = {}  # addr -> nbytes
-        self._peers: set[str] = set()
-        self._live: set[int] = set()
         self._ids = itertools.count()
-        self._notifs: dict[str, list[bytes]] = defaultdict(list)
+        self._notifs: defaultdict[str, list[bytes]] = defaultdict(list)
         self._nlock = threading.Lock()
         self.bytes_moved = 0
         self.descriptors_moved = 0
-        self.stats = TransportStats()
 
     # ---- memory --------------------------------------------------------------------------------
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
@@ -60,14 +66,6 @@ class LoopbackTransport:
         if self._regions.pop(int(addr), None) is not None:
             self.stats.regions_deregistered += 1
 
-    def register(self, buf) -> int:
-        from ..tensors import buffer_region
-        return self.register_region(*buffer_region(buf))
-
-    def deregister(self, buf) -> None:
-        from ..tensors import buffer_region
-        self.deregister_region(buffer_region(buf)[0])
-
     # ---- peers ---------------------------------------------------------------------------------
     def metadata(self) -> bytes:
         return self.agent_name.encode()
@@ -80,28 +78,17 @@ class LoopbackTransport:
         name = metadata.decode()
         if name not in self.registry.agents:
             raise HandshakeError(f"no loopback agent {name!r} in this process")
-        if name not in self._peers:
-            self._peers.add(name)
-            self.stats.peers_added += 1
+        self.peer_added(name)
         return name
 
-    def remove_peer(self, name: str) -> None:
-        if name in self._peers:
-            self._peers.discard(name)
-            self.stats.peers_removed += 1
-
-    @property
-    def peers(self) -> frozenset[str]:
-        return frozenset(self._peers)
-
-    def _peer(self, name: str) -> "LoopbackTransport":
+    def _peer(self, name: str) -> LoopbackTransport:
         t = self.registry.agents.get(name)
-        if name not in self._peers or t is None:
+        if name not in self.peers or t is None:
             raise TransferError(f"remote agent {name!r} is not a peer (removed or never added)", peer=name)
         return t
 
     # ---- reads ---------------------------------------------------------------------------------
-    def _check_inside(self, regions: dict, addrs: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
+    def _check_inside(self, regions: dict[int, int], addrs: np.ndarray, nbytes: np.ndarray, side: str) -> np.ndarray:
         """Index (into ``sorted(regions)``) of the region holding each descriptor; raises if any is outside."""
         if not addrs.size:
             return np.zeros(0, np.int64)
@@ -118,7 +105,7 @@ class LoopbackTransport:
                                 "registered region (NIXL would answer NIXL_ERR_NOT_FOUND)")
         return i
 
-    def _copy(self, peer: str, remote, local, nbytes, notif: bytes) -> int:
+    def _copy(self, peer: str, remote: Any, local: Any, nbytes: Any, notif: bytes) -> int:
         src = self._peer(peer)
         remote, local, nbytes = (np.asarray(a, dtype=np.int64) for a in (remote, local, nbytes))
         if not (remote.shape == local.shape == nbytes.shape):
@@ -131,27 +118,31 @@ class LoopbackTransport:
         if notif:
             src._deliver(self.agent_name, notif)
         h = next(self._ids)
-        self._live.add(h)
-        self.stats.handles_created += 1
+        self.track(h)
         return h
 
-    def read(self, peer, remote, local, nbytes, notif=b"", remote_device=None):
+    def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
+             remote_device: str | None = None, cancel: Cancellable | None = None,
+             local_device: str | None = None) -> int:
+        check_cancel(cancel, peer)
         return self._copy(peer, remote, local, nbytes, notif)
 
-    def read_descs(self, peer, descs, notif=b"", remote_device=None, cancel=None):
-        if cancel is not None and cancel.cancelled:
-            raise TransferError("read cancelled before it was posted", peer=peer)
-        return self._copy(peer, descs.src, descs.dst, descs.nbytes, notif)
+    def post(self, peer: str, work: DirectRead, notif: bytes = b"", cancel: Cancellable | None = None,
+             remote_device: str | None = None) -> int:
+        """See :meth:`~kvbridge.transport.base.Transport.post`: the prepared lists' indices are expanded
+        back to addresses and copied at once."""
+        prep = work.prep
+        check_cancel(cancel, prep.peer)
+        geo = prep.geometry
+        req = geo.request(work.ranges, work.prefill_blocks, work.decode_blocks)
+        lrows, rrows = geo.rows(req)
+        la, ll = geo.addresses(lrows, req.local_ids)
+        ra, _ = geo.addresses(rrows, req.remote_ids)
+        if req.tail is not None:
+            ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
+        return self._copy(prep.peer, ra, la, ll, notif)
 
-    def post(self, peer, work, notif=b"", cancel=None, remote_device=None):
-        """See :meth:`NixlTransport.post`."""
-        from ..lower import Descriptors
-        if isinstance(work, Descriptors):
-            return self.read_descs(peer, work, notif, remote_device, cancel=cancel)
-        return self.read_prepped(work.prep, work.ranges, work.prefill_blocks, work.decode_blocks, notif, work.size,
-                                 cancel=cancel)
-
-    def prepare(self, peer: str, lowered, prank):
+    def prepare(self, peer: str, lowered: LoweredPlan, prank: tuple[int, int]) -> Prepared | None:
         from ..prepped import Prepared, PreparedGeometry
         self._peer(peer)
         geo = PreparedGeometry(lowered, prank)
@@ -160,25 +151,13 @@ class LoopbackTransport:
         self.stats.dlists_prepared += 2 if geo.local_span_rows is None else 4
         return Prepared(peer, geo)
 
-    def unprepare(self, prep) -> None:
+    def unprepare(self, prep: Prepared | None) -> None:
         if prep is not None and not prep.released:
             prep.released = True
             self.stats.dlists_released += 2 if prep.geometry.local_span_rows is None else 4
 
-    def read_prepped(self, prep, ranges, prefill_blocks, decode_blocks, notif=b"", size=None, cancel=None):
-        if cancel is not None and cancel.cancelled:
-            raise TransferError("read cancelled before it was posted", peer=prep.peer)
-        peer, geo = prep.peer, prep.geometry
-        req = geo.request(ranges, prefill_blocks, decode_blocks)
-        lrows, rrows = geo.rows(req)
-        la, ll = geo.addresses(lrows, req.local_ids)
-        ra, _ = geo.addresses(rrows, req.remote_ids)
-        if req.tail is not None:
-            ra, la, ll = (np.concatenate([a, b]) for a, b in zip((ra, la, ll), req.tail))
-        return self._copy(peer, ra, la, ll, notif)
-
-    def submit(self, fn, *args) -> Future:
-        fut: Future = Future()
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        fut: Future[R] = Future()
         try:
             fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001
@@ -186,21 +165,16 @@ class LoopbackTransport:
         return fut
 
     # ---- completion ----------------------------------------------------------------------------
-    def check(self, handle) -> str:
-        if handle not in self._live:
+    def check(self, handle: int) -> str:
+        if not self.is_live(handle):
             raise TransferError(f"unknown or released handle {handle}")
         return "DONE"
 
-    def settle(self, handle, timeout_s: float = 0.0) -> bool | None:
-        return handle in self._live
+    def settle(self, handle: int, timeout_s: float = 0.0) -> bool | None:
+        return self.is_live(handle)
 
-    def release(self, handle) -> None:
-        if handle in self._live:
-            self._live.discard(handle)
-            self.stats.handles_released += 1
-
-    def live_handles(self) -> int:
-        return len(self._live)
+    def release(self, handle: int) -> None:
+        self.untrack(handle)
 
     # ---- notifications -------------------------------------------------------------------------
     def _deliver(self, sender: str, msg: bytes) -> None:
@@ -220,12 +194,11 @@ class LoopbackTransport:
             self.registry.agents.pop(self.agent_name, None)
         for addr in list(self._regions):
             self.deregister_region(addr)
-        for p in list(self._peers):
-            self.remove_peer(p)
+        self.remove_all_peers()
 
 
-def copy_between_regions(dst_regions: dict, di: np.ndarray, dst: np.ndarray, src_regions: dict, si: np.ndarray,
-                         src: np.ndarray, nbytes: np.ndarray) -> None:
+def copy_between_regions(dst_regions: dict[int, int], di: np.ndarray, dst: np.ndarray, src_regions: dict[int, int],
+                         si: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
     """Copy runs between registered host regions with :func:`kvbridge.staging.copy_runs` (the one run-copy
     routine), once per (source region, destination region) pair; ``di``/``si`` index ``sorted(regions)``."""
     from ..staging import copy_runs

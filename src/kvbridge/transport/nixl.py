@@ -5,7 +5,8 @@
   kvbridge has already merged (``initialize_xfer`` does not merge; our lowering does), carrying the
   notification for the remote.
 * ``transfer()`` blocks for the whole copy on the cma transport (GIL released), so posts run on a
-  worker thread: :meth:`read` returns at once and the decode loop never blocks on a copy.
+  worker thread: :meth:`~NixlTransport.post` and :meth:`~NixlTransport.read` return at once and the
+  decode loop never blocks on a copy.
 * Errors come back as typed :class:`~kvbridge.errors.TransferError` / :class:`HandshakeError`.
 """
 from __future__ import annotations
@@ -14,21 +15,25 @@ import hashlib
 import importlib
 import logging
 import os
-import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
 from ..errors import HandshakeError, PeerGoneError, TransferError, TransportUnavailableError
 from ..lower import Descriptors
-from .base import TransportStats
+from ..runtime.wakeup import Wakeup
+from .base import Cancellable, DirectRead, TransportBookkeeping, check_cancel
 
 if TYPE_CHECKING:
-    from .. import prepped
+    from ..lower import LoweredPlan
+    from ..prepped import Prepared
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ _API = None
 PROGRESS_DELAY_US = 200
 
 
-def load_nixl_api():
+def load_nixl_api() -> Any:
     """Import NIXL's Python API without importing torch (``import nixl`` may import torch)."""
     global _API
     if _API is None:
@@ -53,7 +58,9 @@ def load_nixl_api():
                 errs.append(f"{mod}: {e}")
         else:
             raise TransportUnavailableError(
-                "NIXL is not installed: run `pip install --no-deps nixl-cu12` (no torch needed). Tried: " + "; ".join(errs))
+                "NIXL is not installed: run `pip install --no-deps nixl-cu12` (no torch needed). Tried: "
+                + "; ".join(errs)
+            )
     import logging
     import os
     logging.getLogger("nixl").setLevel(os.environ.get("KVBRIDGE_NIXL_LOG", "WARNING"))
@@ -75,26 +82,28 @@ def metadata_digest(md: bytes) -> str:
 @dataclass
 class NixlXfer:
     peer: str
-    future: Future
+    future: Future[str]
     handle: object = None
     num_descs: int = 0
     nbytes: int = 0
     released: bool = False
     tail: object = None    # prepped reads: the partial last chunk's transfer, running beside ``handle``
-    notif: bytes = b""     # sent once ``handle`` and ``tail`` have both completed (see read_prepped)
+    notif: bytes = b""     # sent once ``handle`` and ``tail`` have both completed (see post)
     posted_at: float | None = None  # monotonic time the post thread began posting it (None: still queued)
+    posted_ns: int = 0     # perf_counter_ns when the post thread began posting it (0: not yet)
+    tail_state: str = ""   # what transfer() answered for ``tail`` ("DONE": complete when it returned)
+    complete: bool = False  # every part is known DONE (NIXL is not asked again)
+    returned_ns: int = 0   # perf_counter_ns when its post call returned (on cma after the copy itself)
 
 
-NixlStats = TransportStats  # the counters every transport keeps
-
-
-class NixlTransport:
+class NixlTransport(TransportBookkeeping):
     name = "nixl"
 
     def __init__(self, agent_name: str, mem_type: str = "DRAM", device_id: int = 0,
                  ucx_params: dict[str, str] | None = None, telemetry: bool = False, post_threads: int = 1,
                  multi_threaded: bool = True, copy_threads: int = 1, backends: tuple[str, ...] | list[str] = ("UCX",),
                  num_threads: int = 0):
+        super().__init__()
         api = load_nixl_api()
         self.api = api
         self.agent_name = agent_name
@@ -103,7 +112,11 @@ class NixlTransport:
         # RW sync whenever more than one thread of ours calls the agent: an initiator (the caller's thread and
         # the post threads) and a prefill served by PrefillServer (its thread and the engine's step); NONE
         # only for an agent used by one thread
-        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if multi_threaded else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        sync = (
+            api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+            if multi_threaded
+            else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
         # backends: NIXL plugins to create (UCX; LIBFABRIC for EFA, GDS, ...); num_threads: their worker
         # threads (0: the plugin's default)
         conf = api.nixl_agent_config(enable_prog_thread=True, backends=[] if ucx_params else list(backends),
@@ -123,9 +136,6 @@ class NixlTransport:
                                             f"{sorted(self.agent.plugin_list or [])}); choose backends among "
                                             "those, or install the plugin")
         self._regs: dict[int, object] = {}
-        self._peers: set[str] = set()
-        self._live: set[int] = set()
-        self._lock = threading.Lock()
         # transfer() blocks for the whole copy on cma (GIL released), so reads are posted from worker
         # threads. One by default: two cma reads at once from one process ran at about half the speed
         # of the same reads one after the other here (PP P4pp2->D4: 3.4-6.5 vs 8-8.9 GB/s); on RDMA
@@ -133,14 +143,9 @@ class NixlTransport:
         # get their own thread so they overlap the next read instead of queueing behind it.
         self._pool = ThreadPoolExecutor(max(1, post_threads), thread_name_prefix=f"nixl-post-{agent_name}")
         self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix=f"kvbridge-copy-{agent_name}")
-        self.stats = NixlStats()
+        self.wake = Wakeup()  # readable when a post or a copy ends (wake_fd)
 
     # ---- memory & peers ----------------------------------------------------------------------
-    def register(self, buf) -> int:
-        """Register a contiguous buffer (numpy array, or torch tensor on its own device) as one region."""
-        from ..tensors import buffer_region
-        return self.register_region(*buffer_region(buf))
-
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
         """Register ``nbytes`` at ``addr`` (host DRAM for "cpu", VRAM for "cuda:N") as one region."""
         kind, _, dev = device.partition(":")
@@ -156,12 +161,8 @@ class NixlTransport:
             self.agent.deregister_memory(reg)
             self.stats.regions_deregistered += 1
 
-    def deregister(self, buf) -> None:
-        from ..tensors import buffer_region
-        self.deregister_region(buffer_region(buf)[0])
-
     def metadata(self) -> bytes:
-        return self.agent.get_agent_metadata()
+        return bytes(self.agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes, digest: str | None = None) -> str:
         """Add a remote agent. ``digest`` (sha256 of the metadata, sent separately) is checked first:
@@ -174,37 +175,26 @@ class NixlTransport:
         except Exception as e:  # noqa: BLE001
             raise HandshakeError(f"NIXL refused the remote agent metadata: {e!r}") from e
         name = name.decode() if isinstance(name, bytes) else name
-        with self._lock:  # handshakes may run on a background thread (DecodeRank.connect)
-            if name not in self._peers:
-                self._peers.add(name)
-                self.stats.peers_added += 1
+        self.peer_added(name)
         return name
 
     def remove_peer(self, name: str) -> None:
-        with self._lock:
-            if name not in self._peers:
-                return
-            self._peers.discard(name)
-            self.stats.peers_removed += 1
+        if not self.peer_removed(name):
+            return
         try:
             self.agent.remove_remote_agent(name)
         except Exception:  # noqa: BLE001 - already gone
             pass
 
-    @property
-    def peers(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self._peers)
-
     # ---- transfers ---------------------------------------------------------------------------
-    def xfer_descs(self, arr: np.ndarray, mem_type: str | None = None):
+    def xfer_descs(self, arr: np.ndarray, mem_type: str | None = None) -> Any:
         """NIXL's descriptor list of an Nx3 ``[addr, len, device]`` array (``mem_type``: ours by default)."""
         d = self.agent.get_xfer_descs(arr, mem_type or self.mem_type)
         if d is None:
             raise TransferError("NIXL rejected the descriptor list (get_xfer_descs returned None)")
         return d
 
-    def remote_mem(self, device=None) -> tuple[str, int]:
+    def remote_mem(self, device: str | int | None = None) -> tuple[str, int]:
         """NIXL memory type and device id of a peer's memory on ``device`` ("cpu", "cuda:N", or an int id
         of our own kind); None: our kind, device 0."""
         if device is None or isinstance(device, int):
@@ -212,50 +202,46 @@ class NixlTransport:
         kind, _, n = str(device).partition(":")
         return ("DRAM", 0) if kind == "cpu" else ("VRAM", int(n or 0))
 
-    def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray,
-             notif: bytes = b"", remote_device=None) -> NixlXfer:
-        """Post a READ off the caller's thread; returns a handle to :meth:`check` and :meth:`release`.
-        ``remote_device``: where the peer's memory lives ("cpu" or "cuda:N", see :meth:`remote_mem`)."""
-        return self.read_descs(peer, Descriptors(None, remote, local, nbytes), notif, remote_device)
-
-    def read_descs(self, peer: str, descs, notif: bytes = b"", remote_device=None, cancel=None) -> NixlXfer:
-        """Post a READ of a :class:`~kvbridge.lower.Descriptors`: its NIXL descriptor arrays are written
-        from the factored form on the post thread, in one pass (the caller only hands it over).
-        ``cancel``: as in :meth:`read_prepped`."""
+    def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
+             remote_device: str | None = None, cancel: Cancellable | None = None,
+             local_device: str | None = None) -> NixlXfer:
+        """Post a READ of explicit descriptor lists off the caller's thread; returns a handle to :meth:`check`
+        and :meth:`release`. ``remote_device``: where the peer's memory lives ("cpu" or "cuda:N", see
+        :meth:`remote_mem`); ``local_device``: where ours does (None: this agent's own kind, e.g. "cpu" for a
+        host staging buffer of a GPU rank); ``cancel``: as in :meth:`post`."""
         rtype, rdev = self.remote_mem(remote_device)
+        ltype, ldev = (self.mem_type, self.device_id) if local_device is None else self.remote_mem(local_device)
+        descs = Descriptors(None, remote, local, nbytes)  # no prefill rank: explicit lists
 
-        def arrays():
-            if cancel is not None and cancel.cancelled:
-                raise TransferError("read cancelled before it was posted", peer=peer)
-            return descs.nixl_arrays(self.device_id, rdev)
-        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype)
+        def arrays() -> tuple[np.ndarray, np.ndarray]:
+            check_cancel(cancel, peer)
+            return descs.nixl_arrays(ldev, rdev)
+        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype, ltype)
 
-    def post(self, peer: str, work, notif: bytes = b"", cancel=None, remote_device=None) -> NixlXfer:
-        """Post one direct read of a lowered work item: a :class:`~kvbridge.lower.Descriptors`, or a
-        request validated against prepared lists (``prep``, ``ranges``, block ids, ``size``: see
-        :class:`~kvbridge.runtime.prepped_hook.PreppedWork`). ``cancel``: an object whose ``cancelled``
-        is checked on the post thread first (a cancelled read is never handed to NIXL)."""
-        if isinstance(work, Descriptors):
-            return self.read_descs(peer, work, notif, remote_device, cancel=cancel)
-        return self.read_prepped(work.prep, work.ranges, work.prefill_blocks, work.decode_blocks, notif, work.size,
-                                 cancel=cancel)
-
-    def _post(self, peer: str, arrays, count: int, nbytes: int, notif: bytes, remote_type: str) -> NixlXfer:
-        def post(x: NixlXfer):
+    def _post(
+        self,
+        peer: str,
+        arrays: Callable[[], tuple[np.ndarray, np.ndarray]],
+        count: int,
+        nbytes: int,
+        notif: bytes,
+        remote_type: str,
+        local_type: str | None = None,
+    ) -> NixlXfer:
+        def post(x: NixlXfer) -> str:
             local, remote = arrays()
-            x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local), self.xfer_descs(remote, remote_type),
-                                                  peer, notif)
+            x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local, local_type),
+                                                  self.xfer_descs(remote, remote_type), peer, notif)
             return self._start(x.handle, peer)
         return self._submit_post(peer, 0, 0, post)
 
-    def _submit_post(self, peer: str, count: int, nbytes: int, post) -> NixlXfer:
+    def _submit_post(self, peer: str, count: int, nbytes: int, post: Callable[[NixlXfer], str]) -> NixlXfer:
         """Track a new transfer and run ``post(x)`` (which sets ``x.handle``) on the post thread."""
-        x = NixlXfer(peer, Future(), num_descs=count, nbytes=nbytes)
-        with self._lock:
-            self._live.add(id(x))
-        self.stats.handles_created += 1
+        x = NixlXfer(peer, Future[str](), num_descs=count, nbytes=nbytes)
+        self.track(id(x))
 
-        def run():
+        def run() -> str:
+            x.posted_ns = time.perf_counter_ns()
             x.posted_at = time.monotonic()  # from here on the time is the peer's (and the wire's), not our queue's
             try:
                 return post(x)
@@ -263,18 +249,22 @@ class NixlTransport:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise _wrap(e, peer) from e
+            finally:
+                x.returned_ns = time.perf_counter_ns()
 
+        x.future.add_done_callback(self._wakeup)
         self._pool.submit(_run_into, x.future, run)
         return x
 
-    # ---- prepared descriptor lists (issue 14) ------------------------------------------------
-    def prepare(self, peer: str, lowered, prank, remote_device=None) -> "prepped.Prepared | None":
+    # ---- prepared descriptor lists ------------------------------------------------------------
+    def prepare(self, peer: str, lowered: LoweredPlan, prank: tuple[int, int],
+                remote_device: str | None = None) -> Prepared | None:
         """At handshake: the lowered chunk templates of (this decode rank, ``prank``) as two regular strided
-        prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`read_prepped`.
+        prepped lists (``prep_xfer_dlist`` with Nx5 rows, local and ``peer``'s), for :meth:`post`.
         None when there is nothing to prepare (no reads from that rank)."""
         from ..prepped import Prepared, PreparedGeometry
         if remote_device is None:  # the prefill rank's memory, as its handshake described it
-            remote_device = getattr(lowered.p_mem(tuple(prank)), "device", None)
+            remote_device = getattr(lowered.p_mem((prank[0], prank[1])), "device", None)
         rtype, rdev = self.remote_mem(remote_device)
         geo = PreparedGeometry(lowered, prank, self.device_id, rdev)
         if not len(geo.local_rows):
@@ -293,14 +283,14 @@ class NixlTransport:
         return Prepared(peer, geo, handles[0], handles[1], remote_type=rtype, local_span=handles[2],
                         remote_span=handles[3])
 
-    def unprepare(self, prep: "prepped.Prepared | None") -> None:
+    def unprepare(self, prep: Prepared | None) -> None:
         """Release the prepped lists of :meth:`prepare` (the peer's transfers must have been released)."""
         if prep is None or prep.released:
             return
         prep.released = True
         self._release_dlists((prep.local, prep.remote, prep.local_span, prep.remote_span))
 
-    def _release_dlists(self, handles) -> None:
+    def _release_dlists(self, handles: Iterable[object]) -> None:
         for h in handles:
             if h is None:
                 continue
@@ -310,25 +300,23 @@ class NixlTransport:
             except Exception:  # noqa: BLE001 - a removed peer's list may refuse; NIXL frees it at teardown
                 pass
 
-    def read_prepped(self, prep: "prepped.Prepared", ranges: dict, prefill_blocks, decode_blocks,
-                     notif: bytes = b"", size=None, cancel=None) -> NixlXfer:
-        """Post a READ of one validated request (``ranges`` from :meth:`PreparedGeometry.validate`) through
-        the prepared lists. The caller's thread only hands over: index arrays (vectorised numpy) and
-        ``make_prepped_xfer`` (NIXL merges adjacent ids) run on the post thread. A partial last chunk,
-        which has no entry in the lists, is read by a second, small ``initialize_xfer`` posted beside it;
-        neither is waited for on the post thread (a frozen peer must not hold every later read of this
-        agent, other peers' included) and neither carries the notification: :meth:`check` (or
-        :meth:`settle`) sends it once both have completed, so the prefill never hears "done" while a
-        part is still being read. ``cancel``: an object whose ``cancelled`` is checked on the post
-        thread first (a cancelled read is never handed to NIXL). ``size``: ``(descriptors, bytes)`` or a
-        zero-argument callable returning them, called on the post thread (``PreppedWork.size``)."""
+    def post(self, peer: str, work: DirectRead, notif: bytes = b"", cancel: Cancellable | None = None,
+             remote_device: str | None = None) -> NixlXfer:
+        """Post one direct read (a request validated against the lists of :meth:`prepare`). The caller's
+        thread only hands over: the sizes, index arrays (vectorised numpy) and ``make_prepped_xfer`` (NIXL
+        merges adjacent ids) run on the post thread. A partial last chunk, which has no entry in the
+        lists, is read by a second, small ``initialize_xfer`` posted beside it; neither is waited for on
+        the post thread (a frozen peer must not hold every later read of this agent, other peers'
+        included) and neither carries the notification: :meth:`check` (or :meth:`settle`) sends it once
+        both have completed, so the prefill never hears "done" while a part is still being read.
+        ``cancel``: an object whose ``cancelled`` is checked on the post thread first (a cancelled read
+        is never handed to NIXL)."""
+        prep, ranges, prefill_blocks, decode_blocks = work.prep, work.ranges, work.prefill_blocks, work.decode_blocks
         peer = prep.peer
 
-        def post(x: NixlXfer):
-            if cancel is not None and cancel.cancelled:
-                raise TransferError("read cancelled before it was posted", peer=peer)
-            x.num_descs, x.nbytes = (size() if callable(size) else size if size is not None
-                                     else prep.geometry.size(ranges))
+        def post(x: NixlXfer) -> str:
+            check_cancel(cancel, peer)
+            x.num_descs, x.nbytes = work.size()
             req = prep.geometry.request(ranges, prefill_blocks, decode_blocks)
             main = req.local_ids.size > 0
             if req.tail is not None:
@@ -341,17 +329,17 @@ class NixlTransport:
                     x.handle = h
                     return self._start(h, peer)
                 x.tail, x.notif = h, notif  # the notification waits for both parts (check / settle)
-                self._start(h, peer)
-            local, remote = (prep.local_span, prep.remote_span) if req.spans else (prep.local, prep.remote)
-            h = self.agent.make_prepped_xfer("READ", local, req.local_ids, remote, req.remote_ids,
+                x.tail_state = self._start(h, peer)
+            lists = (prep.local_span, prep.remote_span) if req.spans else (prep.local, prep.remote)
+            h = self.agent.make_prepped_xfer("READ", lists[0], req.local_ids, lists[1], req.remote_ids,
                                              b"" if x.tail is not None else notif)
             x.handle = h
             return self._start(h, peer)
 
         return self._submit_post(peer, 0, 0, post)
 
-    def _start(self, h, peer: str) -> str:
-        state = self.agent.transfer(h)
+    def _start(self, h: object, peer: str) -> str:
+        state = str(self.agent.transfer(h))
         if state == "ERR":
             raise TransferError(f"NIXL transfer from {peer!r} returned ERR", peer=peer)
         return state
@@ -365,18 +353,50 @@ class NixlTransport:
             except Exception as e:  # noqa: BLE001 - the data is complete; the prefill's lease will expire
                 log.warning("could not send the notification of a completed read to %s: %r", x.peer, e)
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
         """Run ``fn`` on a copy thread (local copies such as a staged scatter, off the caller's thread)."""
-        return self._copy_pool.submit(fn, *args)
+        fut = self._copy_pool.submit(fn, *args)
+        fut.add_done_callback(self._wakeup)
+        return fut
+
+    def _wakeup(self, _fut: object = None) -> None:
+        """A post or a copy ended: whoever waits on :attr:`wake_fd` looks again."""
+        self.wake.set()
+
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor that becomes readable when a post or a local copy of this transport ends
+        (a decode's wait sleeps on it beside its sockets; :meth:`clear_wake` re-arms it)."""
+        return self.wake.fd
+
+    def clear_wake(self) -> None:
+        self.wake.clear()
+
+    def _known_done(self, x: NixlXfer) -> bool:
+        """Every part of ``x`` is complete by what ``transfer()`` answered when it was posted (a blocking
+        transport, cma, copies inside ``transfer()``) or by an earlier check: NIXL need not be asked.
+        Asking would wait on the agent's lock, which the post thread holds while it copies the next read."""
+        if x.complete:
+            return True
+        if x.future.exception() is not None or x.future.result() != "DONE":
+            return False
+        if x.tail is not None and x.tail_state != "DONE":
+            return False
+        x.complete = True
+        if x.tail is not None:
+            self._both_done(x)
+        return True
 
     def check(self, x: NixlXfer) -> str:
         if not x.future.done():
             return "PROC"
         x.future.result()  # raises TransferError
-        states = []
+        if self._known_done(x):
+            return "DONE"
+        states: list[str] = []
         for h in (x.handle, x.tail) if x.tail is not None else (x.handle,):
             try:
-                state = self.agent.check_xfer_state(h)
+                state = str(self.agent.check_xfer_state(h))
             except Exception as e:  # noqa: BLE001
                 raise _wrap(e, x.peer) from e
             if state == "ERR":
@@ -386,6 +406,7 @@ class NixlTransport:
             return "PROC"
         if x.tail is not None:
             self._both_done(x)
+        x.complete = states[0] == "DONE"
         return states[0]
 
     def settle(self, x: NixlXfer, timeout_s: float = 5.0) -> bool | None:
@@ -399,6 +420,8 @@ class NixlTransport:
             return None
         except Exception:  # noqa: BLE001 - the post failed (a tail posted before it may still run)
             posted = False
+        if posted and self._known_done(x):
+            return True
         while True:
             states = []
             for h in (x.handle, x.tail):
@@ -430,16 +453,11 @@ class NixlTransport:
             except Exception:  # noqa: BLE001 - a dead peer's handle may refuse; NIXL frees it at teardown
                 pass
         x.released = True
-        with self._lock:
-            self._live.discard(id(x))
-        self.stats.handles_released += 1
-
-    def live_handles(self) -> int:
-        return len(self._live)
+        self.untrack(id(x))
 
     # ---- notifications -----------------------------------------------------------------------
     def get_notifs(self) -> dict[str, list[bytes]]:
-        return self.agent.get_new_notifs()
+        return cast("dict[str, list[bytes]]", self.agent.get_new_notifs())
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         try:
@@ -450,6 +468,7 @@ class NixlTransport:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
+        self.wake.close()
         for addr in list(self._regs):
             reg = self._regs.pop(addr)
             try:
@@ -457,16 +476,15 @@ class NixlTransport:
                 self.stats.regions_deregistered += 1
             except Exception:  # noqa: BLE001
                 pass
-        for p in list(self._peers):
-            self.remove_peer(p)
+        self.remove_all_peers()
 
 
-def _make_agent(api, name: str, conf, progress_delay_us: int):
+def _make_agent(api: Any, name: str, conf: Any, progress_delay_us: int) -> Any:
     """``nixl_agent(name, conf)`` with the progress thread's delay set (the Python API hard-codes 0)."""
     bind = api.nixlBind
     real = bind.nixlAgent
 
-    def agent_with_delay(agent_name, agent_config):
+    def agent_with_delay(agent_name: str, agent_config: Any) -> Any:
         agent_config.pthrDelay = progress_delay_us
         return real(agent_name, agent_config)
 
@@ -477,7 +495,7 @@ def _make_agent(api, name: str, conf, progress_delay_us: int):
         bind.nixlAgent = real
 
 
-def _run_into(fut: Future, fn) -> None:
+def _run_into(fut: Future[R], fn: Callable[[], R]) -> None:
     try:
         fut.set_result(fn())
     except BaseException as e:  # noqa: BLE001

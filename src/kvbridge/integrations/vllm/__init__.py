@@ -22,7 +22,15 @@ kvbridge`` never does. It is split by role, each part using only the public ``kv
 from __future__ import annotations
 
 from ..vllm_cp import VLLMContextParallelError
-from .config import ConnectorConfig, ContextParallelUnsupported, context_parallel, dp_engine_id, dp_port_base, engine_endpoints, rank_port
+from .config import (
+    ConnectorConfig,
+    ContextParallelUnsupported,
+    context_parallel,
+    dp_engine_id,
+    dp_port_base,
+    engine_endpoints,
+    rank_port,
+)
 from .connector import KVBridgeConnector
 from .scheduler import KVBridgeConnectorMetadata, RecvReq
 from .stats import KVBridgeStats

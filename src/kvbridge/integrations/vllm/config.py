@@ -16,7 +16,7 @@ tp * pcp * pp)`` (two engines on one host need ranges that do not overlap). The 
 ``remote_engine_id`` (with the ``_dp{rank}`` suffix) and its TP / PP / PCP sizes, so a decode needs nothing
 but the params to find the exact ranks.
 
-**Context parallelism** (issue 21): the sizes and interleave come from vLLM's ``ParallelConfig``
+**Context parallelism**: the sizes and interleave come from vLLM's ``ParallelConfig``
 (:func:`context_parallel`); what vLLM itself forbids is refused there with
 :class:`~kvbridge.integrations.vllm_cp.VLLMContextParallelError`; what kvbridge cannot move (DCP with the CPU
 backend's block-granular form) the worker refuses with :class:`ContextParallelUnsupported`.
@@ -24,12 +24,28 @@ backend's block-granular form) the worker refuses with :class:`ContextParallelUn
 **Side-channel host**, first of: the ``KVBRIDGE_SIDE_CHANNEL_HOST`` environment variable (per node), the
 extra-config ``side_channel_host`` (``"auto"``: this node's address as vLLM discovers it), vLLM's
 ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (per node), ``127.0.0.1``.
+
+**Endpoint options.** The extra config's keys that name an option of
+:class:`~kvbridge.runtime.config.PrefillConfig` (but ``host`` / ``port``, set by the rules above) or of
+:class:`~kvbridge.runtime.config.DecodeConfig` configure this engine's endpoints (``staging_bytes`` names
+both); their defaults are those classes', except :data:`VLLM_DECODE_DEFAULTS`. ``lease_grace_s`` is another
+name of ``register_grace_s``. Other keys are the connector's own (:data:`CONNECTOR_KEYS`) or left to a
+subclass.
+
+**Transfer params.** A prefill's answer carries :class:`TransferParams` (``kv_transfer_params``, all
+JSON) to the decode: built by the prefill's scheduler, parsed by the decode's workers.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
+
+import msgspec
+
+from kvbridge import ConfigError, DecodeConfig, PrefillConfig, RequestError
 
 from .translate import VLLMConfigError, speculative_fingerprint
 
@@ -38,6 +54,12 @@ DEFAULT_PORT = 5600
 HOST_ENV = "KVBRIDGE_SIDE_CHANNEL_HOST"
 VLLM_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_BACKENDS = ("UCX",)
+#: extra-config keys the connector reads itself (not endpoint options)
+CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content",
+                            "lease_grace_s"})
+#: decode options whose default differs under vLLM: its prefill registers a request's lease when the step
+#: that finished it returns to the scheduler, and the router may hand the request to the decode before that
+VLLM_DECODE_DEFAULTS: dict[str, Any] = {"register_grace_s": 5.0}
 
 
 def dp_port_base(base: int, dp_index: int, tp: int, pp: int, pcp: int = 1) -> int:
@@ -68,7 +90,7 @@ def dp_engine_id(engine_id: str, dp_size: int, dp_index: int) -> str:
     return engine_id
 
 
-def side_channel_host(extra: dict, environ=os.environ) -> str:
+def side_channel_host(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str:
     """The host this node's prefill workers bind and advertise (first rule that applies, module docstring)."""
     host = environ.get(HOST_ENV) or extra.get("side_channel_host")
     if host == "auto":
@@ -81,7 +103,7 @@ def side_channel_host(extra: dict, environ=os.environ) -> str:
     return str(host or environ.get(VLLM_HOST_ENV) or DEFAULT_HOST)
 
 
-def _backends(extra: dict) -> tuple[str, ...]:
+def _backends(extra: Mapping[str, Any]) -> tuple[str, ...]:
     b = extra.get("backends", list(DEFAULT_BACKENDS))
     if isinstance(b, str):
         b = [b]
@@ -91,7 +113,7 @@ def _backends(extra: dict) -> tuple[str, ...]:
     return tuple(b)
 
 
-def context_parallel(parallel_config) -> tuple[int, int, int]:
+def context_parallel(parallel_config: Any) -> tuple[int, int, int]:
     """``(pcp, dcp, cp_interleave)`` of an engine, from vLLM's ``ParallelConfig``: both roles, any sizes
     vLLM accepts (prefill TP x PCP -> decode TP x DCP, any interleave dividing the block size). Raises
     :class:`~kvbridge.integrations.vllm_cp.VLLMContextParallelError` for sizes vLLM's own groups cannot
@@ -103,6 +125,25 @@ def context_parallel(parallel_config) -> tuple[int, int, int]:
 
 class ContextParallelUnsupported(VLLMConfigError):
     """A context-parallel setting kvbridge cannot move (the message names it and what to change)."""
+
+
+def endpoint_configs(extra: Mapping[str, Any]) -> tuple[PrefillConfig, DecodeConfig]:
+    """This engine's prefill and decode endpoint options from ``kv_connector_extra_config`` (module
+    docstring); a bad value raises :class:`~kvbridge.integrations.vllm.translate.VLLMConfigError` naming it."""
+    p_keys = {f.name for f in fields(PrefillConfig)} - {"host", "port"}
+    d_keys = {f.name for f in fields(DecodeConfig)}
+    d_opts = dict(VLLM_DECODE_DEFAULTS)
+    if "lease_grace_s" in extra:
+        if "register_grace_s" in extra:
+            raise VLLMConfigError("kv_connector_extra_config sets both lease_grace_s and register_grace_s (two names "
+                                  "of one option): keep one")
+        d_opts["register_grace_s"] = extra["lease_grace_s"]
+    d_opts.update((k, v) for k, v in extra.items() if k in d_keys)
+    try:
+        return (PrefillConfig.from_mapping({k: v for k, v in extra.items() if k in p_keys}),
+                DecodeConfig.from_mapping(d_opts))
+    except ConfigError as e:
+        raise VLLMConfigError(f"kv_connector_extra_config: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -119,16 +160,20 @@ class ConnectorConfig:
     cp_interleave: int = 1    # cp_kv_cache_interleave_size (1 without DCP)
     dp_size: int = 1
     dp_index: int = 0
-    lease_s: float = 30.0
-    staging_bytes: int = 64 << 20
-    lease_grace_s: float = 5.0
+    prefill: PrefillConfig = PrefillConfig()   # this engine's prefill endpoints (host / port: :meth:`endpoint`)
+    decode: DecodeConfig = DecodeConfig(**VLLM_DECODE_DEFAULTS)  # this engine's decode endpoints
     backends: tuple[str, ...] = DEFAULT_BACKENDS
     num_threads: int | None = None
-    decode_options: dict = field(default_factory=dict)
     speculative: str | None = None  # fingerprint of the draft model's settings (None: no draft KV)
 
+    @property
+    def lease_s(self) -> float:
+        """How long a prefill holds a request's blocks for its readers (a decode heartbeats queued
+        requests' leases at a sixth of it)."""
+        return self.prefill.lease_s
+
     @classmethod
-    def from_vllm(cls, vllm_config, environ=os.environ) -> "ConnectorConfig":
+    def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> ConnectorConfig:
         ktc, pc = vllm_config.kv_transfer_config, vllm_config.parallel_config
         extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
@@ -138,24 +183,69 @@ class ConnectorConfig:
         num_threads = extra.get("num_threads")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise VLLMConfigError(f"kv_connector_extra_config.num_threads={num_threads!r}: give a positive integer")
+        prefill, decode = endpoint_configs(extra)
         return cls(
             engine_id=dp_engine_id(str(ktc.engine_id), dp_size, dp_index),
             host=side_channel_host(extra, environ),
             port=dp_port_base(int(extra.get("side_channel_port", DEFAULT_PORT)), dp_index, tp, pp, pcp),
             tp=tp, pp=pp, pcp=pcp, dcp=dcp, cp_interleave=il, dp_size=dp_size, dp_index=dp_index,
-            lease_s=float(extra.get("lease_s", 30.0)),
-            staging_bytes=int(extra.get("staging_bytes", 64 << 20)),
-            # a decode read that reaches the prefill before its worker registered the request retries this long
-            lease_grace_s=float(extra.get("lease_grace_s", 5.0)),
-            backends=_backends(extra),
-            num_threads=num_threads,
-            # decode endpoint options (kvbridge.DecodeEndpoint): timeouts on this engine's clock, transfer mode
-            decode_options={k: type_(extra[k]) for k, type_ in (
-                ("handshake_timeout_s", float), ("stage_timeout_s", float), ("transfer_timeout_s", float),
-                ("connect_timeout_s", float), ("transfer_mode", str)) if k in extra},
+            prefill=prefill, decode=decode, backends=_backends(extra), num_threads=num_threads,
             speculative=speculative_fingerprint(vllm_config),
         )
 
     def endpoint(self, rank: tuple[int, int]) -> tuple[str, int]:
         """(host, port) this engine's worker ``rank = (pp_rank, pcp_rank * tp + tp_rank)`` binds."""
         return self.host, rank_port(self.port, rank, self.tp, self.pcp)
+
+    def prefill_config(self, rank: tuple[int, int]) -> PrefillConfig:
+        """The options of worker ``rank``'s prefill endpoint (its side channel at :meth:`endpoint`)."""
+        host, port = self.endpoint(rank)
+        return dataclasses.replace(self.prefill, host=host, port=port)
+
+
+class TransferParams(msgspec.Struct, kw_only=True):
+    """A prefill's ``kv_transfer_params`` (all JSON), as the decode receives them: which engine and ranks
+    hold the request's KV, and under which lease. Built on the prefill by the scheduler
+    (:meth:`to_dict`), parsed on the decode (:meth:`from_dict`); vLLM's own flags ride in the same dict."""
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None      # the prefill DP rank's engine id (``_dp{rank}`` suffix)
+    remote_host: str | None = None
+    remote_port: int | None = None           # the DP rank's first side-channel port (:func:`dp_port_base`)
+    remote_block_ids: list[list[int]] | None = None  # per KV-cache group
+    remote_request_id: str | None = None     # the prefill's own id of the request (its lease's name)
+    remote_num_tokens: int | None = None     # tokens the prefill computed
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
+    remote_pcp_size: int = 1                 # the prefill's tp * pcp ranks per stage are endpoints
+    remote_dcp_size: int = 1
+    remote_cp_interleave: int = 1
+    remote_dp_rank: int = 0
+    remote_layout: str | None = None         # fingerprint of the prefill's layout (informational)
+    remote_speculative: str | None = None    # fingerprint of the draft model's settings (None: no draft KV)
+    remote_attempt: int = 0                  # the lease attempt every prefill rank registered
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> TransferParams:
+        """Parse ``kv_transfer_params`` (unknown keys, and the connector's private ``_`` keys, are ignored);
+        a value of the wrong type raises :class:`~kvbridge.errors.RequestError` naming it."""
+        try:
+            return msgspec.convert(dict(params), cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise RequestError(f"kv_transfer_params: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @property
+    def readable(self) -> bool:
+        """Whether the params name an engine and blocks to read."""
+        return self.remote_block_ids is not None and self.remote_engine_id is not None
+
+    def endpoints(self) -> dict[tuple[int, int], str]:
+        """``{(pp_rank, pcp_rank * tp + tp_rank): "host:port"}`` of every worker of the prefill DP rank."""
+        if self.remote_host is None or self.remote_port is None:
+            raise RequestError(f"kv_transfer_params of {self.remote_request_id!r} name no remote_host/remote_port")
+        return engine_endpoints(self.remote_host, self.remote_port, self.remote_tp_size, self.remote_pp_size,
+                                self.remote_pcp_size)

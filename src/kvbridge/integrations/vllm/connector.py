@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import ConnectorConfig
 from .scheduler import ConnectorScheduler, KVBridgeConnectorMetadata
-from .stats import KVBridgePromMetrics, KVBridgeStats, StatsDelta
+from .stats import KVBridgePromMetrics, KVBridgeStats, StatsDelta, link_rows
 from .worker import ConnectorWorker
 
 
@@ -88,7 +88,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         leases freed/expired): vLLM aggregates them across workers and logs them."""
         if self.worker is None:  # vLLM's scheduler asks its connector too: the counters live on the workers
             return None
-        return self._stats_delta(self.worker.counters(), self.worker.take_read_seconds())
+        d = self.worker.decode
+        return self._stats_delta(
+            self.worker.counters(),
+            self.worker.take_read_seconds(),
+            self.worker.take_phase_seconds(),
+            None if d is None else lambda: link_rows(d.rank, d.links()),
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

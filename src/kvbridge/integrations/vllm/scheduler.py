@@ -3,20 +3,16 @@ endpoint, no I/O). Tested against vLLM's real Scheduler (``tests/vllm/test_conne
 
 * prefill (request has ``do_remote_decode``): ``request_finished_all_groups`` returns ``(True, params)``
   so vLLM holds the blocks (``delay_free``) until the worker reports the request in ``finished_sending``
-  (the decode's Done, or the lease expiring on the prefill worker). ``params`` (all JSON):
-  ``do_remote_prefill``, ``remote_engine_id`` (the DP rank's, ``_dp{rank}``), ``remote_host`` /
-  ``remote_port`` (the DP rank's side-channel base, see :mod:`.config`), ``remote_block_ids`` (one list
-  per KV-cache group), ``remote_request_id``, ``remote_num_tokens``, ``remote_tp_size``,
-  ``remote_pp_size``, ``remote_pcp_size`` / ``remote_dcp_size`` / ``remote_cp_interleave`` (the prefill's
-  context parallelism: its ``tp * pcp`` ranks per stage are endpoints, :func:`.config.engine_endpoints`; the
-  token share of each rank travels in the handshake's layout), ``remote_dp_rank``, ``remote_layout`` (fingerprint), ``remote_speculative`` (the
-  draft model's settings, :func:`.translate.speculative_fingerprint`), ``remote_attempt``.
+  (the decode's Done, or the lease expiring on the prefill worker). ``params``: a
+  :class:`~.config.TransferParams` as a dict (its fields say what each key carries; the token share of
+  each prefill rank travels in the handshake's layout).
 * decode (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` returns
   ``(num_prompt_tokens - num_computed_tokens, True)`` like vLLM's NixlConnector (the scheduler then
   recomputes the last prompt token itself); ``update_state_after_alloc`` records, per group, the blocks
   to fill: the newly allocated ones after the local prefix-cache hit (``first_block`` = number of hit
   blocks, so only the tail is read; under DCP one block id spans ``block_size * dcp`` tokens, and
-  ``first_block`` counts those, as kvbridge's ``GroupBlocks`` does); ``build_connector_meta`` hands them with the remote params to the
+  ``first_block`` counts those, as kvbridge's ``GroupBlocks`` does); ``build_connector_meta`` hands them with
+  the remote params to the
   workers in :class:`KVBridgeConnectorMetadata`.
 
 **vLLM ``n > 1``** (parallel sampling): vLLM's front end fans a request with ``n`` choices out into ``n`` child
@@ -45,7 +41,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .config import ConnectorConfig
+from kvbridge import RequestError
+
+from .config import ConnectorConfig, TransferParams
 from .translate import layout_fingerprint, prefill_backoff, state_groups
 
 log = logging.getLogger(__name__)
@@ -61,21 +59,27 @@ class RecvReq:
     remote: dict[str, Any]             # the prefill's kv_transfer_params
 
 
+# a prefill's kv_transfer_params as a dict (the wire form of config.TransferParams)
+Params = dict[str, Any]
+
+
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
     recv: dict[str, RecvReq] = field(default_factory=dict)
-    send: dict[str, tuple] = field(default_factory=dict)  # prefill: req id -> (held block ids per group, attempt)
+    send: dict[str, tuple[list[list[int]], int]] = field(
+        default_factory=dict
+    )  # prefill: req id -> (held block ids per group, attempt)
     # prefill: leases (req id, registered before) that must now wait for more reads -> (attempt, reads)
-    expect: dict[str, tuple] = field(default_factory=dict)
+    expect: dict[str, tuple[int, int]] = field(default_factory=dict)
     # decode: requests that finished (any status) or need nothing without reading: req id -> remote params
-    release: dict[str, dict] = field(default_factory=dict)
+    release: dict[str, Params] = field(default_factory=dict)
     # decode: requests still queued here, whose prefill leases must not run out: req id -> remote params
-    heartbeat: dict[str, dict] = field(default_factory=dict)
+    heartbeat: dict[str, Params] = field(default_factory=dict)
     # decode: prefill engines of requests seen for the first time (the workers start their background
     # handshakes now, off the step that reads them): engine id -> remote params
-    connect: dict[str, dict] = field(default_factory=dict)
+    connect: dict[str, Params] = field(default_factory=dict)
 
 
 # vLLM's child request id of parallel sampling: f"{index}_{parent request id}" (ParentRequest.get_child_info)
@@ -88,16 +92,16 @@ class _Siblings:
 
     lease_id: str          # the request whose blocks are held
     attempt: int
-    prompt: tuple          # what the children must share to share KV (prompt ids, computed tokens, LoRA, salt, mm)
-    params: dict           # the kv_transfer_params every child returns
+    prompt: tuple[Any, ...]  # what the children must share to share KV (prompt ids, computed tokens, LoRA, salt, mm)
+    params: Params         # the kv_transfer_params every child returns
     reads: int = 1
-    indices: set = field(default_factory=set)
+    indices: set[int] = field(default_factory=set)
 
 
 class ConnectorScheduler:
     """Scheduler-side state of one engine (DP rank): reads to start, leases to register, blocks held."""
 
-    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
         self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
         # per vLLM KV-cache group: None (attention), or the speculative scratch slots of a Mamba group
@@ -107,13 +111,13 @@ class ConnectorScheduler:
         # drafter's lookahead window stays off the prefill
         self.backoff = prefill_backoff(vllm_config, kv_cache_config)
         self._pending_recv: dict[str, RecvReq] = {}
-        self._pending_send: dict[str, tuple] = {}
-        self._pending_release: dict[str, dict] = {}
-        self._queued: dict[str, dict] = {}  # decode: requests seen, not allocated yet -> remote params
-        self._pending_connect: dict[str, dict] = {}  # decode: prefill engine id -> params (handshake hint)
+        self._pending_send: dict[str, tuple[list[list[int]], int]] = {}
+        self._pending_release: dict[str, Params] = {}
+        self._queued: dict[str, Params] = {}  # decode: requests seen, not allocated yet -> remote params
+        self._pending_connect: dict[str, Params] = {}  # decode: prefill engine id -> params (handshake hint)
         self._next_heartbeat = 0.0
         self._held: dict[str, list[list[int]]] = {}  # prefill: blocks vLLM holds for a remote read
-        self._pending_expect: dict[str, tuple] = {}
+        self._pending_expect: dict[str, tuple[int, int]] = {}
         self._siblings: dict[str, _Siblings] = {}     # prefill: parent request id -> its children's lease
 
     # ---- decode -----------------------------------------------------------------------------------
@@ -123,7 +127,7 @@ class ConnectorScheduler:
         b = self.backoff
         return num_prompt_tokens - b if b and num_prompt_tokens > b else num_prompt_tokens
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Any) -> None:
         """Decode: track the request for heartbeats until its read is set up.
 
         Prefill of a Mamba hybrid: drop the last prompt token before scheduling, as vLLM's NixlConnector
@@ -150,7 +154,7 @@ class ConnectorScheduler:
         request.max_tokens = 1
         p["_kvbridge_truncated"] = True
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         p = request.kv_transfer_params
         if p and p.get("do_remote_prefill") and p.get("remote_block_ids") is not None:
             want = self.remote_token_count(len(request.prompt_token_ids or []))
@@ -183,7 +187,7 @@ class ConnectorScheduler:
     def is_state_group(self, g: int) -> bool:
         return g < len(self.state_groups) and self.state_groups[g] is not None
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         p = request.kv_transfer_params
         if not p or not p.get("do_remote_prefill"):
             return
@@ -206,7 +210,7 @@ class ConnectorScheduler:
         # only one read per request
         p["do_remote_prefill"] = False
 
-    def build_connector_meta(self, scheduler_output) -> KVBridgeConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
         meta = KVBridgeConnectorMetadata(recv=self._pending_recv, send=self._pending_send,
                                          release=self._pending_release, connect=self._pending_connect,
                                          expect=self._pending_expect)
@@ -219,7 +223,7 @@ class ConnectorScheduler:
         return meta
 
     # ---- prefill ----------------------------------------------------------------------------------
-    def request_finished_all_groups(self, request, block_ids):
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Params | None]:
         from vllm.v1.request import RequestStatus
 
         p = request.kv_transfer_params
@@ -243,7 +247,7 @@ class ConnectorScheduler:
         child = _CHILD_ID.fullmatch(request.request_id)
         key = _prompt_key(request) if child else ()
         sib = self._siblings.get(child.group(2)) if child else None
-        if (sib is not None and sib.lease_id in self._held and sib.prompt == key
+        if (child is not None and sib is not None and sib.lease_id in self._held and sib.prompt == key
                 and int(child.group(1)) not in sib.indices):
             # a sibling of a child whose blocks are held (vLLM n > 1, same prompt): its readers read those;
             # its own blocks go back now
@@ -261,29 +265,17 @@ class ConnectorScheduler:
                                                        indices={int(child.group(1))})
         return True, dict(params)
 
-    def _lease_params(self, request, ids: list[list[int]], attempt: int) -> dict:
+    def _lease_params(self, request: Any, ids: list[list[int]], attempt: int) -> Params:
         cfg = self.cfg
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": cfg.engine_id,
-            "remote_host": cfg.host,
-            "remote_port": cfg.port,
-            "remote_block_ids": ids,
-            "remote_request_id": request.request_id,
-            "remote_num_tokens": int(request.num_computed_tokens),
-            "remote_tp_size": cfg.tp,
-            "remote_pp_size": cfg.pp,
-            "remote_pcp_size": cfg.pcp,
-            "remote_dcp_size": cfg.dcp,
-            "remote_cp_interleave": cfg.cp_interleave,
-            "remote_dp_rank": cfg.dp_index,
-            "remote_layout": self.fingerprint,
-            "remote_speculative": cfg.speculative,
-            "remote_attempt": attempt,
-        }
+        return TransferParams(
+            do_remote_prefill=True, do_remote_decode=False, remote_engine_id=cfg.engine_id, remote_host=cfg.host,
+            remote_port=cfg.port, remote_block_ids=ids, remote_request_id=request.request_id,
+            remote_num_tokens=int(request.num_computed_tokens), remote_tp_size=cfg.tp, remote_pp_size=cfg.pp,
+            remote_pcp_size=cfg.pcp, remote_dcp_size=cfg.dcp, remote_cp_interleave=cfg.cp_interleave,
+            remote_dp_rank=cfg.dp_index, remote_layout=self.fingerprint, remote_speculative=cfg.speculative,
+            remote_attempt=attempt).to_dict()
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: Any) -> None:
         done = set(connector_output.finished_sending or ())
         for rid in done:
             self._held.pop(rid, None)
@@ -295,7 +287,7 @@ class ConnectorScheduler:
         return sorted(self._held)
 
 
-def _prompt_key(request) -> tuple:
+def _prompt_key(request: Any) -> tuple[Any, ...]:
     """What two requests must share for one's prompt KV to stand for the other's."""
     lora = getattr(request, "lora_request", None)
     mm = tuple(getattr(f, "identifier", None) for f in (getattr(request, "mm_features", None) or ()))
@@ -303,10 +295,15 @@ def _prompt_key(request) -> tuple:
             getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), mm)
 
 
-def _remote(p: dict) -> dict:
+def _remote(p: Params) -> Params:
     """The prefill's kv_transfer_params as the workers get them (without the connector's own ``_`` keys)."""
     return {k: v for k, v in p.items() if not k.startswith("_")}
 
 
-def _readable(p: dict) -> bool:
-    return p.get("remote_block_ids") is not None and p.get("remote_engine_id") is not None
+def _readable(p: Params) -> bool:
+    """Whether the params name an engine and blocks to read (params that do not parse are not: logged)."""
+    try:
+        return TransferParams.from_dict(p).readable
+    except RequestError as e:
+        log.warning("kvbridge: ignoring kv_transfer_params that do not parse: %s", e)
+        return False

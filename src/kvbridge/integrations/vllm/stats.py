@@ -5,12 +5,20 @@ A worker reports *counter deltas* (additive: reads done, failed reads by failure
 freed/expired, ...) and *observations* (each finished read's latency, seconds). Aggregating adds the
 counters and concatenates the observations; quantiles are computed from the observations of the interval
 (:meth:`KVBridgeStats.reduce`) or by Prometheus from the histogram, never by adding per-worker quantiles.
+
+A decode worker also reports its *links* (:func:`link_rows`) whenever their figures change: per (decode
+rank, prefill engine, prefill rank, path) whether the path is the chosen one, its measured GB/s and µs per
+descriptor; they are gauges on ``/metrics`` (``vllm:kvbridge_link_*``), the last report wins.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-OBSERVATIONS = "read_seconds"  # the one list-valued key: a finished read's latency per request and worker
+OBSERVATIONS = "read_seconds"  # list-valued: a finished read's latency per request and worker
+PHASES = "phase_seconds"       # list-valued: [(side:phase, seconds)], each read's phases (runtime/metrics.py)
+LINKS = "links"                # list-valued: link_rows, a decode worker's links when their figures changed
 
 # counter key (worker's data) -> (Prometheus name, help)
 PROM_COUNTERS = {
@@ -19,11 +27,57 @@ PROM_COUNTERS = {
     "decode_handshakes": ("vllm:kvbridge_handshakes", "side-channel handshakes with prefill ranks (decode)"),
     "decode_failed_handshakes": ("vllm:kvbridge_failed_handshakes", "failed side-channel handshakes (decode)"),
     "decode_failed_transfers": ("vllm:kvbridge_failed_transfers", "decode reads (per prefill rank) that failed"),
+    "decode_staged_transfers": ("vllm:kvbridge_staged_transfers",
+                                "decode reads (per prefill rank) over a staged path (device or host staging)"),
+    "decode_host_staged_transfers": ("vllm:kvbridge_host_staged_transfers",
+                                     "decode reads (per prefill rank) over host staging"),
+    "decode_degraded_links": ("vllm:kvbridge_degraded_links",
+                              "links to prefill ranks warned degraded (a device path far below the host path or a "
+                              "floor: the warning in the log names the link and the likely causes)"),
     "prefill_freed_requests": ("vllm:kvbridge_leases_freed", "prefill leases freed by every reader's Done"),
     "prefill_expired_requests": ("vllm:kvbridge_leases_expired", "prefill leases expired with no reader done"),
 }
 FAILED_PREFIX = "reads_failed_"
 READ_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0]
+PHASE_BUCKETS = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                 5.0, 10.0, 60.0]  # the runtime's phase histograms' bounds (runtime.metrics.PHASE_BUCKETS)
+
+
+# link row field (link_rows) -> (Prometheus gauge name, help)
+PROM_LINK_GAUGES = {
+    "chosen": ("vllm:kvbridge_link_chosen",
+               "1 on the path a decode rank reads a prefill rank's KV over (direct, staged, host), 0 on the others"),
+    "gbps": ("vllm:kvbridge_link_gbps", "measured READ bandwidth of a path from a decode rank to a prefill rank "
+                                        "(GB/s; probe at handshake)"),
+    "us_per_desc": ("vllm:kvbridge_link_us_per_desc",
+                    "measured READ cost per descriptor of a path from a decode rank to a prefill rank (us)"),
+    "degraded": ("vllm:kvbridge_link_degraded", "1 when the decode rank warned its link to the prefill rank is "
+                                                "degraded (the warning in the log names the causes)"),
+    "measured": ("vllm:kvbridge_link_measured", "1 when a path's GB/s and us per descriptor were measured by the "
+                                                "handshake's probe, 0 when they are the cost model's constants "
+                                                "(the probe could not measure that path in time)"),
+}
+LINK_TRIGGERS = ("decode_handshakes", "decode_degraded_links")  # counters whose change may change a link's figures
+LINK_LABELS = ("decode_rank", "peer", "prefill_rank", "path")
+_LINK_FIELDS = (*LINK_LABELS, *PROM_LINK_GAUGES)
+
+
+def _rank_label(rank) -> str:
+    return "pp{}tp{}".format(*rank)
+
+
+def link_rows(rank, links: dict) -> list[list]:
+    """A decode rank's links (``DecodeEndpoint.links()``: prefill engine -> prefill rank -> figures) as rows
+    ``[decode_rank, peer, prefill_rank, path, chosen, gbps, us_per_desc, degraded, measured]`` (JSON, one per path;
+    ranks as ``pp{pp}tp{tp}``)."""
+    rows = []
+    for eid, per in sorted(links.items()):
+        for prank, link in sorted(per.items()):
+            p = prank.strip("()").replace(" ", "").split(",")
+            for path, f in sorted(link.get("paths", {}).items()):
+                rows.append([_rank_label(rank), str(eid), _rank_label(p), path, int(link.get("chosen") == path),
+                             f["gbps"], f["us_per_desc"], int(bool(link.get("warning"))), int(bool(f.get("measured")))])
+    return rows
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -53,6 +107,11 @@ class KVBridgeStats(KVConnectorStats):
             out.update({"reads_timed": len(obs), "read_ms_mean": round(1e3 * sum(obs) / len(obs), 3),
                         "read_ms_p50": round(1e3 * _quantile(obs, 0.5), 3),
                         "read_ms_p90": round(1e3 * _quantile(obs, 0.9), 3)})
+        by_phase: dict[str, list[float]] = {}
+        for name, sec in self.data.get(PHASES, []):
+            by_phase.setdefault(name, []).append(sec)
+        for name, secs in sorted(by_phase.items()):  # "decode:grant_ms_p50": where a read's time goes
+            out[f"{name}_ms_p50"] = round(1e3 * _quantile(sorted(secs), 0.5), 3)
         return out
 
     def is_empty(self):
@@ -64,12 +123,24 @@ class StatsDelta:
 
     def __init__(self):
         self._seen: dict = {}
+        self._links: list = []
 
-    def __call__(self, now: dict, observations: list[float] | None = None) -> KVBridgeStats | None:
+    def __call__(self, now: dict, observations: list[float] | None = None,
+                 phases: list[tuple[str, float]] | None = None,
+                 links: Callable[[], list] | None = None) -> KVBridgeStats | None:
+        """``links``: the worker's :func:`link_rows`, asked only when a handshake completed or a link was
+        warned degraded since the last call (what changes the gauges' figures), reported when they differ."""
         delta = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
         self._seen = now
+        if links is not None and any(k in delta for k in LINK_TRIGGERS):
+            rows = links()
+            if rows != self._links:
+                delta[LINKS] = [list(r) for r in rows]
+                self._links = rows
         if observations:
             delta[OBSERVATIONS] = list(observations)
+        if phases:
+            delta[PHASES] = [list(p) for p in phases]
         return KVBridgeStats(data=delta) if delta else None
 
 
@@ -92,12 +163,30 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                                  "(per request and worker)",
                                    buckets=READ_BUCKETS, labelnames=labelnames)
         self._read_seconds = {i: hist.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._phase_seconds = self._histogram_cls(
+            name="vllm:kvbridge_phase_seconds",
+            documentation="Duration of each phase of a KV read (side:phase; decode: queue, grant, post_queue, "
+                          "post, transfer, scatter, report; prefill: acquire, stage, pin_held, ...)",
+            buckets=PHASE_BUCKETS, labelnames=[*labelnames, "phase"])
+        self._link_gauges = {k: self._gauge_cls(name=name, documentation=doc, labelnames=[*labelnames, *LINK_LABELS],
+                                                multiprocess_mode="mostrecent")
+                             for k, (name, doc) in PROM_LINK_GAUGES.items()}
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
         for key, value in transfer_stats_data.items():
             if key == OBSERVATIONS:
                 for x in value:
                     self._read_seconds[engine_idx].observe(x)
+            elif key == PHASES:
+                labels = self.per_engine_labelvalues[engine_idx]
+                for name, sec in value:
+                    self._phase_seconds.labels(*labels, name).observe(sec)
+            elif key == LINKS:
+                labels = self.per_engine_labelvalues[engine_idx]
+                for row in value:
+                    f = dict(zip(_LINK_FIELDS, row))
+                    for k, gauge in self._link_gauges.items():
+                        gauge.labels(*labels, *(str(f[x]) for x in LINK_LABELS)).set(f[k])
             elif key in self._counters and value > 0:
                 self._counters[key][engine_idx].inc(value)
             elif key.startswith(FAILED_PREFIX) and value > 0:

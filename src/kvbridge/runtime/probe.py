@@ -1,0 +1,428 @@
+"""Measure the link to each prefill rank at handshake, and say so when a device path is degraded.
+
+A decode rank's handshake thread (never the engine's step) READs from each prefill rank it will read,
+once per memory kind a path uses: the prefill's device memory (direct and device-staged READs move that
+kind) and its host staging buffer (host-staged READs), into probe buffers of the decode rank's own (the
+bytes land nowhere a read in flight could use). The device kind is READ from the prefill's staging buffer
+(on its KV memory's device, every page
+touched) where it has one, else from its KV memory. Per kind, in this order:
+
+1. a warm-up READ of one small descriptor (UCX connects lazily; bounded by ``WARMUP_S``, not counted);
+2. the time of one small descriptor, best of three (``t1``: the fixed cost of a READ);
+3. ``SMALL_DESCS`` descriptors of ``SMALL_BYTES`` in one READ: ``per_desc_us = (t_n - t1) / (n - 1)``;
+4. single-descriptor READs from 256 KiB (less where the small READs show a slow link), four times
+   larger each while the next fits the time left,
+   the probe buffer and the byte budget, then up to ``BIG_REPS`` READs of the largest size:
+   ``gbps = bytes / (t - t1)`` of the fastest (on a busy machine noise only ever slows a READ down).
+
+The whole probe of a prefill rank moves at most ``probe_bytes`` (default 64 MiB) in about ``probe_ms``
+(default 50 ms) of measuring: no step starts after the budget, a READ under way may finish within
+twice it, and the first large READ may take a whole budget of its own (a slow link or a busy machine is
+measured rather than skipped; at most about three budgets per memory kind); a kind whose READs do
+not end by then is not measured and keeps the machine-wide constants. Local copy rates (device to
+device, host to device) are timed once per decode rank on its probe buffers. The figures become a
+:class:`~kvbridge.cost.LinkFigures` per prefill rank; completed transfers keep them current
+(:meth:`~kvbridge.cost.PathFigures.observe`).
+
+:func:`link_warning` is the one warning per link when a device path runs far below the host path or
+below an absolute floor.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..cost import CostModel, LinkFigures, PathFigures, model_link
+from ..modes import TransferPath
+
+log = logging.getLogger(__name__)
+
+PROBE_MS = 50.0              # measuring time per prefill rank (all memory kinds together)
+PROBE_BYTES = 64 << 20       # bytes moved per prefill rank at most
+PROBE_BUFFER_BYTES = 16 << 20  # each local probe buffer (one per memory kind); the largest single READ
+WARMUP_S = 2.0               # a first READ (connection set-up) waits this long at most
+SMALL_DESCS = 128
+SMALL_BYTES = 256
+FIRST_BIG = 256 << 10
+MIN_BIG = 16 << 10
+# a pack or scatter is more than a memcpy (run indices, a kernel launch, a stream sync): its fixed cost is
+# taken as at least this
+COPY_FIXED_FLOOR_US = 10.0
+BIG_REPS = 3                 # READs of the largest size that fits, best kept
+# a device path reading at less than this fraction of the host path, or (GPU memory) below the floor, is
+# degraded. Where the KV memory is host memory both paths read host memory: only a far larger gap says
+# something about the transport there
+DEGRADED_RATIO = 0.2
+DEGRADED_RATIO_CPU = 0.05
+DEVICE_FLOOR_GBPS = 1.0
+
+
+@dataclass(frozen=True)
+class KindFigures:
+    """What one memory kind measured: per-descriptor µs, GB/s, bytes moved, seconds spent."""
+
+    per_desc_us: float
+    gbps: float
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """A READ source on the prefill (address, bytes, device) and the local buffer it lands in."""
+
+    remote_addr: int
+    remote_nbytes: int
+    remote_device: str
+    local_addr: int
+    local_nbytes: int
+    local_device: str | None  # None: the decode rank's own kind; "cpu": host memory of a GPU rank
+
+
+def _timed(transport: Any, agent: str, t: Target, offsets: np.ndarray, nbytes: np.ndarray,
+           timeout_s: float) -> float | None:
+    """Seconds one READ of ``nbytes`` at ``offsets`` (into both buffers) took; None: failed or too slow."""
+    remote = (t.remote_addr + offsets).astype(np.int64)
+    local = (t.local_addr + offsets).astype(np.int64)
+    n = np.asarray(nbytes, np.int64)
+    t0 = time.perf_counter()
+    kw = {"local_device": t.local_device} if t.local_device is not None else {}
+    x = transport.read(agent, remote, local, n, b"", remote_device=t.remote_device, **kw)
+    ok = transport.settle(x, timeout_s)
+    dt = time.perf_counter() - t0
+    if ok is None:  # still running: its handle is released when it ends (a thread waits for it)
+        threading.Thread(target=_release_later, args=(transport, x), daemon=True).start()
+        return None
+    transport.release(x)
+    return dt if ok else None
+
+
+def _release_later(transport: Any, x: Any) -> None:
+    if transport.settle(x, 60.0) is not None:
+        transport.release(x)
+
+
+def measure_kind(transport: Any, agent: str, t: Target, budget_s: float, max_bytes: int) -> KindFigures | None:
+    """The per-descriptor cost and bandwidth of READs from ``t`` (see the module docstring); None when
+    the warm-up fails or nothing could be measured in time."""
+    span = min(t.remote_nbytes, t.local_nbytes)
+    if span < SMALL_DESCS * SMALL_BYTES * 2:
+        return None
+    one = np.zeros(1, np.int64)
+    small = np.full(1, SMALL_BYTES, np.int64)
+    if _timed(transport, agent, t, one, small, WARMUP_S) is None:
+        log.debug("probe of %s: the warm-up READ failed or took over %g s", agent, WARMUP_S)
+        return None
+    t_start = time.perf_counter()
+    deadline = t_start + budget_s          # no new step starts after this
+    hard = t_start + 2 * budget_s          # a READ under way may run until this (a slow link is still measured)
+
+    def wait() -> float:
+        return max(hard - time.perf_counter(), 0.0)
+    moved = SMALL_BYTES
+    times: list[float] = []
+    for _ in range(3):
+        dt = _timed(transport, agent, t, one, small, wait())
+        if dt is None:
+            break
+        times.append(dt)
+        moved += SMALL_BYTES
+        if time.perf_counter() > deadline:
+            break
+    if not times:
+        log.debug("probe of %s: no one-descriptor READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
+        return None
+    t1 = min(times)
+    stride = span // SMALL_DESCS // SMALL_BYTES * SMALL_BYTES
+    offs = np.arange(SMALL_DESCS, dtype=np.int64) * stride
+    tns: list[float] = []
+    for _ in range(2):  # best of two: noise on a busy machine only ever slows a READ down
+        if time.perf_counter() > deadline and tns:
+            break
+        tn = _timed(transport, agent, t, offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64), wait())
+        if tn is None:
+            break
+        tns.append(tn)
+        moved += SMALL_DESCS * SMALL_BYTES
+    if not tns:
+        log.debug("probe of %s: the %d-descriptor READ did not end in time", agent, SMALL_DESCS)
+        return None
+    per_desc = max((min(tns) - t1) / (SMALL_DESCS - 1), 1e-8)
+    # a first guess of the bandwidth (the small READs' bytes over their time): the first large READ is
+    # sized to take about a quarter of the time left, so a slow link is measured too
+    guess = SMALL_DESCS * SMALL_BYTES / max(min(tns), 1e-9)
+    left = deadline - time.perf_counter()
+    size = FIRST_BIG
+    while size > MIN_BIG and size / guess > left / 4:
+        size //= 4
+    best, fallback = math.inf, None
+    limit = min(span, max_bytes // (BIG_REPS + 1))  # room for the growth and BIG_REPS READs of the largest
+    reps = 0
+    while size <= limit and moved + size <= max_bytes and reps < BIG_REPS:
+        if time.perf_counter() > deadline and (reps or fallback is not None):
+            break
+        # the first large READ may take a whole budget of its own (on a busy machine the small ones can
+        # use up the time): a coarse figure from small READs alone is the last resort
+        first = reps == 0 and fallback is None
+        dt = _timed(transport, agent, t, one, np.full(1, size, np.int64), max(wait(), budget_s if first else 0.0))
+        if dt is None:
+            break
+        moved += size
+        nxt = size * 4
+        if reps == 0 and nxt <= limit and moved + nxt <= max_bytes and dt * 4 < (deadline - time.perf_counter()) / 3:
+            fallback, size = (size, dt), nxt  # still growing (this size's time is used only if nothing larger fits)
+            continue
+        best, reps = min(best, dt), reps + 1  # the largest size that fits: best of up to BIG_REPS
+    if not math.isfinite(best) and fallback is not None:
+        size, best = fallback
+    if not math.isfinite(best):  # small READs alone say little of the bandwidth: not measured
+        log.debug("probe of %s: no large READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
+        return None
+    gbps = size / max(best - t1, best * 0.05, 1e-9) / 1e9
+    return KindFigures(per_desc * 1e6, gbps, moved, time.perf_counter() - t_start)
+
+
+def copy_gbps(dst: Any, src: Any, nbytes: int, reps: int = 3) -> float:
+    """GB/s of copying ``nbytes`` from ``src`` to ``dst`` (numpy arrays or torch tensors, any devices),
+    best of ``reps``."""
+    from .paths import copy_span, sync
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copy_span(dst, 0, src, 0, nbytes)
+        sync(dst)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
+class Prober:
+    """A decode rank's probe buffers (allocated and registered on first use, kept for later handshakes)
+    and the local copy rates; :meth:`link` measures one prefill rank. Thread-safe: handshakes with
+    several engines may run at once (one probe at a time)."""
+
+    def __init__(self, transport: Any, kv: Any, model: CostModel, probe_ms: float = PROBE_MS,
+                 probe_bytes: int = PROBE_BYTES, buffer_bytes: int = PROBE_BUFFER_BYTES, metrics: Any = None):
+        self.transport, self.kv, self.model = transport, kv, model
+        self.metrics = metrics  # counts the degraded-link warnings (``degraded_links``)
+        self.probe_ms, self.probe_bytes = float(probe_ms), int(probe_bytes)
+        self.buffer_bytes = int(min(buffer_bytes, max(probe_bytes, 0)))
+        self._lock = threading.Lock()
+        self._bufs: dict[str, tuple[Any, int]] = {}
+        self._copy: tuple[float, float, float] | None = None  # (d->d GB/s, h->d GB/s, µs of a small copy)
+
+    @property
+    def buffers(self) -> int:
+        """How many probe buffers this rank has registered (0 until a probe runs; at most one per kind)."""
+        return len(self._bufs)
+
+    @property
+    def enabled(self) -> bool:
+        return self.probe_ms > 0 and self.buffer_bytes >= SMALL_DESCS * SMALL_BYTES * 2 and self.kv.usable
+
+    def _buffer(self, kind: str) -> tuple[Any, int]:
+        if kind not in self._bufs:
+            from .paths import new_host_buffer
+
+            buf = (
+                self.kv.new_staging(self.buffer_bytes)
+                if kind == "device"
+                else new_host_buffer(self.kv, self.buffer_bytes)
+            )
+            self._bufs[kind] = (buf, self.transport.register(buf))
+        return self._bufs[kind]
+
+    def copy_rates(self) -> tuple[float, float, float]:
+        """(device->device GB/s, host->device GB/s, µs of one small host->device copy: the fixed cost of a
+        copy) on this rank, timed once on the probe buffers."""
+        if self._copy is None:
+            dev, _ = self._buffer("device")
+            host, _ = self._buffer("host")
+            n = min(self.buffer_bytes // 2, 8 << 20)
+            from .paths import offset_view
+            d2d = copy_gbps(offset_view(dev, n), dev, n)
+            h2d = copy_gbps(dev, host, n)
+            fixed = SMALL_BYTES / copy_gbps(dev, host, SMALL_BYTES, reps=5) / 1e3
+            self._copy = (d2d, h2d, fixed)
+        return self._copy
+
+    def link(self, agent: str, kv_region: tuple[int, int, str] | None, host_region: tuple[int, int] | None,
+             paths: list[TransferPath], pin_s: float = math.inf, min_read_rate: float = math.inf) -> LinkFigures:
+        """Measure the paths ``paths`` to one prefill rank: ``kv_region`` (addr, bytes, device) is its KV
+        memory (direct and device staging READ that kind), ``host_region`` (addr, bytes) its host
+        staging. Paths it cannot measure keep the cost model's constants."""
+        link = model_link(self.model, paths, pin_s, min_read_rate)
+        local = str(getattr(self.kv, "device", "cpu"))
+        link.device = kv_region[2] if kv_region is not None and kv_region[2] != "cpu" else local
+        if not self.enabled:
+            return link
+        with self._lock:
+            want = []
+            if kv_region is not None and any(p in paths for p in (TransferPath.DIRECT, TransferPath.STAGED)):
+                want.append("device")
+            if host_region is not None and TransferPath.HOST in paths:
+                want.append("host")
+            for kind in ("device", "host"):  # allocated and registered once, before anything is timed
+                self._buffer(kind)
+            t0 = time.perf_counter()
+            budget, left_bytes = self.probe_ms / 1e3, self.probe_bytes
+            kinds: dict[str, KindFigures] = {}
+            spent = 0.0  # measuring seconds (warm-ups not counted)
+            for i, kind in enumerate(want):
+                buf, addr = self._buffer(kind)
+                if kind == "device":
+                    assert kv_region is not None
+                    target = Target(kv_region[0], kv_region[1], kv_region[2], addr, self.buffer_bytes, None)
+                else:
+                    assert host_region is not None
+                    target = Target(host_region[0], host_region[1], "cpu", addr, self.buffer_bytes, "cpu")
+                share = budget / len(want)  # an equal share each (a slow kind cannot starve the next)
+                got = measure_kind(self.transport, agent, target, max(share, 0.0), left_bytes // (len(want) - i))
+                if got is not None:
+                    kinds[kind] = got
+                    left_bytes -= got.nbytes
+                    spent += got.seconds
+            d2d, h2d, fixed = self.copy_rates() if kinds else (self.model.copy_gbps, self.model.copy_gbps, 0.0)
+            moved = sum(k.nbytes for k in kinds.values())
+            link.probe_ms, link.probe_bytes = spent * 1e3, moved
+            link.probe_wall_ms = (time.perf_counter() - t0) * 1e3
+            for p in paths:
+                k = kinds.get("host" if p is TransferPath.HOST else "device")
+                if k is None:
+                    continue
+                copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d,
+                        TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
+                ncopies = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.HOST: 4}[p]
+                link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=True,
+                                            copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US))
+            if kinds:
+                link.source = "probe"
+            return link
+
+
+def link_warning(link: LinkFigures, where: str) -> str | None:
+    """The warning for a degraded link (None if it is not): a device path (direct or device staging)
+    reading far below the host path or below ``DEVICE_FLOOR_GBPS``. Names the likely causes and what to
+    change. Once per link: :func:`check_link` keeps it in ``link.warning``."""
+    dev = [(p, f) for p, f in link.paths.items() if p is not TransferPath.HOST and f.measured]
+    if not dev:
+        return None
+    p_dev, f_dev = max(dev, key=lambda pf: pf[1].effective_gbps)
+    host = link.paths.get(TransferPath.HOST)
+    g_dev = f_dev.effective_gbps
+    g_host = host.effective_gbps if host is not None and host.measured else None
+    ratio = DEGRADED_RATIO_CPU if link.device == "cpu" else DEGRADED_RATIO
+    slow_vs_host = g_host is not None and g_dev < ratio * g_host
+    # the absolute floor only where the KV memory is on a GPU (a host-memory path of a busy CPU machine
+    # reading slowly is not a transport misconfiguration)
+    below_floor = link.device != "cpu" and g_dev < DEVICE_FLOOR_GBPS
+    if not slow_vs_host and not below_floor:
+        return None
+    floor = f"; below the floor of {DEVICE_FLOOR_GBPS:g} GB/s" if below_floor else ""
+    vs = (f"the host path reads at {g_host:.3g} GB/s ({g_dev / g_host:.2g}x)" if g_host is not None
+          else "no host path to compare")
+    return (f"kvbridge: degraded link {where}: the device path ({p_dev.value}) reads at {g_dev:.3g} GB/s, "
+            f"{f_dev.per_desc_us:.3g} us per descriptor; {vs}{floor}. Likely causes: "
+            "no CUDA IPC / GPUDirect RDMA between these processes (UCX_PROTO_INFO=y prints 'software emulation | "
+            "tcp' instead of 'zero-copy | cuda_ipc'; check UCX_TLS includes cuda_ipc and, across hosts, rc/dc "
+            "and UCX_NET_DEVICES); the processes in separate PID namespaces (containers: share the PID "
+            "namespace, e.g. --pid=host / hostPID, or CUDA IPC cannot open the peer's memory); CUDA "
+            "expandable-segment memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: turn it off for the "
+            "KV cache); UCX fell back to TCP (set UCX_NET_DEVICES, enable the RDMA/NVLink transports). kvbridge "
+            "chooses the fastest measured path per request; transfer_mode forces one.")
+
+
+def check_link(link: LinkFigures, where: str) -> str | None:
+    """Log :func:`link_warning` once per link; returns its text when it was logged now."""
+    if link.warning:
+        return None
+    text = link_warning(link, where)
+    if text is not None:
+        link.warning = text
+        log.warning("%s", text)
+    return text
+
+
+def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> list[TransferPath]:
+    """The paths a (decode rank, prefill rank) pair offers: direct always; device staging when both sides
+    have a staging buffer; host staging when both have host staging (``meta``: the prefill's RankMeta);
+    none but direct when the decode rank is forced direct."""
+    out = [TransferPath.DIRECT]
+    if mode == TransferPath.DIRECT or not decode_staging or not meta.staging_bytes:
+        return out
+    out.append(TransferPath.STAGED)
+    if decode_host and meta.host_staging_bytes:
+        out.append(TransferPath.HOST)
+    return out
+
+
+def measure_links(prober: "Prober | None", model: CostModel, mode: str, decode_staging: int, decode_host: int,
+                  reads: Sequence[Any], metas: dict[Any, Any], mems: dict[Any, Any], agents: dict[Any, str],
+                  where: str = "") -> dict[Any, LinkFigures]:
+    """The :class:`LinkFigures` of each prefill rank in ``reads`` (measured by ``prober`` when given, else
+    the cost model's constants), the paths each pair offers, and one warning per degraded link.
+    ``metas``: RankMeta per prefill rank; ``mems``: its KVMemory; ``agents``: its NIXL agent."""
+    out: dict[Any, LinkFigures] = {}
+    for p in reads:
+        meta = metas[p]
+        paths = pair_paths(mode, decode_staging, decode_host, meta)
+        pin_s = float(meta.pin_s) if getattr(meta, "pin_s", 0) else math.inf
+        rate = float(meta.min_read_rate) if getattr(meta, "min_read_rate", 0) else math.inf
+        if prober is None or p not in agents:
+            out[p] = model_link(model, paths, pin_s, rate)
+            continue
+        allocs = list(getattr(mems.get(p), "allocations", ()) or ())
+        kv = None
+        if allocs:  # the device kind: the prefill's staging buffer (every page touched), else its KV memory
+            a = max(allocs, key=lambda a: a.nbytes)
+            kv = (
+                (int(meta.staging_addr), int(meta.staging_bytes), str(a.device))
+                if getattr(meta, "staging_addr", 0) and meta.staging_bytes
+                else (int(a.addr), int(a.nbytes), str(a.device))
+            )
+        host = (int(meta.host_staging_addr), int(meta.host_staging_bytes)) if meta.host_staging_bytes else None
+        try:
+            out[p] = prober.link(agents[p], kv, host, paths, pin_s, rate)
+        except Exception as e:  # noqa: BLE001 - a probe never fails a handshake: the constants stand in
+            log.info("kvbridge: link probe of prefill rank %s failed (%r); using the cost model's constants", p, e)
+            out[p] = model_link(model, paths, pin_s, rate)
+        if check_link(out[p], f"{where}prefill rank {p}") and prober is not None and prober.metrics is not None:
+            prober.metrics.degraded_links += 1
+    return out
+
+
+def observe_read(f: Any, now: float, metrics: Any = None) -> None:
+    """A read completed (``f``: its :class:`~kvbridge.runtime.request.InFlight`, ``now``: perf_counter): fold
+    each prefill rank's bytes, descriptors and the read's seconds into that pair's figures of the path it
+    took, and warn once if the link now looks degraded."""
+    links = getattr(getattr(f.peer, "remote", None), "links", None)
+    if not links:
+        return
+    seconds = now - f.started
+    for prank, rr in f.ranks.items():
+        link = links.get(prank)
+        if link is None or not rr.reads:
+            continue
+        nbytes = descs = 0
+        for t in rr.reads:
+            if t.work is not None:
+                nbytes += int(t.work.total_bytes)
+                descs += int(t.work.count)
+            else:
+                nbytes += int(t.nbytes or 0)
+                descs += 1
+        fig = link.paths.get(TransferPath(rr.path))
+        if fig is None or not nbytes:
+            continue
+        fig.observe(descs, nbytes, seconds)
+        if check_link(link, f"to prefill engine {f.peer.engine_id!r} rank {prank}") and metrics is not None:
+            metrics.degraded_links += 1
+
+
+__all__ = ["Prober", "observe_read", "measure_kind", "link_warning", "check_link", "PROBE_MS", "PROBE_BYTES"]

@@ -1,0 +1,151 @@
+"""Per-phase timing of reads: the histograms add up across ranks and snapshots, export as Prometheus
+histograms, and a read's marks become its phases (skipped phases are not invented)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge.runtime.metrics import (
+    DECODE_PHASES,
+    PHASE_BUCKETS,
+    Metrics,
+    phase_quantiles,
+    quantile_from_counts,
+    to_prometheus,
+)
+from kvbridge.testing import rankbench
+
+
+def _marks(*ms: float) -> list[int]:
+    """Marks in milliseconds from 1 s (0: phase skipped) -> perf_counter_ns values."""
+    base = 1_000_000_000
+    return [base + round(m * 1e6) if m or i == 0 else 0 for i, m in enumerate(ms)]
+
+
+def test_marks_become_phases_and_skipped_phases_are_not_observed():
+    m = Metrics()
+    # direct read: no scatter (index 6 = 0)
+    got = m.observe_marks(_marks(0, 0.1, 0.6, 0.7, 1.9, 2.0, 0, 2.05))
+    assert list(got) == ["queue", "grant", "post_queue", "post", "transfer", "report"]
+    assert got["grant"] == pytest.approx(0.5e-3) and got["post"] == pytest.approx(1.2e-3)
+    assert got["report"] == pytest.approx(0.05e-3)  # from the transfer's mark, the scatter was skipped
+    assert "scatter" not in m.phases
+    # staged: every phase, the scatter too
+    got = m.observe_marks(_marks(0, 0.1, 3.0, 3.1, 3.5, 3.6, 4.0, 4.1))
+    assert list(got) == list(DECODE_PHASES)
+    assert m.phases["scatter"].count == 1 and m.phases["queue"].count == 2
+    # a mark earlier than the one before it (another prefill rank's) counts as zero, never negative
+    got = m.observe_marks(_marks(0, 0.2, 0.1, 0, 0, 0.3, 0, 0.4))
+    assert got["grant"] == 0.0 and got["transfer"] == pytest.approx(0.1e-3)
+
+
+def test_phase_histograms_merge_subtract_and_roundtrip():
+    a, b = Metrics(), Metrics()
+    for s in (20e-6, 150e-6, 3e-3):
+        a.observe_phase("grant", s)
+    b.observe_phase("grant", 150e-6)
+    b.observe_phase("acquire", 40e-6)
+    ja, jb = a.to_json(), b.to_json()
+    assert json.loads(json.dumps(ja)) == ja
+    total = Metrics()
+    total.merge(ja)
+    total.merge(jb)
+    tj = total.to_json()["phase_seconds"]
+    assert tj["grant"]["count"] == 4 and tj["acquire"]["count"] == 1
+    assert tj["grant"]["sum"] == pytest.approx(20e-6 + 2 * 150e-6 + 3e-3)
+    # median of {20us, 150us, 150us, 3ms}: in 150 us's bucket (100, 200] us
+    assert 100e-6 < phase_quantiles(tj)["grant"] <= 200e-6
+    # a window: the difference of two snapshots' bucket counts
+    before = a.to_json()["phase_seconds"]["grant"]["buckets"]
+    a.observe_phase("grant", 7.0)
+    after = a.to_json()["phase_seconds"]["grant"]["buckets"]
+    window = [after[k] - before[k] for k in after]
+    assert sum(window) == 1 and 5.0 < quantile_from_counts(window, 0.5, PHASE_BUCKETS) <= 10.0
+
+
+def test_phase_histograms_in_prometheus_text():
+    m = Metrics()
+    for s in (30e-6, 30e-6, 0.004):
+        m.observe_phase("post", s)
+    text = to_prometheus(m.to_json(), labels={"role": "decode"})
+    assert text.count("# TYPE kvbridge_phase_seconds histogram") == 1
+    lines = [ln for ln in text.splitlines() if ln.startswith("kvbridge_phase_seconds_bucket")]
+    assert len(lines) == len(PHASE_BUCKETS)
+    values = [float(ln.rsplit(" ", 1)[1]) for ln in lines]
+    assert values == sorted(values) and values[-1] == 3  # cumulative, ending at the count
+    assert 'le="5e-05"' in lines[2] and values[2] == 2
+    assert 'kvbridge_phase_seconds_count{role="decode",phase="post"} 3.0' in text
+
+
+def test_phase_sink_is_bounded_and_off_by_default():
+    m = Metrics()
+    m.observe_phase("queue", 1e-5)
+    assert m.phase_sink is None
+    m.phase_sink = []
+    m.observe_phase("queue", 2e-5)
+    assert m.phase_sink == [("queue", 2e-5)]
+
+
+# ---- event-driven serving and waiting (real NIXL, one process) -------------------------------------
+def _pair(staged: bool):
+    import kvbridge
+    from kvbridge.testing.engine import default_memory
+    eng = kvbridge.EngineLayout(kvbridge.load_model("tiny-dense"), tp=1, block_size=16, num_blocks=16)
+    p = kvbridge.PrefillEndpoint(eng, (0, 0), "ev-p", memory=default_memory(eng, (0, 0)),
+                                 staging_bytes=(1 << 20) if staged else 0)
+    rankbench.fill_random(p, 3)
+    d = kvbridge.DecodeEndpoint(eng, (0, 0), "ev-d", memory=default_memory(eng, (0, 0)),
+                                transfer_mode="staged" if staged else "direct")
+    return eng, p, d
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_serving_thread_and_wait_wake_on_events_not_timers(staged, monkeypatch):
+    """With every timer of the prefill's serving thread set to 30 s, a handshake and reads still complete:
+    the thread wakes on the side-channel socket and on hand-overs (add), the decode's wait on replies and
+    on its transport's wake-up fd. An idle serving thread wakes a handful of times, not every poll_s."""
+    from kvbridge.transport.nixl import nixl_available
+    if not nixl_available():
+        pytest.skip("needs nixl")
+    import numpy as np
+
+    import kvbridge
+    from kvbridge.runtime import server as srv
+    from kvbridge.testing.engine import buffer_of
+    eng, p, d = _pair(staged)
+    monkeypatch.setattr(srv, "IDLE_S", 30.0)
+    monkeypatch.setattr(srv, "PARKED_S", 30.0)
+    monkeypatch.setattr(p, "idle_hint", lambda *a: 30.0)
+    server = kvbridge.PrefillServer(p, poll_s=30.0)
+    try:
+        import time
+        time.sleep(0.3)
+        idle = server.wakeups
+        assert idle <= 2, idle  # no timer: it slept through (one wake at start at most)
+        d.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
+        for i in range(3):
+            blocks = {g.name: kvbridge.GroupBlocks.of([2 * i, 2 * i + 1]) for g in eng.model.groups}
+            att = kvbridge.runtime.prefill.new_attempt()
+            server.add(f"r{i}", blocks, att)
+            d.start(kvbridge.ReadRequest(f"r{i}", "ev-p", 32, blocks, blocks, att))
+            done, failed = d.wait(20.0)
+            assert done == [f"r{i}"] and not failed
+        # the bytes arrived: every run the plan reads holds the prefill's bytes on the decode
+        src, dst = buffer_of(p.mem), buffer_of(d.mem)
+        sb, db = p.mem.allocations[0].addr, d.mem.allocations[0].addr
+        checked = 0
+        for i in range(3):
+            blocks = {g.name: kvbridge.GroupBlocks.of([2 * i, 2 * i + 1]) for g in eng.model.groups}
+            for desc in d.remotes["ev-p"].lowered.descriptors(32, blocks, blocks):
+                for a, b, n in zip(desc.src.tolist(), desc.dst.tolist(), desc.nbytes.tolist()):
+                    assert np.array_equal(src[a - sb:a - sb + n], dst[b - db:b - db + n])
+                    checked += n
+        assert checked > 0 and np.count_nonzero(src)
+        m = d.stats()["metrics"]
+        assert m["finished_requests"] == 3 and m["phase_seconds"]["report"]["count"] == 3
+        assert ("scatter" in m["phase_seconds"]) == staged
+    finally:
+        server.close()
+        d.close()

@@ -1,0 +1,280 @@
+"""Link-aware transfer paths: the choice from measured figures (pin bound, per request size, moving
+estimate), the degraded-link warning, the delaying transport, and, through real NIXL between processes,
+every path byte-exact and the choice flipping when one path is made slow."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvbridge.cost import LinkFigures, PathFigures, choose_path, flip_points
+from kvbridge.modes import TRANSFER_MODES, TransferPath, parse_mode
+from kvbridge.runtime.config import ConfigError, DecodeConfig
+from kvbridge.runtime.probe import link_warning
+from kvbridge.transport.delayed import DelayedTransport, LinkDelay, parse_delays
+from kvbridge.transport.nixl import nixl_available
+
+D, S, H = TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST
+
+
+def h100_like() -> LinkFigures:
+    """The figures of the H100 VM without CUDA IPC: VRAM READs at 0.56 GB/s and 32 us per descriptor,
+    DRAM READs at 4.6 GB/s, device copies ~1 TB/s, host<->device ~25 GB/s."""
+    d2d, h2d = 1000.0, 25.0
+    return LinkFigures({D: PathFigures(32.0, 0.56, 0.0, True), S: PathFigures(32.0, 0.56, 2e3 / d2d, True, 40.0),
+                        H: PathFigures(5.0, 4.6, 2e3 / d2d + 2e3 / h2d, True, 80.0)}, device="cuda:0")
+
+
+def test_choice_follows_the_measured_figures_and_flips_with_request_size():
+    link = h100_like()
+    # a large request with many runs: host staging (one READ of host memory at 4.6 GB/s)
+    path, pred = choose_path(link, runs=30_000, nbytes=1 << 30)
+    assert path is H and pred[H] < pred[S] < pred[D]
+    # a tiny request with one run: direct (no copies, one descriptor)
+    assert choose_path(link, runs=1, nbytes=256)[0] is D
+    flips = flip_points(link, runs_per_byte=1 / 4096)
+    assert [p for _, p in flips][0] is D and flips[-1][1] is H
+    assert all(a[0] < b[0] for a, b in zip(flips, flips[1:]))
+    # allowed paths only (a pair without host staging)
+    assert choose_path(link, 30_000, 1 << 30, allowed={D, S})[0] is S
+
+
+def test_a_path_predicted_past_the_pin_bound_is_never_chosen_when_another_fits():
+    # the pin holds pin_s + bytes at min_read_rate (1.0 + 0.5 s for 1 GiB here): only the paths that fit count
+    link = LinkFigures({D: PathFigures(1.0, 1.0), H: PathFigures(1.0, 4.0, 1e3)}, pin_s=1.0,
+                       min_read_rate=(1 << 30) / 0.5)
+    assert link.pin_bound_s(1 << 30) == pytest.approx(1.5)
+    nbytes = 1 << 30  # direct: ~1.07 s; host: 0.27 s wire + 1.07 s copies = 1.34 s: both fit
+    assert choose_path(link, 10, nbytes)[0] is D
+    link.paths[D] = PathFigures(1.0, 0.5)  # direct now 2.1 s > pin bound; host 1.34 s fits
+    assert choose_path(link, 10, nbytes)[0] is H
+    link.paths[H] = PathFigures(1.0, 4.0, 1e4)  # host 10.9 s: neither fits -> the fastest
+    path, pred = choose_path(link, 10, nbytes)
+    assert path is D and all(t / 1e6 > link.pin_bound_s(nbytes) for t in pred.values())
+
+
+def test_completed_transfers_move_the_estimate_and_it_stays_bounded():
+    f = PathFigures(per_desc_us=10.0, gbps=10.0)
+    f.observe(1, 4096, 0.5)  # a small transfer (its fixed costs dominate) does not move it
+    assert f.factor == 1.0 and f.observed == 0
+    raw = f.raw_us(100, 10 << 20)
+    f.observe(100, 10 << 20, raw * 4 / 1e6)  # first one: the ratio itself
+    assert f.factor == pytest.approx(4.0) and f.observed == 1
+    f.observe(100, 10 << 20, raw / 1e6)  # moves 20 % of the way back
+    assert f.factor == pytest.approx(0.8 * 4.0 + 0.2 * 1.0)
+    for _ in range(200):
+        f.observe(100, 10 << 20, 1e6)  # absurdly slow: bounded
+    assert f.factor <= 50.0 and math.isfinite(f.effective_gbps) and f.effective_gbps > 0
+    f.observe(100, 10 << 20, float("nan"))  # ignored
+    assert f.observed == 202
+
+
+def test_the_choice_flips_when_a_path_slows_down_in_service():
+    link = h100_like()
+    assert choose_path(link, 30_000, 1 << 30)[0] is H
+    for _ in range(20):  # host transfers turn out 20x slower than probed
+        link.paths[H].observe(1, 1 << 30, 20 * link.paths[H].raw_us(1, 1 << 30) / 1e6)
+    assert choose_path(link, 30_000, 1 << 30)[0] is S
+
+
+def test_modes_are_one_enum():
+    assert TRANSFER_MODES == ("auto", "direct", "staged", "host")
+    assert parse_mode(TransferPath.HOST) == "host" and TransferPath("staged") is S and S == "staged"
+    with pytest.raises(ValueError, match="transfer_mode must be one of auto, direct, staged, host, got 'fast'"):
+        parse_mode("fast")
+    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host"):
+        DecodeConfig.from_mapping({"transfer_mode": "push"})
+    assert DecodeConfig.from_mapping({"transfer_mode": "host", "probe_ms": "0"}).probe_ms == 0.0
+    with pytest.raises(ConfigError, match="probe_bytes must be >= 0"):
+        DecodeConfig(probe_bytes=-1)
+
+
+def test_degraded_link_warning_names_the_path_the_figures_and_the_causes():
+    text = link_warning(h100_like(), "decode rank (0, 0) <- prefill rank (0, 1)")
+    assert text is not None
+    for want in ("decode rank (0, 0) <- prefill rank (0, 1)", "device path", "0.56 GB/s", "4.6 GB/s",
+                 "CUDA IPC", "PID namespace", "expandable", "TCP", "UCX_TLS", "transfer_mode"):
+        assert want in text, want
+    # a healthy GPU link: no warning
+    ok = h100_like()
+    ok.paths[D].gbps = ok.paths[S].gbps = 40.0
+    assert link_warning(ok, "x") is None
+    # below the floor with no host path to compare (GPU memory)
+    floor = LinkFigures({D: PathFigures(30.0, 0.3, measured=True)}, device="cuda:0")
+    assert "below the floor" in (link_warning(floor, "x") or "")
+    # host memory on both sides: a few-fold gap (noise, untouched pages) is not a transport problem
+    cpu = LinkFigures({D: PathFigures(3.0, 7.0, measured=True), H: PathFigures(2.0, 38.0, measured=True)})
+    assert link_warning(cpu, "x") is None
+    cpu.paths[D].gbps = 0.5  # 76x slower: named
+    assert "device path (direct)" in (link_warning(cpu, "x") or "")
+    # unmeasured figures never warn
+    assert link_warning(LinkFigures({D: PathFigures(30.0, 0.1)}, device="cuda:0"), "x") is None
+
+
+def test_link_figures_serialise_for_stats():
+    j = h100_like().to_json()
+    assert set(j["paths"]) == {"direct", "staged", "host"}
+    assert j["paths"]["host"]["gbps"] == 4.6 and j["paths"]["direct"]["us_per_desc"] == 32.0
+    json.dumps(j)
+
+
+def test_delay_specs_are_checked():
+    assert parse_delays("device:read:5:2, host:read:1") == [LinkDelay("device", "read", 0.005, 0.002),
+                                                            LinkDelay("host", "read", 0.001, 0.0)]
+    for bad, match in (("device:read", "KIND:OP:FIXED_MS"), ("gpu:read:1", "kind must be one of"),
+                       ("device:write:1", "op must be one of"), ("device:read:x", "must be numbers"),
+                       ("device:read:-1", ">= 0")):
+        with pytest.raises(ValueError, match=match):
+            parse_delays(bad)
+
+
+def test_delayed_transport_holds_back_the_kind_it_names():
+    """Through the loopback transport (real copies between two agents of one process)."""
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    reg = LoopbackRegistry()
+    a, b = LoopbackTransport("a", reg), LoopbackTransport("b", reg)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    sa, da = a.register(src), b.register(dst)
+    peer = b.add_peer(a.metadata())
+    slow = DelayedTransport(b, [LinkDelay("host", "read", fixed_s=3600.0)])
+    one = np.ones(1, np.int64)
+    h = slow.read(peer, one * sa, one * da, one * 4096)  # device kind: not delayed
+    assert slow.check(h) == "DONE" and slow.settle(h, 0.1) is True
+    slow.release(h)
+    h = slow.read(peer, one * sa, one * da, one * 4096, local_device="cpu")  # host kind: held back
+    assert slow.check(h) == "PROC" and slow.settle(h, 0.01) is None
+    assert bytes(dst[:4096]) == bytes(src[:4096])  # the bytes moved; only the answer waits
+    slow.release(h)
+    assert b.live_handles() == 0
+
+
+# ---- through real NIXL between processes --------------------------------------------------------
+nixl = pytest.mark.skipif(not nixl_available(), reason="nixl not installed")
+
+
+def _eng(model, tp, bs=16, layout="flash_attn_hnd"):
+    from kvbridge.layout import EngineLayout, MemoryLayout
+    from kvbridge.models import preset
+    return EngineLayout(preset(model), tp=tp, block_size=bs, memory=MemoryLayout.parse(layout))
+
+
+# the oracle's pairs: TP4 -> TP2 with different block sizes, dense GQA, MLA, SWA+FA
+ORACLE = {
+    "tp4->tp2 blocks 16->32": lambda: (_eng("tiny-dense", 4, 16), _eng("tiny-dense", 2, 32, "flash_attn")),
+    "dense gqa P2->D1": lambda: (_eng("gemma-4-mini", 2), _eng("gemma-4-mini", 1, layout="flashinfer")),
+    "mla P2->D1": lambda: (_eng("tiny-mla", 2), _eng("tiny-mla", 1, layout="cross_layer")),
+    "swa+fa P4->D2": lambda: (_eng("gemma-4-mini", 4), _eng("gemma-4-mini", 2, layout="flashinfer")),
+}
+
+
+def _check(res, path: str) -> None:
+    assert not res.failed and not res.start_errors, (res.failed, res.start_errors)
+    assert res.mismatched_bytes == 0 and res.bytes_moved == res.bytes_needed
+    assert res.prefill_freed == res.requests and res.leaked_handles == 0 and res.ok
+    if path == "direct":
+        assert res.staged_transfers == 0
+    elif path == "staged":
+        assert res.staged_transfers > 0 and res.host_staged_transfers == 0 and res.direct_transfers == 0
+    elif path == "host":
+        assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+
+
+@pytest.mark.nixl
+@nixl
+@pytest.mark.parametrize("path", ["direct", "staged", "host"])
+@pytest.mark.parametrize("case", list(ORACLE))
+def test_every_path_is_byte_exact_between_processes(case, path):
+    from kvbridge.testing.demo import run_demo
+    prefill, decode = ORACLE[case]()
+    res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=11, show_progress=False, transfer_mode=path,
+                   decode_options={"probe_ms": 200.0})  # (a busy test machine: see the next test)
+    _check(res, path)
+    for per in res.links.values():  # a forced path is what every pair reports as chosen, with measured figures
+        for link in per["prefill-0"].values():
+            assert link["chosen"] == path and link["source"] == "probe"
+            # forced direct: no staging buffers on the decode rank, so direct is the only path it offers
+            assert set(link["paths"]) == ({"direct"} if path == "direct" else {"direct", "staged", "host"})
+
+
+@pytest.mark.nixl
+@nixl
+@pytest.mark.parametrize("slow,want", [("device", "host"), ("host", None)])
+def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_path, slow, want):
+    """``KVBRIDGE_DELAY_LINK`` makes the decode ranks' READs into one memory kind slow (2 ms + 500 ms per
+    MiB, ~0.002 GB/s, far below any noise of a busy machine): with device READs slow every pair moves over
+    host staging and the warning names the device path; with host READs slow none does, and nothing warns."""
+    from kvbridge.testing.demo import run_demo
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", f"{slow}:read:2:500")
+    prefill, decode = ORACLE["swa+fa P4->D2"]()
+    # a probe budget of 200 ms (default 50): this test machine runs many processes on two cores
+    res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=5, show_progress=False,
+                   transfer_mode="auto", metrics_dir=str(tmp_path), decode_options={"probe_ms": 200.0})
+    _check(res, "auto")
+    links = [link for per in res.links.values() for link in per["prefill-0"].values()]
+    print(json.dumps(links, indent=1))  # (shown when the test fails)
+    assert links and all(link["source"] == "probe" for link in links)
+    if want == "host":
+        assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+        for link in links:
+            assert link["chosen"] == "host"
+            if link["paths"]["direct"]["measured"]:
+                assert link["paths"]["host"]["gbps"] > 10 * link["paths"]["direct"]["gbps"]
+            if link["warning"] or link["paths"]["host"]["measured"]:  # (an unmeasured host path compares nothing)
+                assert "device path" in link["warning"] and "CUDA IPC" in link["warning"]
+        assert any(link["warning"] for link in links)
+        prom = (tmp_path / "decode.prom").read_text()
+        degraded = [line for line in prom.splitlines() if line.startswith("kvbridge_link_degraded{")]
+        assert len(degraded) == len(links) and any(line.endswith(" 1") for line in degraded)
+        assert 'engine="decode-0",peer="prefill-0",pp="0",prefill="(0, 0)",tp="0"' in degraded[0]
+        assert 'path="host"' in prom and "kvbridge_link_chosen" in prom and "kvbridge_link_us_per_desc" in prom
+        warned = sum(1 for link in links if link["warning"])  # (a re-handshake would warn its new links again)
+        assert sum(int(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
+                   if line.startswith("kvbridge_degraded_links_total{")) >= warned > 0
+    else:
+        assert res.host_staged_transfers == 0
+        for link in links:
+            assert link["chosen"] != "host" and link["warning"] == ""
+            if link["paths"]["host"]["measured"]:
+                assert link["paths"]["host"]["gbps"] < link["paths"]["direct"]["gbps"]
+
+
+@pytest.mark.nixl
+@nixl
+def test_plan_probe_measures_a_local_pair(capsys):
+    from kvbridge.cli import main
+    assert main(["plan", "--model", "tiny-dense", "--prefill-tp", "2", "--decode-tp", "1", "--probe", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    links = out["(0, 0)"]
+    assert set(links) == {"(0, 0)", "(0, 1)"}
+    for link in links.values():
+        assert link["chosen"] in ("direct", "staged", "host") and link["source"] == "probe"
+        assert link["probe_ms"] > 0 and 0 < link["probe_bytes"] <= 64 << 20  # (times are not asserted)
+        for f in link["paths"].values():
+            assert f["measured"] and f["gbps"] > 0 and f["us_per_desc"] > 0
+
+
+@pytest.mark.nixl
+@nixl
+def test_plan_probe_against_live_endpoints(capsys):
+    """``--endpoints``: the decode ranks run in this process and probe a prefill engine already serving."""
+    from kvbridge.cli import main
+    from kvbridge.testing.procs import EngineProcs
+    P = EngineProcs.start("prefill", _eng("tiny-dense", 2), "live-p")
+    try:
+        eps = ";".join(f"{r[0]},{r[1]}={ep}" for r, ep in P.endpoints().items())
+        assert main(["plan", "--model", "tiny-dense", "--prefill-tp", "2", "--decode-tp", "1", "--endpoints", eps,
+                     "--prefill-engine-id", "live-p", "--transfer-mode", "host", "--json"]) == 0
+    finally:
+        P.stop()
+    links = json.loads(capsys.readouterr().out)["(0, 0)"]
+    assert set(links) == {"(0, 0)", "(0, 1)"}
+    assert all(link["chosen"] == "host" and link["paths"]["host"]["measured"] for link in links.values())
+
+
+def test_plan_probe_endpoints_are_checked(capsys):
+    from kvbridge.cli import main
+    assert main(["plan", "--model", "tiny-dense", "--endpoints", "0,0=nowhere"]) == 2
+    assert "expected PP,TP=HOST:PORT" in capsys.readouterr().err
