@@ -174,16 +174,16 @@ class Cluster:
                     **DECODE_TIMEOUTS,
                 ),
             ),
-            # the host path forced, as a user forces it (kv_connector_extra_config.transfer_mode)
-            "decode-host": EngineSpec(
-                "decode-host",
+            # each path forced, as a user forces it (kv_connector_extra_config.transfer_mode)
+            **{f"decode-{mode}": EngineSpec(
+                f"decode-{mode}",
                 model,
                 dtype=DTYPE,
                 block_size=128,
                 kv_transfer_config=kv_config(
-                    "decode-host", "kv_consumer", port=free_ports(1), transfer_mode="host", **DECODE_TIMEOUTS
+                    f"decode-{mode}", "kv_consumer", port=free_ports(1), transfer_mode=mode, **DECODE_TIMEOUTS
                 ),
-            ),
+            ) for mode in FORCED_PATHS},
             "decode-tp2": EngineSpec(
                 "decode-tp2",
                 model,
@@ -280,12 +280,17 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+FORCED_PATHS = ("direct", "staged", "host")  # transfer_mode values, each forced on its own decode
+
+
 # the (prefill, decode) engines each test uses, in test order (a -k selection starts only what it needs)
 ENGINES_OF = {"test_pd_tp1_same_block_size": ("prefill", "decode-tp1"),
               "test_pd_corrupted_kv_changes_tokens": ("prefill", "decode-tp1"),
               "test_router_tp1_completions_and_chat": ("prefill", "decode-tp1"),
               "test_router_tp1_shared_prefix": ("prefill", "decode-tp1"),
-              "test_router_tp1_host_path": ("prefill", "decode-host"),
+              "test_router_tp1_forced_path[direct]": ("prefill", "decode-direct"),
+              "test_router_tp1_forced_path[staged]": ("prefill", "decode-staged"),
+              "test_router_tp1_forced_path[host]": ("prefill", "decode-host"),
               "test_pd_prefill_tp2": ("prefill-tp2", "decode-tp1"),
               "test_router_prefill_tp2": ("prefill-tp2", "decode-tp1"),
               "test_router_100_concurrent_small_pool_n2_and_prefill_restart": ("prefill-tp2", "decode-tp1"),
@@ -297,7 +302,8 @@ ENGINES_OF = {"test_pd_tp1_same_block_size": ("prefill", "decode-tp1"),
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory, request):
     t0 = time.monotonic()
-    selected = [getattr(it, "originalname", it.name) for it in request.session.items if it.module is request.module]
+    selected = [it.name if it.name in ENGINES_OF else getattr(it, "originalname", it.name)
+                for it in request.session.items if it.module is request.module]
     engines = list(dict.fromkeys(e for n in selected if n in ENGINES_OF for e in ENGINES_OF[n]))
     c = Cluster(model_dir, tmp_path_factory.mktemp("e2e-logs"), engines)
     yield c
@@ -539,37 +545,47 @@ def test_router_tp1_shared_prefix(cluster, reference):
     _router_test(cluster, run)
 
 
-def test_router_tp1_host_path(cluster, reference):
-    """``transfer_mode="host"`` in the decode's ``kv_connector_extra_config``, prefill TP1 → decode TP1
-    through vllm-router: the prefill packs into its host staging buffer, the decode READs host → host and
-    scatters into vLLM's blocks. Tokens equal the single engine's, the prompt came by transfer, the prefill's
-    blocks are freed; the decode's /metrics count every read on the host path, name ``host`` as the chosen
-    path to the prefill rank with its GB/s and µs per descriptor, and no failed read. (``link_measured``
-    says whether the handshake's probe measured them or the cost model's constants stand in: printed, not
-    asserted; on this loaded machine the probe's warm-up READ has timed out between vLLM engines.)"""
+@pytest.mark.parametrize("mode", FORCED_PATHS)
+def test_router_tp1_forced_path(cluster, reference, mode):
+    """``transfer_mode`` forced in the decode's ``kv_connector_extra_config`` to each path in turn, prefill TP1
+    → decode TP1 through vllm-router: ``direct`` reads vLLM's blocks, ``staged`` reads the prefill's packed
+    staging buffer, ``host`` reads its host staging buffer (on a GPU: packed on the device, copied to pinned
+    host memory) and copies host → device before the scatter. Tokens equal the single engine's, the prompt
+    came by transfer, the prefill's blocks are freed; the decode's /metrics count every read on the forced
+    path and none on another, name it as the chosen path to the prefill rank with its GB/s and µs per
+    descriptor, and no failed read. (``link_measured`` says whether the handshake's probe measured the
+    figures or the cost model's constants stand in: printed, not asserted; on this loaded machine the
+    probe's warm-up READ has timed out between vLLM engines.)"""
     cases = [("s11-129", "completions", False, 1), ("s11-300", "chat", True, 1)]
+    name = f"decode-{mode}"
+
+    def counts(text: str) -> dict[str, float]:
+        staged = metric_sum(text, "vllm:kvbridge_staged_transfers_total")
+        host = metric_sum(text, "vllm:kvbridge_host_staged_transfers_total")
+        return {"staged": staged - host, "host": host}
 
     def run():
-        d = cluster.get("decode-host", keep=("prefill",))
-        host0 = metric_sum(d.metrics(), "vllm:kvbridge_host_staged_transfers_total")
-        _route_cases(cluster, reference, "prefill", "decode-host", cases, "host path")
+        d = cluster.get(name, keep=("prefill",))
+        before = counts(d.metrics())
+        _route_cases(cluster, reference, "prefill", name, cases, f"{mode} path")
         text = d.metrics()
-        host = metric_sum(text, "vllm:kvbridge_host_staged_transfers_total") - host0
+        moved = {k: v - before[k] for k, v in counts(text).items()}
         link = dict(decode_rank="pp0tp0", peer="prefill-0", prefill_rank="pp0tp0")
-        figures = {k: metric_sum(text, f"vllm:kvbridge_link_{k}", path="host", **link)
+        figures = {k: metric_sum(text, f"vllm:kvbridge_link_{k}", path=mode, **link)
                    for k in ("chosen", "gbps", "us_per_desc", "measured")}
-        others = {p: metric_sum(text, "vllm:kvbridge_link_chosen", path=p, **link) for p in ("direct", "staged")}
-        fails = _decode_failures(cluster, "decode-host")
-        print(f"[e2e] decode-host: {host:.0f} reads over host staging, link to prefill-0 {figures}, other paths "
-              f"chosen {others}, failure counters {fails}")
-        assert host == len(cases), host  # one prefill rank: one host-staged read per request
+        others = {p: metric_sum(text, "vllm:kvbridge_link_chosen", path=p, **link) for p in FORCED_PATHS if p != mode}
+        fails = _decode_failures(cluster, name)
+        print(f"[e2e] {name}: reads by staged path {moved}, link to prefill-0 {figures}, other paths chosen {others}, "
+              f"failure counters {fails}")
+        # one prefill rank: one read per request, all on the forced path
+        assert moved == {k: (len(cases) if k == mode else 0) for k in moved}, moved
         assert figures["chosen"] == 1 and figures["gbps"] > 0 and figures["us_per_desc"] >= 0, figures
-        assert others == {"direct": 0, "staged": 0}, others
+        assert all(v == 0 for v in others.values()), others
         assert all(v == 0 for v in fails.values()), fails
     try:
         _router_test(cluster, run)
     finally:
-        cluster.release("decode-host")
+        cluster.release(name)
 
 
 def test_pd_prefill_tp2(cluster, reference):
