@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from test_reliability import Cluster, Jobs, free_port, inproc_decode, layout, publish, until, wait_freed
+from _helpers import Cluster, Jobs, free_port, inproc_decode, layout, publish, until, wait_freed
 
 from kvbridge.errors import HandshakeFailed
 from kvbridge.runtime.decode import PeerState

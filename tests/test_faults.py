@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from test_reliability import (
+from _helpers import (
     Cluster,
     Jobs,
     blocks_for,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_reliability import MODEL, Cluster, Jobs, collect, needed_bytes, publish, start, verify, wait_freed
+from _helpers import MODEL, Cluster, Jobs, collect, needed_bytes, publish, start, verify, wait_freed
 
 from kvbridge.layout import EngineLayout
 from kvbridge.transport.nixl import nixl_available

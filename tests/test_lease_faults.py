@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import pytest
 import zmq
-from test_reliability import Jobs, hold, inproc_decode, layout, until
+from _helpers import Jobs, hold, inproc_decode, layout, until
 
 from kvbridge.errors import HandshakeError, NotRegistered
 from kvbridge.runtime import protocol

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_reliability import Jobs, _verify, hold, layout, served, until
+from _helpers import Jobs, hold, layout, served, until
 
 from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
+from kvbridge.testing.procs import _verify
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 
 _n = itertools.count()

@@ -40,7 +40,7 @@ def test_rank_constructors_write_no_option_defaults(cfg, cls):
 
 
 def test_ranks_are_built_from_their_config():
-    from test_reliability import layout
+    from _helpers import layout
 
     from kvbridge.testing.engine import default_memory
     from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport

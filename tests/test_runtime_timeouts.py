@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from test_reliability import (
+from _helpers import (
     Cluster,
     Jobs,
     blocks_for,

@@ -13,9 +13,9 @@ from concurrent.futures import Future
 
 import pytest
 import zmq
+from _helpers import Cluster, Jobs, inproc_decode, layout, publish, until
 from test_connect import _settle
 from test_peer_state import FakeTransport, remote
-from test_reliability import Cluster, Jobs, inproc_decode, layout, publish, until
 
 from kvbridge.errors import HandshakeError
 from kvbridge.runtime.metrics import Metrics

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from ..errors import ConfigImportError
 from ..layout import CacheGroup, MambaSpec, dtype_size
+
+# a CacheGroup's kind, for annotations (a typing.Literal: it has no docstring of its own, so it is not in __all__)
+from ..layout import GroupKind as GroupKind
 from ..models import from_hf_config
 from ..runtime.server import nixl_transport
 

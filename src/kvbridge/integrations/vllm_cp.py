@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ..layout import ContextParallelError, EngineLayout
 
@@ -42,6 +42,14 @@ def _dcp_rank(tp: int, pcp: int, dcp: int, tp_rank: int, pcp_rank: int) -> int:
     if dcp == pcp:
         return pcp_rank
     return tp_rank * pcp + pcp_rank
+
+
+class CPKwargs(TypedDict):
+    """:class:`~kvbridge.EngineLayout` keyword arguments of context parallelism."""
+
+    pcp: int
+    dcp: int
+    cp_interleave: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +73,7 @@ class VLLMCPSettings:
         """The kvbridge rank ``(pp_rank, stage_rank)`` of this worker."""
         return (pp_rank, self.stage_rank)
 
-    def engine_kwargs(self) -> dict[str, int]:
+    def engine_kwargs(self) -> CPKwargs:
         """``EngineLayout`` keyword arguments: ``pcp``, ``dcp``, ``cp_interleave``."""
         return {"pcp": self.pcp, "dcp": self.dcp, "cp_interleave": self.cp_interleave}
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -11,10 +14,19 @@ from ..layout import engine_to_dict
 from ..memory import KVMemory
 from ..tensors import host_view, is_torch_tensor
 
+if TYPE_CHECKING:
+    from ..layout import EngineLayout
+    from ..staging import DeviceCopies, RunSlice
+    from ..transport.base import Transport
+
+# a staging buffer or a KV byte buffer: a 1-D uint8 numpy array, or a uint8 torch tensor on the memory's
+# device (torch is never imported here)
+Buffer = Any
+
 _enc = msgspec.msgpack.Encoder()
 
 
-def check_memory(memory, engine, rank) -> KVMemory:
+def check_memory(memory: object, engine: EngineLayout, rank: Sequence[int]) -> KVMemory:
     """The rank's :class:`KVMemory`, checked against the engine layout it is used with."""
     if not isinstance(memory, KVMemory):
         raise LayoutError(f"rank {tuple(rank)}: give the engine's KV memory as a kvbridge.KVMemory "
@@ -26,7 +38,7 @@ def check_memory(memory, engine, rank) -> KVMemory:
     return memory
 
 
-def transport_device(mem: KVMemory) -> dict:
+def transport_device(mem: KVMemory) -> dict[str, Any]:
     """NIXL memory type and device of the rank's KV memory (one device per rank)."""
     dev = mem.device
     if dev == "mixed":
@@ -39,13 +51,13 @@ def transport_device(mem: KVMemory) -> dict:
     return {"mem_type": "VRAM", "device_id": mem.allocations[0].device_id}
 
 
-def register_memory(transport, mem: KVMemory) -> None:
+def register_memory(transport: Transport, mem: KVMemory) -> None:
     """Register every distinct allocation once, as its own region."""
     for a in mem.allocations:
         transport.register_region(a.addr, a.nbytes, a.device)
 
 
-def deregister_memory(transport, mem: KVMemory) -> None:
+def deregister_memory(transport: Transport, mem: KVMemory) -> None:
     for a in mem.allocations:
         transport.deregister_region(a.addr)
 
@@ -61,7 +73,7 @@ def host_span(mem: KVMemory) -> tuple[np.ndarray | None, int]:
     return host_view(lo, hi - lo), lo
 
 
-def torch_of(mem: KVMemory):
+def torch_of(mem: KVMemory) -> ModuleType | None:
     """The torch module when the engine described ``mem`` with torch tensors (never imported here)."""
     return next((sys.modules["torch"] for t in mem.keepalive if is_torch_tensor(t)), None)
 
@@ -70,7 +82,7 @@ class _CudaBytes:
     """``__cuda_array_interface__`` of ``nbytes`` device bytes at ``addr``: ``torch.as_tensor`` wraps it
     without a copy (an allocation of the engine's, known by address)."""
 
-    def __init__(self, addr: int, nbytes: int):
+    def __init__(self, addr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
                                          "strides": None, "version": 3}
 
@@ -86,11 +98,13 @@ class KVBytes:
     (numpy arrays, raw host regions) is one numpy view over its span and a numpy staging buffer. A run
     never crosses an allocation (lowering never merges across two)."""
 
-    def __init__(self, mem: KVMemory):
-        self.device = mem.device
-        self.torch = torch_of(mem)
+    def __init__(self, mem: KVMemory) -> None:
+        self.device: str = mem.device
+        self.torch: Any = torch_of(mem)  # the torch module (ModuleType: its attributes are Any to mypy)
         self.cuda = self.device != "cpu"
-        self.copies = None  # staging.DeviceCopies for torch memory: pack and scatter on the device
+        self.copies: DeviceCopies | None = None  # for torch memory: pack and scatter on the device
+        self.bases: np.ndarray | None  # each buffer's absolute address (None: not usable)
+        self.bufs: list[Buffer] | None
         if self.torch is None:
             if self.cuda:  # device memory known only by address (RawRegion): torch if the engine loaded it
                 self.torch = sys.modules.get("torch")
@@ -120,7 +134,7 @@ class KVBytes:
         """Staged copies can run on this memory (False: device memory and no torch)."""
         return self.bufs is not None
 
-    def new_staging(self, nbytes: int):
+    def new_staging(self, nbytes: int) -> Buffer:
         """A staging buffer of ``nbytes`` on the memory's device, every page touched now (not on the first
         request's critical path): a torch tensor there for torch memory, else a numpy array."""
         if self.torch is not None:
@@ -129,24 +143,26 @@ class KVBytes:
         out.fill(0)
         return out
 
-    def _groups(self, addrs: np.ndarray):
+    def _groups(self, addrs: np.ndarray) -> list[tuple[Buffer, np.ndarray, np.ndarray | None]]:
         """(buffer, addresses relative to it, run indices or None) per allocation the runs at ``addrs`` lie
         in: one stable sort, so many allocations (a tensor per layer) cost O(runs log runs), not a pass
         over the runs per allocation."""
-        if len(self.bufs) == 1:
-            return [(self.bufs[0], addrs - self.bases[0], None)]
-        which = np.searchsorted(self.bases, addrs, side="right") - 1
+        bufs, bases = self.bufs, self.bases
+        assert bufs is not None and bases is not None, "staged copies on memory that is not usable"
+        if len(bufs) == 1:
+            return [(bufs[0], addrs - bases[0], None)]
+        which = np.searchsorted(bases, addrs, side="right") - 1
         order = np.argsort(which, kind="stable")
         w = which[order]
         edges = [0, *(np.flatnonzero(np.diff(w)) + 1).tolist(), w.size]
-        out = []
+        out: list[tuple[Buffer, np.ndarray, np.ndarray | None]] = []
         for a, b in zip(edges[:-1], edges[1:]):
             idx = order[a:b]
             i = int(w[a])
-            out.append((self.bufs[i], addrs[idx] - self.bases[i], idx))
+            out.append((bufs[i], addrs[idx] - bases[i], idx))
         return out
 
-    def pack(self, src, nbytes: np.ndarray, staging, offset: int) -> int:
+    def pack(self, src: np.ndarray | RunSlice, nbytes: np.ndarray, staging: Buffer, offset: int) -> int:
         """Runs (absolute addresses ``src``, or a :class:`kvbridge.staging.RunSlice` of a request's
         descriptors) of lengths ``nbytes`` one after the other into ``staging`` from ``offset``; returns
         the bytes packed, the copy finished (a peer reads the buffer next)."""
@@ -165,7 +181,7 @@ class KVBytes:
             copy_runs(staging, pos if m is None else pos[m], buf, rel, nbytes if m is None else nbytes[m])
         return total
 
-    def scatter(self, staging, dst, nbytes: np.ndarray, offset: int) -> int:
+    def scatter(self, staging: Buffer, dst: np.ndarray | RunSlice, nbytes: np.ndarray, offset: int) -> int:
         """Inverse of :meth:`pack`: the packed runs of ``staging`` from ``offset`` to ``dst`` (absolute
         addresses or a :class:`kvbridge.staging.RunSlice`); returns when the bytes are in the KV memory."""
         from ..staging import RunSlice, copy_runs, offsets
@@ -180,17 +196,16 @@ class KVBytes:
         return int(nbytes.sum())
 
 
-
-def staging_nbytes(buf) -> int:
+def staging_nbytes(buf: Buffer) -> int:
     """Bytes of a staging buffer (numpy array or torch tensor)."""
     return int(buf.nbytes) if isinstance(buf, np.ndarray) else int(buf.numel() * buf.element_size())
 
 
-def to_host(buf) -> np.ndarray:
+def to_host(buf: Buffer) -> np.ndarray:
     """A host numpy copy or view of a staging buffer (for checks and digests)."""
     return buf if isinstance(buf, np.ndarray) else buf.detach().cpu().numpy()
 
 
-def wire_key(d: dict) -> bytes:
+def wire_key(d: dict[str, Any]) -> bytes:
     """A cache key for a memory description received on the wire."""
     return _enc.encode(d)

@@ -15,7 +15,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .metrics import HELP, PHASE_HELP, Metrics, escape_label_value, phase_samples
 
@@ -50,7 +52,7 @@ _LINK_CHOSEN = "1 for the path a decode rank chose for a prefill rank at handsha
 _LINK_DEGRADED = "1 when a decode rank warned that its link to a prefill rank is degraded (device path slow)"
 
 
-def rank_labels(key) -> dict[str, str]:
+def rank_labels(key: object) -> dict[str, str]:
     if isinstance(key, tuple) and len(key) == 2 and all(isinstance(x, int) for x in key):
         return {"pp": str(key[0]), "tp": str(key[1])}
     if (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], tuple) and len(key[1]) == 2
@@ -59,7 +61,7 @@ def rank_labels(key) -> dict[str, str]:
     return {"rank": str(key)}
 
 
-def _value(v) -> str:
+def _value(v: float) -> str:
     v = float(v)
     if math.isnan(v):
         return "NaN"
@@ -74,53 +76,80 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels.items())) + "}"
 
 
-def _families(stats_by_rank: dict, prefix: str):
-    """Yield (name, type, help, [(labels, value)]) for every family present in some rank's stats."""
-    fams: dict[str, tuple[str, str, list]] = {}
+# one sample: (labels, value, name suffix such as "_bucket")
+Sample = tuple[dict[str, str], float, str]
+# one family as yielded by _families: (name, type, help, samples)
+Family = tuple[str, str, str, list[Sample]]
 
-    def add(name, typ, help_, labels, value, suffix=""):
-        fams.setdefault(name, (typ, help_, []))[2].append((labels, value, suffix))
 
+class _Families:
+    """Families collected in first-seen order: name -> (type, help, samples)."""
+
+    def __init__(self) -> None:
+        self.fams: dict[str, tuple[str, str, list[Sample]]] = {}
+
+    def add(self, name: str, typ: str, help_: str, labels: dict[str, str], value: float, suffix: str = "") -> None:
+        self.fams.setdefault(name, (typ, help_, []))[2].append((labels, value, suffix))
+
+
+def _add_metrics(out: _Families, prefix: str, labels: dict[str, str], m: dict[str, Any]) -> None:
+    """The counters and histograms of ``stats()["metrics"]``, then its transfer quantiles."""
+    for k, (typ, help_) in HELP.items():
+        if k in m:
+            out.add(prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else ""), typ, help_,
+                    labels, m[k])
+    for k, (typ, help_) in _QUANTILES.items():
+        if k in m:
+            out.add(prefix + k, typ, help_, labels, m[k])
+
+
+def _add_rank_gauges(out: _Families, prefix: str, labels: dict[str, str], st: dict[str, Any]) -> None:
+    """The numeric gauges at the top of a rank's stats() and its NIXL agent counters."""
+    for k, (typ, help_) in _GAUGES.items():
+        if isinstance(st.get(k), (int, float)):
+            out.add(prefix + k, typ, help_, labels, st[k])
+    for k, help_ in _NIXL.items():
+        if k in st.get("nixl", {}):
+            out.add(prefix + "nixl_" + k + "_total", "counter", help_, labels, st["nixl"][k])
+
+
+def _add_links(out: _Families, prefix: str, labels: dict[str, str], links: dict[Any, Any]) -> None:
+    """A decode rank's measured links: engine -> prefill rank -> {"warning", "chosen", "paths"}."""
+    for eng, per in links.items():
+        for prank, link in per.items():
+            lab = {**labels, "peer": str(eng), "prefill": str(prank)}
+            out.add(prefix + "link_degraded", "gauge", _LINK_DEGRADED, lab, 1 if link.get("warning") else 0)
+            for path, f in link.get("paths", {}).items():
+                plab = {**lab, "path": path}
+                out.add(prefix + "link_chosen", "gauge", _LINK_CHOSEN, plab, 1 if link.get("chosen") == path else 0)
+                for k, (name, help_) in _LINK.items():
+                    out.add(prefix + name, "gauge", help_, plab, f[k])
+
+
+def _families(stats_by_rank: dict[Any, dict[str, Any]], prefix: str) -> Iterator[Family]:
+    """Yield (name, type, help, [(labels, value, suffix)]) for every family present in some rank's stats."""
+    out = _Families()
     for key, st in stats_by_rank.items():
         labels = rank_labels(key)
         m = st.get("metrics", {})
-        for k, (typ, help_) in HELP.items():
-            if k in m:
-                add(prefix + k + ("_total" if typ == "counter" and not k.endswith("_sum") else ""), typ, help_,
-                    labels, m[k])
-        for k, (typ, help_) in _QUANTILES.items():
-            if k in m:
-                add(prefix + k, typ, help_, labels, m[k])
-        for k, (typ, help_) in _GAUGES.items():
-            if isinstance(st.get(k), (int, float)):
-                add(prefix + k, typ, help_, labels, st[k])
-        for k, help_ in _NIXL.items():
-            if k in st.get("nixl", {}):
-                add(prefix + "nixl_" + k + "_total", "counter", help_, labels, st["nixl"][k])
+        _add_metrics(out, prefix, labels, m)
+        _add_rank_gauges(out, prefix, labels, st)
         for suffix, lab, v in phase_samples(m.get("phase_seconds") or {}, labels):
-            add(prefix + "phase_seconds", "histogram", PHASE_HELP, lab, v, suffix)
-        for eng, per in (st.get("links") or {}).items():  # a decode rank's measured links
-            for prank, link in per.items():
-                lab = {**labels, "peer": str(eng), "prefill": str(prank)}
-                add(prefix + "link_degraded", "gauge", _LINK_DEGRADED, lab, 1 if link.get("warning") else 0)
-                for path, f in link.get("paths", {}).items():
-                    plab = {**lab, "path": path}
-                    add(prefix + "link_chosen", "gauge", _LINK_CHOSEN, plab, 1 if link.get("chosen") == path else 0)
-                    for k, (name, help_) in _LINK.items():
-                        add(prefix + name, "gauge", help_, plab, f[k])
-    for name, (typ, help_, samples) in fams.items():
+            out.add(prefix + "phase_seconds", "histogram", PHASE_HELP, lab, v, suffix)
+        _add_links(out, prefix, labels, st.get("links") or {})
+    for name, (typ, help_, samples) in out.fams.items():
         yield name, typ, help_, samples
 
 
-def to_prometheus_text(stats_by_rank: dict, prefix: str = "kvbridge_") -> str:
-    lines = []
+def to_prometheus_text(stats_by_rank: dict[Any, dict[str, Any]], prefix: str = "kvbridge_") -> str:
+    lines: list[str] = []
     for name, typ, help_, samples in _families(stats_by_rank, prefix):
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}"]
         lines += [f"{name}{suffix}{_labels(lab)} {_value(v)}" for lab, v, suffix in samples]
     return "\n".join(lines) + "\n"
 
 
-def to_json(stats_by_rank: dict) -> dict:
+def to_json(stats_by_rank: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     total = Metrics()
     for st in stats_by_rank.values():
         total.merge(st.get("metrics", {}))
@@ -130,11 +159,11 @@ def to_json(stats_by_rank: dict) -> dict:
     return {"ranks": {_key_str(k): st for k, st in stats_by_rank.items()}, "total": tj}
 
 
-def _key_str(key) -> str:
+def _key_str(key: object) -> str:
     return "/".join(f"{k}={v}" for k, v in rank_labels(key).items())
 
 
-def _atomic_write(path, text: str) -> None:
+def _atomic_write(path: str | os.PathLike[str], text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -148,7 +177,8 @@ def _atomic_write(path, text: str) -> None:
         raise
 
 
-def write_metrics(stats_by_rank: dict, json_path, prom_path, prefix: str = "kvbridge_") -> str:
+def write_metrics(stats_by_rank: dict[Any, dict[str, Any]], json_path: str | os.PathLike[str] | None,
+                  prom_path: str | os.PathLike[str] | None, prefix: str = "kvbridge_") -> str:
     """Write ``json_path`` (per-rank stats + summed counters) and ``prom_path`` (Prometheus text format,
     e.g. for node_exporter's textfile collector); either path may be None. Returns the Prometheus text."""
     text = to_prometheus_text(stats_by_rank, prefix)

@@ -109,84 +109,134 @@ def _release_later(transport: Any, x: Any) -> None:
         transport.release(x)
 
 
+@dataclass
+class _Run:
+    """One memory kind's measuring run: where it READs, its clock and the bytes it moved so far."""
+
+    transport: Any
+    agent: str
+    t: Target
+    budget_s: float
+    t_start: float
+    moved: int = SMALL_BYTES  # the warm-up READ
+
+    @property
+    def deadline(self) -> float:
+        """No new step starts after this."""
+        return self.t_start + self.budget_s
+
+    @property
+    def hard(self) -> float:
+        """A READ under way may run until this (a slow link is still measured)."""
+        return self.t_start + 2 * self.budget_s
+
+    def wait(self) -> float:
+        return max(self.hard - time.perf_counter(), 0.0)
+
+    def past_deadline(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def read(self, offsets: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> float | None:
+        return _timed(self.transport, self.agent, self.t, offsets, nbytes, timeout_s)
+
+
+def _fixed_cost(run: _Run) -> float | None:
+    """``t1``: the time of one small descriptor, best of three; None when none ended in time."""
+    one = np.zeros(1, np.int64)
+    small = np.full(1, SMALL_BYTES, np.int64)
+    times: list[float] = []
+    for _ in range(3):
+        dt = run.read(one, small, run.wait())
+        if dt is None:
+            break
+        times.append(dt)
+        run.moved += SMALL_BYTES
+        if run.past_deadline():
+            break
+    return min(times) if times else None
+
+
+def _many_small(run: _Run, span: int) -> float | None:
+    """The time of ``SMALL_DESCS`` small descriptors in one READ, best of two; None when none ended."""
+    stride = span // SMALL_DESCS // SMALL_BYTES * SMALL_BYTES
+    offs = np.arange(SMALL_DESCS, dtype=np.int64) * stride
+    tns: list[float] = []
+    for _ in range(2):  # best of two: noise on a busy machine only ever slows a READ down
+        if run.past_deadline() and tns:
+            break
+        tn = run.read(offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64), run.wait())
+        if tn is None:
+            break
+        tns.append(tn)
+        run.moved += SMALL_DESCS * SMALL_BYTES
+    return min(tns) if tns else None
+
+
+def _first_big_size(run: _Run, tn: float) -> int:
+    """The first large READ's size: about a quarter of the time left at a first guess of the bandwidth
+    (the small READs' bytes over their time), so a slow link is measured too."""
+    guess = SMALL_DESCS * SMALL_BYTES / max(tn, 1e-9)
+    left = run.deadline - time.perf_counter()
+    size = FIRST_BIG
+    while size > MIN_BIG and size / guess > left / 4:
+        size //= 4
+    return size
+
+
+def _largest(run: _Run, size: int, span: int, max_bytes: int) -> tuple[int, float] | None:
+    """Single-descriptor READs from ``size``, four times larger each while the next fits, then up to
+    ``BIG_REPS`` of the largest: (that size, its best time); None when no large READ ended."""
+    one = np.zeros(1, np.int64)
+    best, fallback = math.inf, None
+    limit = min(span, max_bytes // (BIG_REPS + 1))  # room for the growth and BIG_REPS READs of the largest
+    reps = 0
+    while size <= limit and run.moved + size <= max_bytes and reps < BIG_REPS:
+        if run.past_deadline() and (reps or fallback is not None):
+            break
+        # the first large READ may take a whole budget of its own (on a busy machine the small ones can
+        # use up the time): a coarse figure from small READs alone is the last resort
+        first = reps == 0 and fallback is None
+        dt = run.read(one, np.full(1, size, np.int64), max(run.wait(), run.budget_s if first else 0.0))
+        if dt is None:
+            break
+        run.moved += size
+        nxt = size * 4
+        if (reps == 0 and nxt <= limit and run.moved + nxt <= max_bytes
+                and dt * 4 < (run.deadline - time.perf_counter()) / 3):
+            fallback, size = (size, dt), nxt  # still growing (this size's time is used only if nothing larger fits)
+            continue
+        best, reps = min(best, dt), reps + 1  # the largest size that fits: best of up to BIG_REPS
+    if not math.isfinite(best) and fallback is not None:
+        return fallback
+    return (size, best) if math.isfinite(best) else None
+
+
 def measure_kind(transport: Any, agent: str, t: Target, budget_s: float, max_bytes: int) -> KindFigures | None:
     """The per-descriptor cost and bandwidth of READs from ``t`` (see the module docstring); None when
     the warm-up fails or nothing could be measured in time."""
     span = min(t.remote_nbytes, t.local_nbytes)
     if span < SMALL_DESCS * SMALL_BYTES * 2:
         return None
-    one = np.zeros(1, np.int64)
-    small = np.full(1, SMALL_BYTES, np.int64)
-    if _timed(transport, agent, t, one, small, WARMUP_S) is None:
+    if _timed(transport, agent, t, np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64), WARMUP_S) is None:
         log.debug("probe of %s: the warm-up READ failed or took over %g s", agent, WARMUP_S)
         return None
-    t_start = time.perf_counter()
-    deadline = t_start + budget_s          # no new step starts after this
-    hard = t_start + 2 * budget_s          # a READ under way may run until this (a slow link is still measured)
-
-    def wait() -> float:
-        return max(hard - time.perf_counter(), 0.0)
-    moved = SMALL_BYTES
-    times: list[float] = []
-    for _ in range(3):
-        dt = _timed(transport, agent, t, one, small, wait())
-        if dt is None:
-            break
-        times.append(dt)
-        moved += SMALL_BYTES
-        if time.perf_counter() > deadline:
-            break
-    if not times:
+    run = _Run(transport, agent, t, budget_s, time.perf_counter())
+    t1 = _fixed_cost(run)
+    if t1 is None:
         log.debug("probe of %s: no one-descriptor READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
         return None
-    t1 = min(times)
-    stride = span // SMALL_DESCS // SMALL_BYTES * SMALL_BYTES
-    offs = np.arange(SMALL_DESCS, dtype=np.int64) * stride
-    tns: list[float] = []
-    for _ in range(2):  # best of two: noise on a busy machine only ever slows a READ down
-        if time.perf_counter() > deadline and tns:
-            break
-        tn = _timed(transport, agent, t, offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64), wait())
-        if tn is None:
-            break
-        tns.append(tn)
-        moved += SMALL_DESCS * SMALL_BYTES
-    if not tns:
+    tn = _many_small(run, span)
+    if tn is None:
         log.debug("probe of %s: the %d-descriptor READ did not end in time", agent, SMALL_DESCS)
         return None
-    per_desc = max((min(tns) - t1) / (SMALL_DESCS - 1), 1e-8)
-    # a first guess of the bandwidth (the small READs' bytes over their time): the first large READ is
-    # sized to take about a quarter of the time left, so a slow link is measured too
-    guess = SMALL_DESCS * SMALL_BYTES / max(min(tns), 1e-9)
-    left = deadline - time.perf_counter()
-    size = FIRST_BIG
-    while size > MIN_BIG and size / guess > left / 4:
-        size //= 4
-    best, fallback = math.inf, None
-    limit = min(span, max_bytes // (BIG_REPS + 1))  # room for the growth and BIG_REPS READs of the largest
-    reps = 0
-    while size <= limit and moved + size <= max_bytes and reps < BIG_REPS:
-        if time.perf_counter() > deadline and (reps or fallback is not None):
-            break
-        # the first large READ may take a whole budget of its own (on a busy machine the small ones can
-        # use up the time): a coarse figure from small READs alone is the last resort
-        first = reps == 0 and fallback is None
-        dt = _timed(transport, agent, t, one, np.full(1, size, np.int64), max(wait(), budget_s if first else 0.0))
-        if dt is None:
-            break
-        moved += size
-        nxt = size * 4
-        if reps == 0 and nxt <= limit and moved + nxt <= max_bytes and dt * 4 < (deadline - time.perf_counter()) / 3:
-            fallback, size = (size, dt), nxt  # still growing (this size's time is used only if nothing larger fits)
-            continue
-        best, reps = min(best, dt), reps + 1  # the largest size that fits: best of up to BIG_REPS
-    if not math.isfinite(best) and fallback is not None:
-        size, best = fallback
-    if not math.isfinite(best):  # small READs alone say little of the bandwidth: not measured
+    per_desc = max((tn - t1) / (SMALL_DESCS - 1), 1e-8)
+    big = _largest(run, _first_big_size(run, tn), span, max_bytes)
+    if big is None:  # small READs alone say little of the bandwidth: not measured
         log.debug("probe of %s: no large READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
         return None
+    size, best = big
     gbps = size / max(best - t1, best * 0.05, 1e-9) / 1e9
-    return KindFigures(per_desc * 1e6, gbps, moved, time.perf_counter() - t_start)
+    return KindFigures(per_desc * 1e6, gbps, run.moved, time.perf_counter() - run.t_start)
 
 
 def copy_gbps(dst: Any, src: Any, nbytes: int, reps: int = 3) -> float:

@@ -109,6 +109,188 @@ LARGE_TOKENS = 131072
 LARGE_STAGING_MIB = 192
 
 
+@dataclass
+class _Engines:
+    """The two engines' rank processes (None until started) and what their reads reported so far."""
+
+    P: EngineProcs | None = None
+    D: EngineProcs | None = None
+    start_errors: dict = field(default_factory=dict)
+    finished: dict = field(default_factory=dict)   # req_id -> decode ranks that finished it
+    failed: dict = field(default_factory=dict)
+
+    def moved(self) -> int:
+        return sum(s["metrics"]["transfer_bytes"] for s in self.D.call_all("stats").values())
+
+    def add_to_prefill(self, rr: ReadRequest) -> None:
+        for w in self.P.workers.values():
+            w.call("add_request", rr.req_id, rr.prefill_blocks, None, rr.attempt)
+
+    def run(self, batch) -> float:
+        """Hand ``batch`` (reads) to the prefill and decode ranks, start them at once, wait; wall seconds."""
+        for w in self.P.workers.values():
+            for rr in batch:
+                w.call("add_request", rr.req_id, rr.prefill_blocks, None, rr.attempt)
+        t0 = time.perf_counter()
+        for rank_errs in self.D.call_all("start_many", batch).values():
+            self.start_errors.update(rank_errs)
+        for d, f in self.D.call_all("wait", 120.0).values():
+            for rid in d:
+                self.finished[rid] = self.finished.get(rid, 0) + 1
+            self.failed.update(f)
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        for e in (self.D, self.P):
+            if e is not None:
+                e.stop()
+
+
+@dataclass
+class _Extras:
+    """What the phases measured besides their wall times (see :class:`DemoResult`)."""
+
+    inproc: list[float] = field(default_factory=list)
+    nixl: list[float] = field(default_factory=list)
+    large_phases: dict = field(default_factory=dict)
+    large_prefill: dict = field(default_factory=dict)
+    large_nixl: float = 0.0
+    large_nixl_1: float = 0.0
+    # counters moved by the warm requests' timed re-reads (not part of the bytes the requests needed)
+    extra: dict = field(default_factory=lambda: {"transfer_bytes": 0, "descriptors": 0, "transfers": 0,
+                                                 "staged_transfers": 0})
+
+
+def _with_blocks(layout: EngineLayout, nb: int) -> EngineLayout:
+    return EngineLayout(**{**{f: getattr(layout, f) for f in layout.__dataclass_fields__}, "num_blocks": nb})
+
+
+def _start(eng: _Engines, prefill: EngineLayout, decode: EngineLayout, transfer_mode: str,
+           staging_mib: int | None, segment_mib: float | None, decode_options: dict | None) -> None:
+    staging = {} if staging_mib is None else {"staging_bytes": int(staging_mib) << 20}
+    eng.P = EngineProcs.start("prefill", prefill, "prefill-0", **staging)
+    seg = {} if segment_mib is None else {"stage_segment_bytes": int(segment_mib * (1 << 20))}
+    eng.D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode,
+                              **{**staging, **seg, **(decode_options or {})})
+
+
+def _fill(eng: _Engines, prefill: EngineLayout, decode: EngineLayout, rng, all_lengths, n_warm: int,
+          num_requests: int, prefix_hits: bool) -> tuple[list, list[ReadRequest]]:
+    """Fill the prefill cache from global coordinates (some burst requests with a prefix-cache hit on the
+    decode); the requests and one read each (one lease attempt per request, every rank)."""
+    from ..runtime.prefill import new_attempt
+    p_pool, d_pool = BlockPool(prefill, rng), BlockPool(decode, rng)
+    reqs = []
+    for i, n in enumerate(all_lengths):
+        in_burst = n_warm <= i < n_warm + num_requests
+        prefix = int(rng.integers(0, n)) if in_burst and prefix_hits and rng.random() < 0.3 else 0
+        reqs.append(make_request(i, int(n), prefill, decode, p_pool, d_pool, prefix))
+    eng.P.call_all("fill_many", [(r.req_id, r.num_tokens, r.prefill_blocks) for r in reqs])
+    reads = [ReadRequest(f"req-{r.req_id}", "prefill-0", r.num_tokens, r.prefill_blocks, r.decode_blocks,
+                         new_attempt()) for r in reqs]
+    return reqs, reads
+
+
+def _warm_phase(eng: _Engines, warm_reads: list[ReadRequest], warm_requests: int, warm_len: int,
+                ex: _Extras) -> Phase:
+    """One untimed read, then the others one at a time; then the same requests again (same bytes, a new
+    lease each), timed inside the decode processes, alternating with NIXL's own READ of the same
+    descriptors."""
+    from ..runtime.prefill import new_attempt
+    eng.run(warm_reads[:1])  # untimed: the first read after the handshake
+    b0 = eng.moved()
+    secs = [eng.run([rr]) for rr in warm_reads[1:]]
+    warm = Phase("warm", warm_requests, warm_len * warm_requests, warm_len, eng.moved() - b0, secs)
+    s0 = eng.D.call_all("stats")
+    for rr in warm_reads[1:]:
+        again = replace(rr, req_id=rr.req_id + AGAIN, attempt=new_attempt())
+        eng.add_to_prefill(again)
+        ex.inproc.append(max(v["seconds"] for v in eng.D.call_all("timed_read", again).values()))
+        ex.nixl.append(max(v[0] for v in eng.D.call_all("nixl_reads", [rr]).values()))
+    for r, st in eng.D.call_all("stats").items():  # (not part of the bytes the requests needed)
+        for k in ex.extra:
+            ex.extra[k] += st["metrics"][k] - s0[r]["metrics"][k]
+    return warm
+
+
+def _burst_phase(eng: _Engines, burst_reads: list[ReadRequest], lengths) -> Phase:
+    b0 = eng.moved()
+    burst = Phase("burst", len(burst_reads), int(sum(lengths)), int(max(lengths)), 0, [eng.run(burst_reads)])
+    burst.bytes_moved = eng.moved() - b0
+    return burst
+
+
+def _large_phase(eng: _Engines, large_reads: list[ReadRequest], large_tokens: int, ex: _Extras) -> Phase:
+    """The large request, where its time went on each side, and NIXL's own READ of its bytes."""
+    b0 = eng.moved()
+    d0, p0 = eng.D.call_all("stats"), eng.P.call_all("stats")
+    big = Phase("large", 1, large_tokens, large_tokens, 0, [eng.run(large_reads)])
+    big.bytes_moved = eng.moved() - b0
+    ex.large_phases.update(_phase_delta(d0, eng.D.call_all("stats"), slowest=True))
+    ex.large_prefill.update(_phase_delta(p0, eng.P.call_all("stats"), slowest=False))
+    ex.large_nixl = max(v[0] for v in eng.D.call_all("nixl_reads", large_reads).values())
+    ex.large_nixl_1 = max(v[0] for v in eng.D.call_all("nixl_reads", large_reads, True).values())
+    return big
+
+
+def _wait_freed(P: EngineProcs, n_reqs: int, timeout_s: float = 10.0) -> dict:
+    """req_id -> prefill ranks that freed it, once every rank freed every request (or after ``timeout_s``)."""
+    freed: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _r, got in P.call_all("take_freed").items():
+            for rid in got["freed"]:
+                if not rid.endswith(AGAIN):  # (the timed re-reads of the warm requests)
+                    freed[rid] = freed.get(rid, 0) + 1
+        if sum(1 for v in freed.values() if v == len(P.workers)) == n_reqs:
+            break
+        time.sleep(0.02)
+    return freed
+
+
+def _write_metrics(metrics_dir: str, eng: _Engines) -> None:
+    from pathlib import Path
+
+    from ..runtime.metrics_export import write_metrics
+    out = Path(metrics_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_metrics({("decode-0", r): s for r, s in eng.D.call_all("stats").items()},
+                  out / "decode.json", out / "decode.prom")
+    write_metrics({("prefill-0", r): s for r, s in eng.P.call_all("stats").items()},
+                  out / "prefill.json", out / "prefill.prom")
+
+
+def _sum(stats: dict, key: str) -> int:
+    return sum(s["metrics"][key] for s in stats.values())
+
+
+def _result(eng: _Engines, n_reqs: int, n_ranks: int, stats: dict, ver: dict, memcpy: float, freed: dict,
+            warm: Phase | None, burst: Phase, big: Phase | None, ex: _Extras) -> DemoResult:
+    extra = ex.extra
+    return DemoResult(
+        requests=n_reqs,
+        finished=sum(1 for v in eng.finished.values() if v == n_ranks),
+        failed=eng.failed, start_errors=eng.start_errors,
+        bytes_moved=_sum(stats, "transfer_bytes") - extra["transfer_bytes"],
+        bytes_needed=sum(v["needed_bytes"] for v in ver.values()),
+        descriptors=_sum(stats, "descriptors") - extra["descriptors"],
+        transfer_seconds=burst.seconds[0], memcpy_gbps=memcpy,
+        mismatched_bytes=sum(v["mismatched_bytes"] for v in ver.values()),
+        checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
+        prefill_freed=sum(1 for v in freed.values() if v == len(eng.P.workers)),
+        leaked_handles=sum(s["live_handles"] for s in stats.values()),
+        staged_transfers=_sum(stats, "staged_transfers") - extra["staged_transfers"],
+        direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values())
+        - extra["transfers"] + extra["staged_transfers"],
+        host_staged_transfers=sum(s["metrics"].get("host_staged_transfers", 0) for s in stats.values())
+        - extra.get("host_staged_transfers", 0),
+        links={r: s.get("links", {}) for r, s in stats.items()},
+        warm=warm, burst=burst, large=big, decode_ranks=n_ranks, inproc=ex.inproc, nixl=ex.nixl,
+        large_phases=ex.large_phases, large_prefill=ex.large_prefill, large_nixl=ex.large_nixl,
+        large_nixl_1=ex.large_nixl_1,
+    )
+
+
 def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32, max_tokens: int = 2048,
              seed: int = 0, prefix_hits: bool = True, show_progress: bool = True,
              transfer_mode: str = "auto", metrics_dir: str | None = None, warm_requests: int = 0,
@@ -132,147 +314,41 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
     n_warm = 1 + warm_requests if warm_requests > 0 else 0
     all_lengths = [warm_len] * n_warm + list(lengths) + ([large_tokens] if large else [])
     nb = blocks_needed(prefill, decode, all_lengths)
-    prefill = EngineLayout(**{**{f: getattr(prefill, f) for f in prefill.__dataclass_fields__}, "num_blocks": nb})
-    decode = EngineLayout(**{**{f: getattr(decode, f) for f in decode.__dataclass_fields__}, "num_blocks": nb})
+    prefill, decode = _with_blocks(prefill, nb), _with_blocks(decode, nb)
     plan_transfer(prefill, decode)  # reject bad topologies before starting processes
-    P = D = None
-    start_errors: dict = {}
-    finished: dict = {}
-    failed: dict = {}
-    inproc: list[float] = []
-    nixl: list[float] = []
-    large_phases: dict = {}
-    large_prefill: dict = {}
-    large_nixl = large_nixl_1 = 0.0
-    extra = {"transfer_bytes": 0, "descriptors": 0, "transfers": 0, "staged_transfers": 0}
-    from ..runtime.prefill import new_attempt
-
-    def moved() -> int:
-        return sum(s["metrics"]["transfer_bytes"] for s in D.call_all("stats").values())
-
-    def run(batch) -> float:
-        """Hand ``batch`` (reads) to the prefill and decode ranks, start them at once, wait; wall seconds."""
-        for w in P.workers.values():
-            for rr in batch:
-                w.call("add_request", rr.req_id, rr.prefill_blocks, None, rr.attempt)
-        t0 = time.perf_counter()
-        for rank_errs in D.call_all("start_many", batch).values():
-            start_errors.update(rank_errs)
-        for d, f in D.call_all("wait", 120.0).values():
-            for rid in d:
-                finished[rid] = finished.get(rid, 0) + 1
-            failed.update(f)
-        return time.perf_counter() - t0
-
+    eng, ex = _Engines(), _Extras()
     with Progress(console=console, transient=True, disable=not show_progress) as prog:
         task = prog.add_task("starting engines", total=7)
         try:
-            staging = {} if staging_mib is None else {"staging_bytes": int(staging_mib) << 20}
-            P = EngineProcs.start("prefill", prefill, "prefill-0", **staging)
-            seg = {} if segment_mib is None else {"stage_segment_bytes": int(segment_mib * (1 << 20))}
-            D = EngineProcs.start("decode", decode, "decode-0", transfer_mode=transfer_mode,
-                                  **{**staging, **seg, **(decode_options or {})})
+            _start(eng, prefill, decode, transfer_mode, staging_mib, segment_mib, decode_options)
             prog.update(task, advance=1, description="handshake")
-            D.call_all("handshake", "prefill-0", P.endpoints())
+            eng.D.call_all("handshake", "prefill-0", eng.P.endpoints())
             prog.update(task, advance=1, description="filling prefill cache from global coordinates")
-            p_pool, d_pool = BlockPool(prefill, rng), BlockPool(decode, rng)
-            reqs = []
-            for i, n in enumerate(all_lengths):
-                in_burst = n_warm <= i < n_warm + num_requests
-                prefix = int(rng.integers(0, n)) if in_burst and prefix_hits and rng.random() < 0.3 else 0
-                reqs.append(make_request(i, int(n), prefill, decode, p_pool, d_pool, prefix))
-            P.call_all("fill_many", [(r.req_id, r.num_tokens, r.prefill_blocks) for r in reqs])
-            # one lease attempt per request, every rank
-            reads = [ReadRequest(f"req-{r.req_id}", "prefill-0", r.num_tokens, r.prefill_blocks, r.decode_blocks,
-                                 new_attempt()) for r in reqs]
+            reqs, reads = _fill(eng, prefill, decode, rng, all_lengths, n_warm, num_requests, prefix_hits)
             warm_reads, burst_reads = reads[:n_warm], reads[n_warm:n_warm + num_requests]
             large_reads = reads[n_warm + num_requests:]
-            warm = burst = big = None
+            warm = big = None
             if warm_reads:
                 prog.update(task, advance=1, description=f"{warm_requests} single requests, one at a time")
-                run(warm_reads[:1])  # untimed: the first read after the handshake
-                b0 = moved()
-                secs = [run([rr]) for rr in warm_reads[1:]]
-                warm = Phase("warm", warm_requests, warm_len * warm_requests, warm_len, moved() - b0, secs)
-                # the same requests again (same bytes, a new lease each), timed inside the decode processes,
-                # alternating with NIXL's own READ of the same descriptors
-                s0 = D.call_all("stats")
-                for rr in warm_reads[1:]:
-                    again = replace(rr, req_id=rr.req_id + AGAIN, attempt=new_attempt())
-                    for w in P.workers.values():
-                        w.call("add_request", again.req_id, again.prefill_blocks, None, again.attempt)
-                    inproc.append(max(v["seconds"] for v in D.call_all("timed_read", again).values()))
-                    nixl.append(max(v[0] for v in D.call_all("nixl_reads", [rr]).values()))
-                for r, st in D.call_all("stats").items():  # (not part of the bytes the requests needed)
-                    for k in extra:
-                        extra[k] += st["metrics"][k] - s0[r]["metrics"][k]
+                warm = _warm_phase(eng, warm_reads, warm_requests, warm_len, ex)
             prog.update(task, advance=1, description=f"burst: {num_requests} requests at once")
-            b0 = moved()
-            burst = Phase("burst", num_requests, int(sum(lengths)), int(max(lengths)), 0, [run(burst_reads)])
-            burst.bytes_moved = moved() - b0
+            burst = _burst_phase(eng, burst_reads, lengths)
             if large_reads:
                 prog.update(task, advance=1, description=f"one large request ({large_tokens} tokens)")
-                b0 = moved()
-                d0, p0 = D.call_all("stats"), P.call_all("stats")
-                big = Phase("large", 1, large_tokens, large_tokens, 0, [run(large_reads)])
-                big.bytes_moved = moved() - b0
-                large_phases.update(_phase_delta(d0, D.call_all("stats"), slowest=True))
-                large_prefill.update(_phase_delta(p0, P.call_all("stats"), slowest=False))
-                large_nixl = max(v[0] for v in D.call_all("nixl_reads", large_reads).values())
-                large_nixl_1 = max(v[0] for v in D.call_all("nixl_reads", large_reads, True).values())
+                big = _large_phase(eng, large_reads, large_tokens, ex)
             prog.update(task, advance=1, description="verifying every decode byte")
-            ver = D.call_all("verify", [(r.req_id, rr) for r, rr in zip(reqs, reads)])
-            stats = D.call_all("stats")
+            ver = eng.D.call_all("verify", [(r.req_id, rr) for r, rr in zip(reqs, reads)])
+            stats = eng.D.call_all("stats")
             # the same bytes as the large request (else the burst), copied by one thread of a decode process
-            memcpy = next(iter(D.workers.values())).call("memcpy_gbps", (big or burst).bytes_moved)
+            memcpy = next(iter(eng.D.workers.values())).call("memcpy_gbps", (big or burst).bytes_moved)
             prog.update(task, advance=1, description="waiting for the prefill to free blocks")
-            freed: dict = {}
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                for _r, got in P.call_all("take_freed").items():
-                    for rid in got["freed"]:
-                        if not rid.endswith(AGAIN):  # (the timed re-reads of the warm requests)
-                            freed[rid] = freed.get(rid, 0) + 1
-                if sum(1 for v in freed.values() if v == len(P.workers)) == len(reqs):
-                    break
-                time.sleep(0.02)
+            freed = _wait_freed(eng.P, len(reqs))
             if metrics_dir:
-                from pathlib import Path
-
-                from ..runtime.metrics_export import write_metrics
-                out = Path(metrics_dir)
-                out.mkdir(parents=True, exist_ok=True)
-                write_metrics({("decode-0", r): s for r, s in D.call_all("stats").items()},
-                              out / "decode.json", out / "decode.prom")
-                write_metrics({("prefill-0", r): s for r, s in P.call_all("stats").items()},
-                              out / "prefill.json", out / "prefill.prom")
+                _write_metrics(metrics_dir, eng)
             prog.update(task, advance=1)
         finally:
-            for e in (D, P):
-                if e is not None:
-                    e.stop()
-    n_ranks = len(decode.ranks())
-    return DemoResult(
-        requests=len(reqs),
-        finished=sum(1 for v in finished.values() if v == n_ranks),
-        failed=failed, start_errors=start_errors,
-        bytes_moved=sum(s["metrics"]["transfer_bytes"] for s in stats.values()) - extra["transfer_bytes"],
-        bytes_needed=sum(v["needed_bytes"] for v in ver.values()),
-        descriptors=sum(s["metrics"]["descriptors"] for s in stats.values()) - extra["descriptors"],
-        transfer_seconds=burst.seconds[0], memcpy_gbps=memcpy,
-        mismatched_bytes=sum(v["mismatched_bytes"] for v in ver.values()),
-        checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
-        prefill_freed=sum(1 for v in freed.values() if v == len(P.workers)),
-        leaked_handles=sum(s["live_handles"] for s in stats.values()),
-        staged_transfers=sum(s["metrics"]["staged_transfers"] for s in stats.values()) - extra["staged_transfers"],
-        direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values())
-        - extra["transfers"] + extra["staged_transfers"],
-        host_staged_transfers=sum(s["metrics"].get("host_staged_transfers", 0) for s in stats.values())
-        - extra.get("host_staged_transfers", 0),
-        links={r: s.get("links", {}) for r, s in stats.items()},
-        warm=warm, burst=burst, large=big, decode_ranks=n_ranks, inproc=inproc, nixl=nixl,
-        large_phases=large_phases, large_prefill=large_prefill, large_nixl=large_nixl, large_nixl_1=large_nixl_1,
-    )
+            eng.stop()
+    return _result(eng, len(reqs), len(decode.ranks()), stats, ver, memcpy, freed, warm, burst, big, ex)
 
 
 AGAIN = "-again"  # suffix of the warm requests' timed re-reads

@@ -12,7 +12,8 @@ descriptor; they are gauges on ``/metrics`` (``vllm:kvbridge_link_*``), the last
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -61,16 +62,19 @@ LINK_TRIGGERS = ("decode_handshakes", "decode_degraded_links")  # counters whose
 LINK_LABELS = ("decode_rank", "peer", "prefill_rank", "path")
 _LINK_FIELDS = (*LINK_LABELS, *PROM_LINK_GAUGES)
 
+# one link_rows row: [decode_rank, peer, prefill_rank, path, chosen, gbps, us_per_desc, degraded, measured]
+LinkRow = list[str | int | float]
 
-def _rank_label(rank) -> str:
+
+def _rank_label(rank: Sequence[object]) -> str:
     return "pp{}tp{}".format(*rank)
 
 
-def link_rows(rank, links: dict) -> list[list]:
+def link_rows(rank: Sequence[object], links: dict[Any, dict[str, dict[str, Any]]]) -> list[LinkRow]:
     """A decode rank's links (``DecodeEndpoint.links()``: prefill engine -> prefill rank -> figures) as rows
     ``[decode_rank, peer, prefill_rank, path, chosen, gbps, us_per_desc, degraded, measured]`` (JSON, one per path;
     ranks as ``pp{pp}tp{tp}``)."""
-    rows = []
+    rows: list[LinkRow] = []
     for eid, per in sorted(links.items()):
         for prank, link in sorted(per.items()):
             p = prank.strip("()").replace(" ", "").split(",")
@@ -87,10 +91,10 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 class KVBridgeStats(KVConnectorStats):
     """Counter deltas (numbers, summed over workers) and ``read_seconds`` observations (concatenated)."""
 
-    def reset(self):
-        self.data = {}
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
 
-    def aggregate(self, other):
+    def aggregate(self, other: KVConnectorStats) -> KVBridgeStats:
         for k, v in (other.data or {}).items():
             if isinstance(v, list):
                 self.data[k] = list(self.data.get(k, [])) + v
@@ -98,10 +102,10 @@ class KVBridgeStats(KVConnectorStats):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
-    def reduce(self):
+    def reduce(self) -> dict[str, int | float]:
         """For vLLM's log line: the counters, and count / mean / p50 / p90 of this interval's read latencies
         (over every worker's observations)."""
-        out = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if not isinstance(v, list)}
         obs = sorted(self.data.get(OBSERVATIONS, []))
         if obs:
             out.update({"reads_timed": len(obs), "read_ms_mean": round(1e3 * sum(obs) / len(obs), 3),
@@ -114,23 +118,23 @@ class KVBridgeStats(KVConnectorStats):
             out[f"{name}_ms_p50"] = round(1e3 * _quantile(sorted(secs), 0.5), 3)
         return out
 
-    def is_empty(self):
+    def is_empty(self) -> bool:
         return not self.data
 
 
 class StatsDelta:
     """Turns a worker's cumulative counters (and the observations it drained) into one step's stats."""
 
-    def __init__(self):
-        self._seen: dict = {}
-        self._links: list = []
+    def __init__(self) -> None:
+        self._seen: dict[str, int | float] = {}
+        self._links: list[LinkRow] = []
 
-    def __call__(self, now: dict, observations: list[float] | None = None,
+    def __call__(self, now: dict[str, int | float], observations: list[float] | None = None,
                  phases: list[tuple[str, float]] | None = None,
-                 links: Callable[[], list] | None = None) -> KVBridgeStats | None:
+                 links: Callable[[], list[LinkRow]] | None = None) -> KVBridgeStats | None:
         """``links``: the worker's :func:`link_rows`, asked only when a handshake completed or a link was
         warned degraded since the last call (what changes the gauges' figures), reported when they differ."""
-        delta = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
+        delta: dict[str, Any] = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
         self._seen = now
         if links is not None and any(k in delta for k in LINK_TRIGGERS):
             rows = links()
@@ -149,9 +153,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     child per engine label set as vLLM's other connectors do; failed reads by failure type
     (``vllm:kvbridge_reads_failed{reason=...}``)."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
+        self._counters: dict[str, dict[int, Any]] = {}  # key -> engine index -> prometheus child
         for key, (name, doc) in PROM_COUNTERS.items():
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[key] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
@@ -172,7 +177,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                                 multiprocess_mode="mostrecent")
                              for k, (name, doc) in PROM_LINK_GAUGES.items()}
 
-    def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             if key == OBSERVATIONS:
                 for x in value:

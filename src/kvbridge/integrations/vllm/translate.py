@@ -13,11 +13,23 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, NoReturn
 
 import kvbridge
-from kvbridge.integrations import CacheGroup, MambaSpec, dtype_size, from_hf_config
+from kvbridge.integrations import CacheGroup, GroupKind, MambaSpec, dtype_size, from_hf_config
+
+# vLLM's objects (VllmConfig, CacheConfig, KVCacheConfig, its KVCacheGroupSpecs and their KVCacheSpecs) and
+# torch tensors: Any to a type checker (vLLM and torch are not imported here), named for what they are
+VllmConfig = Any
+CacheConfig = Any
+KVCacheConfig = Any
+KVCacheGroup = Any
+KVCacheSpec = Any
+Tensor = Any
+# what one layer's tensor becomes in kvbridge's memory description
+LayerMemory = kvbridge.LayerKV | kvbridge.LayerState
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 # vLLM's prefix for the layers of a separate draft model (speculative method "draft_model"): they are
@@ -34,7 +46,7 @@ class VLLMConfigError(kvbridge.LayoutError):
 
 
 # vLLM spec class (exact name: a subclass is another cache kind) -> kvbridge group kind
-SPEC_KINDS: dict[str, str] = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window",
+SPEC_KINDS: dict[str, GroupKind] = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window",
                               "MLAAttentionSpec": "mla", "MambaSpec": "mamba"}
 # every other KVCacheSpec class of vLLM 0.33 (vllm.v1.kv_cache_interface), refused with the reason
 REFUSED_SPECS: dict[str, str] = {
@@ -68,11 +80,11 @@ def layer_index(name: str, num_target_layers: int | None = None) -> int:
     return int(m.group(1))
 
 
-def block_sources(group_names: list[str], kvbridge_groups) -> dict[str, int]:
+def block_sources(group_names: list[str], kvbridge_groups: Iterable[CacheGroup]) -> dict[str, int]:
     """{kvbridge group name: the vLLM KV-cache group whose block ids it uses}: group ``i`` is
     ``group_names[i]``; a draft group split off it (:data:`DRAFT_GROUP_SUFFIX`) shares its block ids."""
     index = {n: i for i, n in enumerate(group_names)}
-    out = {}
+    out: dict[str, int] = {}
     for g in kvbridge_groups:
         name = g.name
         base = name[:-len(DRAFT_GROUP_SUFFIX)] if name.endswith(DRAFT_GROUP_SUFFIX) else name
@@ -82,7 +94,7 @@ def block_sources(group_names: list[str], kvbridge_groups) -> dict[str, int]:
     return out
 
 
-def layer_spec(group):
+def layer_spec(group: KVCacheGroup) -> KVCacheSpec:
     """The one spec of a vLLM KV-cache group (a UniformTypeKVCacheSpecs must hold equal specs)."""
     spec = group.kv_cache_spec
     per_layer = getattr(spec, "kv_cache_specs", None)
@@ -94,7 +106,7 @@ def layer_spec(group):
     return spec
 
 
-def spec_kind(spec, where: str = "") -> str:
+def spec_kind(spec: KVCacheSpec, where: str = "") -> GroupKind:
     """kvbridge's group kind for a vLLM spec, or :class:`VLLMConfigError` naming the spec class."""
     name = type(spec).__name__
     kind = SPEC_KINDS.get(name)
@@ -105,18 +117,18 @@ def spec_kind(spec, where: str = "") -> str:
     return kind
 
 
-def is_mamba(vgroup) -> bool:
+def is_mamba(vgroup: KVCacheGroup) -> bool:
     return type(layer_spec(vgroup)).__name__ == "MambaSpec"
 
 
-def state_groups(kv_cache_config) -> list[int | None]:
+def state_groups(kv_cache_config: KVCacheConfig) -> list[int | None]:
     """Per vLLM KV-cache group: None (per-token cache), or the number of speculative scratch slots a
     Mamba group allocates after the request's state slot."""
     return [int(getattr(layer_spec(g), "num_speculative_blocks", 0) or 0) if is_mamba(g) else None
             for g in (getattr(kv_cache_config, "kv_cache_groups", None) or [])]
 
 
-def speculative_fingerprint(vllm_config) -> str | None:
+def speculative_fingerprint(vllm_config: VllmConfig) -> str | None:
     """A short hash of the speculative-decoding settings that decide which draft KV a request carries
     (method, draft model and revision, parallel drafting, draft KV dtype), as vLLM's NixlConnector hashes
     them; None without a draft model (no speculative decoding, or n-gram / suffix drafting: no draft KV).
@@ -132,7 +144,7 @@ def speculative_fingerprint(vllm_config) -> str | None:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def prefill_backoff(vllm_config, kv_cache_config) -> int:
+def prefill_backoff(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     """Trailing prompt tokens the prefill leaves to the decode (as vLLM's NixlConnector): 1 for a Mamba
     hybrid (the decode recomputes the last prompt token, a state must not take it twice); a multi-module
     MTP drafter's lookahead window less one (``num_prefill_lookahead_tokens - 1``: unverified drafts must not
@@ -145,12 +157,12 @@ def prefill_backoff(vllm_config, kv_cache_config) -> int:
     return max(mamba, lookahead - 1)
 
 
-def layout_fingerprint(vllm_config, kv_cache_config) -> str:
+def layout_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     """A short hash of what both sides must agree on to read each other's blocks (model, parallelism,
     block sizes, group specs, KV-cache layout). Informational: kvbridge's handshake checks the real
     layouts."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    groups = []
+    groups: list[list[Any]] = []
     for g in getattr(kv_cache_config, "kv_cache_groups", []) or []:
         spec = g.kv_cache_spec
         groups.append([type(spec).__name__, getattr(spec, "block_size", None), getattr(spec, "num_kv_heads", None),
@@ -161,7 +173,7 @@ def layout_fingerprint(vllm_config, kv_cache_config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def kv_content_form(vllm_config) -> str:
+def kv_content_form(vllm_config: VllmConfig) -> str:
     """How the attention backend uses the last axis ``C`` of vLLM's ``[B, H, N, C]`` layer view:
     ``"packed"`` (K then V of each token: GPU backends) or ``"kv_blocks"`` (vLLM's CPU backend: per block and
     head, K stored transposed ``[D][N]`` then V ``[N][D]``, measured through ``cpu_attn_reshape_and_cache``).
@@ -181,7 +193,7 @@ def kv_content_form(vllm_config) -> str:
     return form
 
 
-def _torch_dtype_name(d) -> str:
+def _torch_dtype_name(d: object) -> str:
     return str(d).replace("torch.", "")
 
 
@@ -190,13 +202,13 @@ def _torch_dtype_name(d) -> str:
 class _Ctx:
     """What every group builder needs: the model (HF importer), TP/PP, content form, vLLM's groups."""
 
-    hf_model: Any
-    kind_of: dict          # model layer -> kvbridge model group
+    hf_model: kvbridge.ModelSpec
+    kind_of: dict[int, CacheGroup]  # model layer -> kvbridge model group
     tp: int
     pp: int
     content: str
-    vgroups: list
-    cache_config: Any
+    vgroups: list[KVCacheGroup]
+    cache_config: CacheConfig
     speculative: bool = False  # the engine has a draft model: layers past the config's are its layers
     draft_kv_heads: int | None = None  # the draft model's KV heads, from its config (None: not known)
 
@@ -209,15 +221,15 @@ class _Ctx:
 class _Built:
     """One vLLM group translated: the kvbridge group, its block size, and how to cut a layer's tensor."""
 
-    group: Any
+    group: CacheGroup
     block_size: int
-    view: Callable[[str, Any], Any] | None = None
-    extra: dict = field(default_factory=dict)
-    layer_names: tuple = ()  # the vLLM layers it describes
+    view: Callable[[str, Tensor], LayerMemory]  # (vLLM layer name, its tensor) -> its memory description
+    extra: dict[str, Any] = field(default_factory=dict)
+    layer_names: tuple[str, ...] = ()  # the vLLM layers it describes
 
 
-def _hf_dict(hf_config) -> dict:
-    hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+def _hf_dict(hf_config: Any) -> dict[str, Any]:
+    hf: dict[str, Any] = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     # transformers 5 serialises some configs without keys it computes as properties (Nemotron-H:
     # num_hidden_layers and hybrid_override_pattern, replaced by layers_block_type): take them from the object
     for key in ("num_hidden_layers", "hybrid_override_pattern"):
@@ -226,7 +238,8 @@ def _hf_dict(hf_config) -> dict:
     return hf
 
 
-def _model_layers(ctx: _Ctx, names, spec, kind: str, where: str):
+def _model_layers(ctx: _Ctx, names: list[str], spec: KVCacheSpec, kind: GroupKind,
+                  where: str) -> tuple[tuple[int, ...], CacheGroup]:
     """(layers of the kvbridge group, the model group they belong to) for vLLM layers ``names`` of one spec:
     these layers (PP 1) or the whole model group's (PP > 1: a worker sees its stage's layers only)."""
     local = sorted({ctx.layer(n) for n in names})
@@ -241,7 +254,7 @@ def _model_layers(ctx: _Ctx, names, spec, kind: str, where: str):
     return _whole_model_group(ctx, hgs, hg, where), hg
 
 
-def _model_group(ctx: _Ctx, hgs: list[str], kind: str, local: list[int], where: str):
+def _model_group(ctx: _Ctx, hgs: list[str], kind: GroupKind, local: list[int], where: str) -> CacheGroup:
     """The model-config group the vLLM group's layers belong to, checked against vLLM's spec kind."""
     hg = ctx.hf_model.group(hgs[0])
     if len(hgs) > 1:  # HMA off: vLLM caches sliding-window layers as full attention, in one group
@@ -253,7 +266,7 @@ def _model_group(ctx: _Ctx, hgs: list[str], kind: str, local: list[int], where: 
     return hg
 
 
-def _whole_model_group(ctx: _Ctx, hgs: list[str], hg, where: str) -> tuple:
+def _whole_model_group(ctx: _Ctx, hgs: list[str], hg: CacheGroup, where: str) -> tuple[int, ...]:
     """PP > 1: a worker sees its stage's layers only; the kvbridge group takes the whole model group(s),
     if vLLM kept them in one group."""
     same = [v for v in ctx.vgroups if v.layer_names and ctx.kind_of.get(ctx.layer(v.layer_names[0])) is not None
@@ -281,7 +294,7 @@ def _draft_layers(ctx: _Ctx, local: list[int], where: str) -> list[int]:
     return extra
 
 
-def _draft_only_group(ctx: _Ctx, spec, kind: str, layers: list[int], where: str):
+def _draft_only_group(ctx: _Ctx, spec: KVCacheSpec, kind: GroupKind, layers: list[int], where: str) -> CacheGroup:
     """Draft layers of their own shape (a vLLM group of draft layers only, or draft layers whose KV shape
     differs from the target layers' of their vLLM group): the shape from vLLM's spec (MLA: the latent;
     attention: the draft config's KV heads, or KV heads per rank x TP when that is not ambiguous)."""
@@ -302,7 +315,8 @@ def _draft_only_group(ctx: _Ctx, spec, kind: str, layers: list[int], where: str)
                                getattr(spec, "sliding_window", None) if kind == "sliding_window" else None)
 
 
-def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where: str) -> _Built:
+def _attention_group(ctx: _Ctx, name: str, layers: tuple[int, ...], spec: KVCacheSpec, hg: CacheGroup,
+                     kind: GroupKind, where: str) -> _Built:
     """Full or sliding-window attention: K and V per token and KV head (packed), or one unit per block
     and head (vLLM's CPU backend form)."""
     dtype = _torch_dtype_name(getattr(spec, "dtype", hg.dtype))
@@ -325,7 +339,7 @@ def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, w
         raise VLLMConfigError(f"{where}: vLLM holds {spec.num_kv_heads} KV heads per rank; {hg.num_heads} KV "
                               f"heads at tp={ctx.tp} give {want} per rank in kvbridge")
 
-    def view(lname: str, t):
+    def view(lname: str, t: Tensor) -> LayerMemory:
         if ctx.content == "kv_blocks":
             B, H, N, C = tuple(t.shape)  # a block of a head: K^T (N*D elements), then V (N*D): one "token"
             return kvbridge.LayerKV(t.view(B, 1, H, 2, N * C // 2), "BTHKD")
@@ -334,14 +348,16 @@ def _attention_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, w
     return _Built(g, block_size, view)
 
 
-def _mla_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where: str) -> _Built:
+def _mla_group(ctx: _Ctx, name: str, layers: tuple[int, ...], spec: KVCacheSpec, hg: CacheGroup, kind: GroupKind,
+               where: str) -> _Built:
     """MLA: one latent vector per token, replicated on every TP rank."""
     dtype = _torch_dtype_name(getattr(spec, "dtype", hg.dtype))
     g = CacheGroup(name, "mla", layers, dtype, None, int(spec.head_size))
     return _Built(g, int(spec.block_size), lambda lname, t: kvbridge.LayerKV(t, "BHNC"))
 
 
-def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where: str) -> _Built:
+def _mamba_group(ctx: _Ctx, name: str, layers: tuple[int, ...], spec: KVCacheSpec, hg: CacheGroup,
+                 kind: GroupKind, where: str) -> _Built:
     """kvbridge's Mamba group for one vLLM ``MambaSpec`` group, and a function cutting one layer's raw
     ``int8 [B, 1, 1, page]`` view into a :class:`~kvbridge.LayerState`.
 
@@ -386,7 +402,7 @@ def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where
     ssm_b = math.prod(ssm_shape) * dtype_size(ssm_dt)
     cdt, sdt = dtypes[0], dtypes[1]
 
-    def view(lname: str, t):
+    def view(lname: str, t: Tensor) -> LayerMemory:
         import torch
 
         if t.dim() != 4 or tuple(t.shape[1:3]) != (1, 1) or t.dtype != torch.int8:
@@ -405,7 +421,7 @@ def _mamba_group(ctx: _Ctx, name: str, layers: tuple, spec, hg, kind: str, where
     return _Built(g, int(spec.block_size), view)
 
 
-def _check_state_dtypes(where: str, cache_config, conv_dt: str, ssm_dt: str) -> None:
+def _check_state_dtypes(where: str, cache_config: CacheConfig, conv_dt: str, ssm_dt: str) -> None:
     for what, dt, cfg in (("conv", conv_dt, "mamba_cache_dtype"), ("ssm", ssm_dt, "mamba_ssm_cache_dtype")):
         want = str(getattr(cache_config, cfg, "auto") or "auto")
         if want != "auto" and _torch_dtype_name(want) != dt:
@@ -416,7 +432,8 @@ def _check_state_dtypes(where: str, cache_config, conv_dt: str, ssm_dt: str) -> 
             raise VLLMConfigError(f"{where}: unsupported {what} state dtype {dt}") from None
 
 
-def _refuse_conv_shape(where, conv_shape, channels, k1, tp, heads, m, ngroups):
+def _refuse_conv_shape(where: str, conv_shape: tuple[int, ...], channels: int, k1: int, tp: int, heads: int,
+                       m: MambaSpec, ngroups: int) -> NoReturn:
     if len(conv_shape) == 2 and conv_shape[1] == channels and conv_shape[0] >= k1:
         raise VLLMConfigError(f"{where}: the conv state is stored {conv_shape} = (window, channels) (vLLM's "
                               "default 'SD' layout), where one rank's channels of a head are not contiguous; "
@@ -435,13 +452,13 @@ _BUILDERS = {"full_attention": _attention_group, "sliding_window": _attention_gr
              "mamba": _mamba_group}
 
 
-def _kv_shape(spec) -> tuple:
+def _kv_shape(spec: KVCacheSpec) -> tuple[object, ...]:
     return (type(spec).__name__, getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None),
             getattr(spec, "head_size_v", None), str(getattr(spec, "dtype", "")), getattr(spec, "sliding_window", None),
             getattr(spec, "block_size", None))
 
 
-def _split_drafts(ctx: _Ctx, vg, where: str) -> list[tuple[list, Any]]:
+def _split_drafts(ctx: _Ctx, vg: KVCacheGroup, where: str) -> list[tuple[list[str], KVCacheSpec]]:
     """vLLM group ``vg``'s layers as [(layer names, spec)]: one part, or two when draft layers have another KV
     shape than the target layers they share the group with (vLLM puts layers of one kind and any shape in
     one group, a ``UniformTypeKVCacheSpecs``): the target's part, then the draft's."""
@@ -464,7 +481,7 @@ def _split_drafts(ctx: _Ctx, vg, where: str) -> list[tuple[list, Any]]:
     return [([n for n in names if n not in own], per_layer[target[0]]), (own, per_layer[own[0]])]
 
 
-def _translate_group(ctx: _Ctx, i: int, vg) -> list[_Built]:
+def _translate_group(ctx: _Ctx, i: int, vg: KVCacheGroup) -> list[_Built]:
     """kvbridge's groups for vLLM group ``i``: ``g{i}``, and ``g{i}-draft`` for draft layers of another shape
     (same block ids)."""
     spec = layer_spec(vg)
@@ -479,7 +496,7 @@ def _translate_group(ctx: _Ctx, i: int, vg) -> list[_Built]:
     return out
 
 
-def _memory_layout(cache_config, kv_cache_config):
+def _memory_layout(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> kvbridge.MemoryLayout:
     layout = str(getattr(cache_config, "kv_cache_layout", "") or getattr(kv_cache_config, "kv_cache_layout", "") or "")
     try:
         return kvbridge.MemoryLayout.parse(layout.rsplit(".", 1)[-1])
@@ -487,7 +504,7 @@ def _memory_layout(cache_config, kv_cache_config):
         return kvbridge.MemoryLayout()
 
 
-def _pp_layers(num_layers: int, pp: int):
+def _pp_layers(num_layers: int, pp: int) -> tuple[tuple[int, int], ...] | None:
     try:
         from vllm.distributed.utils import get_pp_indices
         return tuple(tuple(get_pp_indices(num_layers, r, pp)) for r in range(pp))
@@ -495,10 +512,11 @@ def _pp_layers(num_layers: int, pp: int):
         return None
 
 
-def _layer_memory(ctx: _Ctx, built: list[_Built], engine, kv_caches: dict, rank) -> dict:
+def _layer_memory(ctx: _Ctx, built: list[_Built], engine: kvbridge.EngineLayout, kv_caches: dict[str, Tensor],
+                  rank: tuple[int, int]) -> dict[int, LayerMemory]:
     """{model layer: LayerKV / LayerState} for the tensors of ``register_kv_caches``."""
     by_name = {n: b for b in built for n in b.layer_names}
-    layers = {}
+    layers: dict[int, LayerMemory] = {}
     for lname, t in kv_caches.items():
         if lname not in by_name:
             continue  # a layer vLLM does not transfer (no group)
@@ -521,7 +539,8 @@ def _check_block_granular(ctx: _Ctx) -> None:
         raise VLLMConfigError("the CPU backend form moves whole blocks: all KV-cache groups need one block size")
 
 
-def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[int, int]):
+def engine_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_caches: dict[str, Tensor],
+                     rank: tuple[int, int]) -> tuple[kvbridge.EngineLayout, list[str], dict[int, LayerMemory]]:
     """kvbridge's :class:`~kvbridge.EngineLayout`, group names and per-layer memory description of one vLLM
     worker, from what vLLM gives a connector: the model's Hugging Face config (kvbridge's importer), TP/PP,
     the ``KVCacheConfig`` groups and specs (block size per group) and the ``register_kv_caches`` tensors,
@@ -549,11 +568,11 @@ def engine_from_vllm(vllm_config, kv_cache_config, kv_caches: dict, rank: tuple[
                                    memory=_memory_layout(cc, kv_cache_config),
                                    pp_layers=_pp_layers(hf_model.num_layers, ctx.pp) if ctx.pp > 1 else None,
                                    num_blocks=int(kv_cache_config.num_blocks),
-                                   group_block_sizes={b.group.name: b.block_size for b in built})
+                                   group_block_sizes=tuple((b.group.name, b.block_size) for b in built))
     return engine, [bs[0].group.name for bs in per_vgroup], _layer_memory(ctx, built, engine, kv_caches, rank)
 
 
-def _context(vllm_config, hf_model, vgroups: list) -> _Ctx:
+def _context(vllm_config: VllmConfig, hf_model: kvbridge.ModelSpec, vgroups: list[KVCacheGroup]) -> _Ctx:
     """The translation's context: the model, its layer -> group map, TP/PP, the KV content form, vLLM's groups
     and the speculative-decoding facts the groups depend on."""
     pc = vllm_config.parallel_config
@@ -563,7 +582,7 @@ def _context(vllm_config, hf_model, vgroups: list) -> _Ctx:
                 draft_kv_heads=_draft_kv_heads(vllm_config))
 
 
-def _draft_kv_heads(vllm_config) -> int | None:
+def _draft_kv_heads(vllm_config: VllmConfig) -> int | None:
     """The draft model's KV heads as its config says (``num_key_value_heads``), or None."""
     sc = getattr(vllm_config, "speculative_config", None)
     hf = getattr(getattr(sc, "draft_model_config", None), "hf_config", None) if sc is not None else None
@@ -573,7 +592,7 @@ def _draft_kv_heads(vllm_config) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def token_granule(vllm_config, kv_cache_config, engine) -> int:
+def token_granule(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, engine: kvbridge.EngineLayout) -> int:
     """Tokens per kvbridge "token": the attention block size in vLLM's CPU backend form (whole blocks move),
     else 1."""
     if kv_content_form(vllm_config) == "kv_blocks" and any(g.kind not in ("mla", "mamba")

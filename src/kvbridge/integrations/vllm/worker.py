@@ -25,19 +25,20 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 import kvbridge
 from kvbridge.integrations import nixl_transport
 
-from ..vllm_cp import check_cp_against_vllm, cp_from_vllm, cp_from_worker
+from ..vllm_cp import VLLMCPSettings, check_cp_against_vllm, cp_from_vllm, cp_from_worker
 from .config import ConnectorConfig, ContextParallelUnsupported, TransferParams
-from .scheduler import RecvReq
-from .translate import block_sources, engine_from_vllm, token_granule
+from .scheduler import KVBridgeConnectorMetadata, Params, RecvReq
+from .translate import KVCacheConfig, LayerMemory, Tensor, VllmConfig, block_sources, engine_from_vllm, token_granule
 
 log = logging.getLogger(__name__)
 
 
-def worker_cp(vllm_config, tp: int, pp: int, pcp: int = 1):
+def worker_cp(vllm_config: VllmConfig, tp: int, pp: int, pcp: int = 1) -> tuple[int, VLLMCPSettings]:
     """``(pp_rank, VLLMCPSettings)`` of this worker: from vLLM's process groups when they exist, else from
     ``parallel_config.rank`` (vLLM orders a DP rank's workers ``[pp, pcp, tp]``, TP fastest:
     rank = (pp_rank * pcp + pcp_rank) * tp + tp_rank). kvbridge's rank is ``cp.rank(pp_rank)``."""
@@ -45,7 +46,8 @@ def worker_cp(vllm_config, tp: int, pp: int, pcp: int = 1):
     try:
         from vllm.distributed import parallel_state as ps
         if ps.model_parallel_is_initialized():
-            return ps.get_pp_group().rank_in_group, cp_from_worker(vllm_config)
+            pp_rank: int = ps.get_pp_group().rank_in_group
+            return pp_rank, cp_from_worker(vllm_config)
     except (ImportError, AttributeError):  # a vLLM without these helpers
         pass
     r = int(getattr(pc, "rank", 0) or 0) % (tp * pcp * pp)
@@ -54,26 +56,26 @@ def worker_cp(vllm_config, tp: int, pp: int, pcp: int = 1):
     return pp_rank, cp_from_vllm(pc, tp_rank=tp_rank, pcp_rank=pcp_rank)
 
 
-def worker_rank(vllm_config, tp: int, pp: int, pcp: int = 1) -> tuple[int, int]:
+def worker_rank(vllm_config: VllmConfig, tp: int, pp: int, pcp: int = 1) -> tuple[int, int]:
     """kvbridge's rank ``(pp_rank, pcp_rank * tp + tp_rank)`` of this worker (:func:`worker_cp`)."""
     pp_rank, cp = worker_cp(vllm_config, tp, pp, pcp)
     return cp.rank(pp_rank)
 
 
-def _tensor_tokens(layers: dict, engine, names: list[str]) -> dict:
+def _tensor_tokens(layers: dict[int, LayerMemory], engine: kvbridge.EngineLayout, names: list[str]) -> dict[str, int]:
     """{kvbridge group: tokens per block of its registered tensors (the ``N`` axis)} for the attention groups."""
-    out = {}
+    out: dict[str, int] = {}
     for name in names:
         for li in engine.model.group(name).layers:
             spec = layers.get(li)
-            axes = getattr(spec, "axes", None)
-            if axes is not None and "N" in axes:
-                out[name] = int(spec.tensor.shape[axes.index("N")])
+            if isinstance(spec, kvbridge.LayerKV) and "N" in spec.axes:
+                tensor: Tensor = spec.tensor
+                out[name] = int(tensor.shape[spec.axes.index("N")])
                 break
     return out
 
 
-def _counters(metrics) -> dict:
+def _counters(metrics: Any) -> dict[str, int | float]:
     """The additive figures of a runtime ``Metrics`` (its numeric fields and the transfer count), as
     ``Metrics.to_json`` names them; a serving thread may update them meanwhile (each read is one int/float)."""
     out = {k: v for k, v in list(vars(metrics).items())
@@ -90,20 +92,20 @@ class SpeculativeConfigMismatch(kvbridge.RequestError):
 class ConnectorWorker:
     """Worker-side state: the endpoints, reads in flight, results not yet reported to vLLM."""
 
-    def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: ConnectorConfig) -> None:
         self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
-        self.engine = None
+        self.engine: kvbridge.EngineLayout | None = None
         self.granule = 1  # tokens per kvbridge "token" (a whole block in the CPU backend form)
         self.group_names: list[str] = []
         self.block_sources: dict[str, int] = {}  # kvbridge group -> the vLLM group whose block ids it uses
-        self.server = None   # kvbridge.PrefillServer (producer)
-        self.decode = None   # kvbridge.DecodeEndpoint (consumer)
+        self.server: kvbridge.PrefillServer | None = None   # producer
+        self.decode: kvbridge.DecodeEndpoint | None = None  # consumer
         # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
-        self._inflight: dict[str, tuple] = {}
+        self._inflight: dict[str, tuple[RecvReq, float]] = {}
         # releases of engines whose handshake is still running: (ReadRequest, give up at)
-        self._release_later: list[tuple] = []
+        self._release_later: list[tuple[kvbridge.ReadRequest, float]] = []
         self.received = 0
-        self.failures: Counter = Counter()
+        self.failures: Counter[str] = Counter()
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_error_blocks: set[int] = set()
@@ -111,7 +113,7 @@ class ConnectorWorker:
         self.released = 0  # decode requests finished unread whose prefill was told
 
     # ---- setup ------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict, is_producer: bool, is_consumer: bool) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Tensor], is_producer: bool, is_consumer: bool) -> None:
         cfg = self.cfg
         # context parallelism: vLLM's sizes, this worker's PCP/DCP ranks, cross-checked against the
         # KV-cache specs, the scheduler's block size and the registered tensors
@@ -147,7 +149,14 @@ class ConnectorWorker:
                 transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
             self.decode.metrics.phase_sink = []
 
-    def _transport(self, memory, agent_name: str, initiator: bool):
+    @property
+    def _dec(self) -> kvbridge.DecodeEndpoint:
+        """The decode endpoint, on the read paths (which run only on a consumer worker)."""
+        if self.decode is None:
+            raise RuntimeError("this worker is not a KV consumer: it has no decode endpoint")
+        return self.decode
+
+    def _transport(self, memory: kvbridge.KVMemory, agent_name: str, initiator: bool) -> Any:
         """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
         default (UCX, the plugin's thread count); None: the endpoint builds its default one."""
         cfg = self.cfg
@@ -156,16 +165,17 @@ class ConnectorWorker:
         return nixl_transport(memory, agent_name, initiator=initiator, backends=cfg.backends,
                                        num_threads=cfg.num_threads or 0)
 
-    def blocks(self, ids_per_group, first_per_group=None) -> dict:
+    def blocks(self, ids_per_group: list[list[int]], first_per_group: list[int] | None = None,
+               ) -> dict[str, kvbridge.GroupBlocks]:
         """vLLM's per-group block ids -> kvbridge GroupBlocks by group name. Leading null blocks (id 0:
         tokens a sliding window already dropped) are skipped: ``first_block`` counts them."""
         if len(ids_per_group) != len(self.group_names):
             raise kvbridge.RequestError(f"{len(ids_per_group)} block-id lists for {len(self.group_names)} KV-cache "
                                         f"groups {self.group_names}: both engines must group the layers alike "
                                         "(same model, same --kv-cache-layout family, both with or without HMA)")
-        per_vgroup = []
-        for g, ids in enumerate(ids_per_group):
-            ids = [int(b) for b in ids]
+        per_vgroup: list[kvbridge.GroupBlocks] = []
+        for g, vids in enumerate(ids_per_group):
+            ids = [int(b) for b in vids]
             first = int(first_per_group[g]) if first_per_group is not None else 0
             nulls = 0
             while nulls < len(ids) and ids[nulls] == 0:
@@ -175,7 +185,7 @@ class ConnectorWorker:
         return {name: per_vgroup[g] for name, g in sources.items()}
 
     # ---- per step ---------------------------------------------------------------------------------
-    def start_load_kv(self, meta) -> None:
+    def start_load_kv(self, meta: KVBridgeConnectorMetadata) -> None:
         if self.server is not None:
             for rid, (ids, attempt) in meta.send.items():
                 self.server.add(rid, self.blocks(ids), attempt)
@@ -206,7 +216,7 @@ class ConnectorWorker:
                     f"from this decode's ({self.cfg.speculative}): the draft model's KV would be missing or wrong; "
                     "start both engines with the same --speculative-config (method, draft model)")
             self._connect(rp)  # no-op if live or connecting (the scheduler's hint started it)
-            self.decode.start(self._read_request(rp, r.req_id, r.local_block_ids, r.local_first_block))
+            self._dec.start(self._read_request(rp, r.req_id, r.local_block_ids, r.local_first_block))
             self._inflight[r.req_id] = (r, time.monotonic())
         except Exception as e:  # noqa: BLE001 - any failure to start a read is a failed receive
             log.warning("kvbridge: cannot start the read of %s: %s", r.req_id, e)
@@ -214,13 +224,14 @@ class ConnectorWorker:
 
     def _connect(self, rp: TransferParams) -> None:
         """Start (or keep) the background handshake with the prefill engine of ``rp``: returns at once."""
-        self.decode.connect(str(rp.remote_engine_id), rp.endpoints())
+        self._dec.connect(str(rp.remote_engine_id), rp.endpoints())
 
-    def _read_request(self, rp: TransferParams, local_id: str, local_ids=None, local_first=None):
+    def _read_request(self, rp: TransferParams, local_id: str, local_ids: list[list[int]] | None = None,
+                      local_first: list[int] | None = None) -> kvbridge.ReadRequest:
         """The runtime's read of the prefill's request (its request id, blocks and lease attempt) into
         ``local_ids`` (none: a read given up or heartbeated), keyed by this engine's request id
         (``read_id``: the children of one prefill request, vLLM ``n > 1``, pin the lease separately)."""
-        if not rp.readable or rp.remote_num_tokens is None:
+        if not rp.readable or rp.remote_num_tokens is None or rp.remote_block_ids is None:
             raise kvbridge.RequestError(f"kv_transfer_params of {local_id!r} name no engine, blocks or token count")
         num_tokens = rp.remote_num_tokens
         if self.granule > 1:  # block-granular groups (CPU backend form): count blocks, not tokens
@@ -232,19 +243,19 @@ class ConnectorWorker:
                                     num_tokens, self.blocks(rp.remote_block_ids), local,
                                     attempt=rp.remote_attempt, read_id=local_id)
 
-    def _release(self, local_id: str, params: dict) -> None:
+    def _release(self, local_id: str, params: Params) -> None:
         """The decode request finished (any status) without reading: decline this reader's part of the
         prefill's lease, which the prefill frees at once unless another reader holds a pin. An engine whose
         handshake still runs (the scheduler's hint started it) is released when it is live."""
         try:
             rp = TransferParams.from_dict(params)
             req = self._read_request(rp, local_id)
-            if req.engine_id in self.decode.remotes:
-                self.decode.release(req)
+            if req.engine_id in self._dec.remotes:
+                self._dec.release(req)
                 self.released += 1
             else:
                 self._connect(rp)
-                self._release_later.append((req, time.monotonic() + self.decode.connect_timeout_s))
+                self._release_later.append((req, time.monotonic() + self._dec.connect_timeout_s))
         except Exception as e:  # noqa: BLE001 - the lease expires on its own
             log.warning("kvbridge: cannot release the prefill's blocks of %s: %s", local_id, e)
 
@@ -253,8 +264,8 @@ class ConnectorWorker:
             return
         now, later = time.monotonic(), []
         for req, until in self._release_later:
-            if req.engine_id in self.decode.remotes:
-                self.decode.release(req)
+            if req.engine_id in self._dec.remotes:
+                self._dec.release(req)
                 self.released += 1
             elif now < until:
                 later.append((req, until))
@@ -263,15 +274,15 @@ class ConnectorWorker:
                          req.read_id, req.engine_id)
         self._release_later = later
 
-    def _heartbeat(self, waiting: dict) -> None:
+    def _heartbeat(self, waiting: dict[str, Params]) -> None:
         """Requests still queued on this engine: extend their prefill leases (bound to attempt and reader;
         engines not live yet are skipped: their handshake was started when the request arrived)."""
         try:
-            self.decode.heartbeat([self._read_request(TransferParams.from_dict(p), rid) for rid, p in waiting.items()])
+            self._dec.heartbeat([self._read_request(TransferParams.from_dict(p), rid) for rid, p in waiting.items()])
         except Exception as e:  # noqa: BLE001
             log.warning("kvbridge: heartbeat failed: %s", e)
 
-    def _fail(self, r: RecvReq, why=None) -> None:
+    def _fail(self, r: RecvReq, why: BaseException | None = None) -> None:
         self._failed_recv.add(r.req_id)
         self._done_recv.add(r.req_id)
         self.failures[type(why).__name__ if why is not None else "unknown"] += 1
@@ -308,11 +319,11 @@ class ConnectorWorker:
         out, self._load_error_blocks = self._load_error_blocks, set()
         return out
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, int | float]:
         """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics). Quantiles
         the endpoints compute (``*_p50``, ``*_p90``) are left out: they do not add up over workers or
         intervals (latencies travel as observations, :meth:`take_read_seconds`)."""
-        now = {"reads_done": self.received, "reads_released": self.released,
+        now: dict[str, int | float] = {"reads_done": self.received, "reads_released": self.released,
                **{f"reads_failed_{k}": v for k, v in self.failures.items()}}
         # vLLM asks every step: read the endpoints' counters directly (a few µs), not through their stats()
         # (which copies every field, histogram and table, and on a prefill waits for a serving turn in

@@ -1,0 +1,171 @@
+"""Request lifecycle: abort, lease expiry, late reads, full prefix hits, requests settled without
+posting; in-process ranks release everything they took (load, 1,000 requests in flight:
+tests/test_faults.py).
+
+Every test drives real rank processes (:mod:`kvbridge.testing.procs`, one process per rank, NIXL/UCX
+over host memory) or in-process ranks, checks moved bytes against the oracle (``verify``), and bounds
+every wait with an explicit deadline (no pytest-timeout plugin); helpers in ``_helpers.py``, the shared
+prefill/decode ``pair`` fixture (one per module) in ``conftest.py``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from _helpers import Jobs, collect, hold, layout, publish, served, until, wait_freed
+
+from kvbridge.errors import LeaseExpired
+from kvbridge.lower import GroupBlocks
+from kvbridge.runtime.decode import DecodeRank
+from kvbridge.runtime.prefill import PrefillRank
+from kvbridge.testing.engine import buffer_of, default_memory
+from kvbridge.testing.oracle import SENTINEL
+from kvbridge.testing.procs import _verify
+from kvbridge.transport.nixl import nixl_available
+
+pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
+
+
+def test_abort_frees_prefill_blocks(pair):
+    # never started: the decode tells the prefill it will not read
+    j = pair.jobs.make("pm", 1, tag="ab")[0]
+    publish(pair.P, [j])
+    pair.D.call_all("abort", j.rid, readers_of=j.read())
+    wait_freed(pair.P, {j.rid})
+    # in flight: abort right after posting; its blocks are then read again in full (oracle stays exact)
+    big = pair.jobs.make("pm", 1, lengths=[64], prefix_p=0.0, tag="abf")[0]
+    exp = publish(pair.P, [big])
+    D = next(iter(pair.D.workers.values()))
+    # start and abort in one call: with no poll in between the read is surely still in flight (two
+    # calls raced: a small read can complete between them)
+    assert D.call("start_abort", big.read(exp[big.rid])) is True
+    wait_freed(pair.P, {big.rid})
+    s = D.call("stats")
+    assert s["inflight"] == 0 and s["live_handles"] == 0 and s["metrics"]["aborted_requests"] >= 2
+    fin, failed = collect(pair.D, 5)
+    assert big.rid not in fin and big.rid not in failed, failed  # an aborted request is not reported
+    pair.roundtrip([big.renamed(big.rid + "-again")])
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def test_unread_requests_expire_on_prefill(pair):
+    jobs = pair.jobs.make("pm", 3, tag="exp")
+    before = {r: s["metrics"]["expired_requests"] for r, s in pair.P.call_all("stats").items()}
+    t0 = time.monotonic()
+    publish(pair.P, jobs, lease_s=0.5)
+    seen = wait_freed(pair.P, {j.rid for j in jobs}, timeout=5, key="expired")
+    assert time.monotonic() >= t0 + 0.5
+    for r, s in pair.P.call_all("stats").items():
+        assert s["metrics"]["expired_requests"] == before[r] + 3
+        assert not (seen[r]["freed"] & {j.rid for j in jobs})
+
+
+def test_late_read_is_refused_without_posting(pair):
+    D = next(iter(pair.D.workers.values()))
+    j = pair.jobs.make("pm", 1, tag="late")[0]
+    before = D.call("stats")
+    D.call("start", j.read(0))  # no lease attempt: refused at once, nothing asked or posted
+    done, failed = D.call("wait", 5.0)
+    assert j.rid in failed and isinstance(failed[j.rid], LeaseExpired) and j.rid not in done
+    assert "attempt" in str(failed[j.rid])
+    after = D.call("stats")
+    assert after["metrics"]["transfers"] == before["metrics"]["transfers"]
+    assert after["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert after["metrics"]["failed_requests"] == before["metrics"]["failed_requests"] + 1
+    # the prefill's lease ran out (its clock alone decides): its refusal fails the read, nothing is posted
+    j2 = pair.jobs.make("pm", 1, tag="late")[0]
+    publish(pair.P, [j2], lease_s=0.2)
+    wait_freed(pair.P, {j2.rid}, timeout=5, key="expired")
+    D.call("start", j2.read())
+    failed = D.call("wait", 5.0)[1]
+    assert isinstance(failed.get(j2.rid), LeaseExpired), failed
+    assert D.call("stats")["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert pair.verify()["mismatched_bytes"] == 0  # nothing was written
+
+
+def test_full_prefix_hit_moves_nothing_and_frees_prefill(pair):
+    """The decode already holds every block (prefix-cache hit): no read is posted, the request
+    finishes, and each prefill rank is told to free its blocks."""
+    D = next(iter(pair.D.workers.values()))
+    hit = pair.jobs.make("pm", 1, lengths=[8], prefix_p=0.0, tag="hit")[0]
+    hit = replace(hit, req=replace(hit.req, decode_blocks={"full": GroupBlocks(np.empty(0, dtype=np.int64), 2)}))
+    exp = publish(pair.P, [hit])
+    before = D.call("stats")
+    D.call("start", hit.read(exp[hit.rid]))
+    done, failed = D.call("wait", 5.0)
+    assert hit.rid in done and not failed
+    after = D.call("stats")
+    assert after["metrics"]["transfers"] == before["metrics"]["transfers"]
+    assert after["nixl"]["handles_created"] == before["nixl"]["handles_created"]
+    assert after["metrics"]["finished_requests"] == before["metrics"]["finished_requests"] + 1
+    wait_freed(pair.P, {hit.rid})
+    assert pair.verify()["mismatched_bytes"] == 0
+
+
+def test_take_reports_requests_settled_without_posting(pair):
+    D = next(iter(pair.D.workers.values()))
+    late = pair.jobs.make("pm", 1, tag="take-late")[0]
+    D.call("start", late.read(0))
+    # a full prefix hit: the decode already has every block, nothing to read
+    hit = pair.jobs.make("pm", 1, lengths=[8], prefix_p=0.0, tag="take-hit")[0]
+    hit_req = replace(hit.req, decode_blocks={"full": GroupBlocks(np.empty(0, dtype=np.int64), 2)})
+    hit = replace(hit, req=hit_req)
+    exp = publish(pair.P, [hit])
+    D.call("start", hit.read(exp[hit.rid]))
+    got_done, got_failed = [], {}
+    try:
+        def settled():
+            d, f = D.call("take")
+            got_done.extend(d)
+            got_failed.update(f)
+            return late.rid in got_failed and hit.rid in got_done
+        until(settled, 3.0, "take to report both requests")
+    finally:
+        D.call("wait", 1.0)  # drain whatever 'take' did not report, for the next tests
+
+
+def test_inprocess_ranks_release_everything():
+    """Prefill and decode ranks in this process (two NIXL agents): bytes verify, and after close the
+    transport counters balance: handles, peers, registered regions."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=5)
+    jobs.engine("pi", pl)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pi")
+    dec = None
+    try:
+        with served(pre) as lock:
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="di")
+            buffer_of(dec.mem).fill(SENTINEL)
+            dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
+            probe_handles = dec.transport.stats.handles_created  # the link probe's reads, at handshake
+            assert dec.prober.buffers > 0 and probe_handles > 0
+            js = jobs.make("pi", 8)
+            for j in js:
+                e = hold(pre, lock, j)
+                dec.start(j.read(e))
+            done, failed = dec.wait(20)
+            assert set(done) == {j.rid for j in js} and not failed
+            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            freed = set()
+
+            def all_freed():
+                with lock:
+                    freed.update(pre.take_freed()["freed"])
+                return freed >= {j.rid for j in js}
+
+            until(all_freed, 10, "in-process prefill to free")
+            assert dec.stats()["live_handles"] == 0
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
+    for rank in (pre, dec):  # the KV buffer, the device and host staging buffers, the decode's probe buffers
+        t, s = rank.transport, rank.transport.stats
+        probe = rank.prober.buffers if rank is dec else 0
+        regions = 1 + bool(rank.staging.size) + bool(rank.host_staging.size) + probe
+        assert s.regions_registered == s.regions_deregistered == regions, (s, regions)
+        assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed, s
+        assert t.live_handles() == 0
+    assert dec.transport.stats.handles_created == probe_handles + 8  # one READ per request
