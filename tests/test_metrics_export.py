@@ -187,8 +187,12 @@ def test_failed_transfers_counts_transfers_not_requests(pair):
         dec.start(j.read())
         dec.wait(10)
         m = dec.stats()["metrics"]
-        assert m["transfers"] == 2
-        assert m["failed_transfers"] == m["transfers"]  # both reads failed
+        # tp=2 -> tp=1: one read per prefill rank, both doomed. The first to fail fails the request, so the
+        # other is either posted and fails too (2 transfers) or cancelled before it was posted (not a
+        # transfer: seen under load); every transfer counted failed, the request once.
+        assert m["transfers"] in (1, 2), m
+        assert m["failed_transfers"] == m["transfers"], m
+        assert m["failed_requests"] == 1, m
 
 
 def test_prometheus_label_values_are_escaped():
