@@ -184,6 +184,69 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def buckets(text: str, name: str, **labels: str) -> dict[float, float]:
+    """Cumulative bucket counts ``le -> count`` of the Prometheus histogram ``name`` (summed over the series
+    whose labels include ``labels``: every decode worker)."""
+    import re
+    series = re.compile(r"^" + re.escape(name) + r"_bucket\{([^}]*)\}\s+([-+0-9.eEinfNa]+)")
+    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        m = series.match(line)
+        if not m:
+            continue
+        have = dict(label.findall(m.group(1)))
+        if "le" not in have or any(have.get(k) != v for k, v in labels.items()):
+            continue
+        le = float("inf") if have["le"] in ("+Inf", "inf") else float(have["le"])
+        out[le] = out.get(le, 0.0) + float(m.group(2))
+    return out
+
+
+def quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The ``q`` quantile (ms) of the observations made between two scrapes of one histogram: linear within
+    the bucket it falls in (Prometheus' ``histogram_quantile``); NaN when nothing was observed."""
+    edges = sorted(after)
+    counts = [after[e] - before.get(e, 0.0) for e in edges]
+    total = counts[-1] if counts else 0.0
+    if total <= 0:
+        return float("nan")
+    rank, lo, prev = q * total, 0.0, 0.0
+    for e, c in zip(edges, counts):
+        if c >= rank:
+            if e == float("inf"):
+                return 1e3 * lo
+            return 1e3 * (lo + (e - lo) * (rank - prev) / max(c - prev, 1e-12))
+        lo, prev = e, c
+    return 1e3 * lo
+
+
+# the decode-side read histograms per connector: the whole read, then its phases where the connector has them
+READ_HIST = {"kvbridge": ("vllm:kvbridge_read_seconds", "vllm:kvbridge_phase_seconds"),
+             "nixl": ("vllm:nixl_xfer_time_seconds", None)}
+NIXL_PHASES = {"post": "vllm:nixl_post_time_seconds", "transfer": "vllm:nixl_xfer_time_seconds"}
+KVBRIDGE_PHASES = ("queue", "grant", "post_queue", "post", "transfer", "scatter", "report")
+
+
+def read_snapshot(text: str, config: str) -> dict[str, dict[float, float]]:
+    """Every decode read histogram of ``config`` from one /metrics scrape: ``read`` and one per phase."""
+    if config == "kvbridge":
+        snap = {"read": buckets(text, "vllm:kvbridge_read_seconds")}
+        snap.update({ph: buckets(text, "vllm:kvbridge_phase_seconds", phase=ph) for ph in KVBRIDGE_PHASES})
+        return snap
+    snap = {"read": buckets(text, "vllm:nixl_xfer_time_seconds")}
+    snap.update({ph: buckets(text, name) for ph, name in NIXL_PHASES.items()})
+    return snap
+
+
+def read_quantiles(s0: dict, s1: dict) -> dict[str, float]:
+    """p50 / p90 of the read and p50 of each phase (ms) between two snapshots."""
+    out = {"read_p50_ms": quantile_ms(s0["read"], s1["read"], 0.5),
+           "read_p90_ms": quantile_ms(s0["read"], s1["read"], 0.9)}
+    out.update({f"{ph}_p50_ms": quantile_ms(s0.get(ph, {}), s1[ph], 0.5) for ph in s1 if ph != "read"})
+    return out
+
+
 def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], args) -> dict:
     bs = tuple(int(x) for x in args.block_sizes.split(",")) if args.block_sizes else (None, None)
     tps = tuple(int(x) for x in args.tp.split(","))
@@ -205,6 +268,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         # sent) -> its last byte and Done; NixlConnector's is a transfer's post -> completion
         hist = "vllm:kvbridge_read_seconds" if config == "kvbridge" else "vllm:nixl_xfer_time_seconds"
         rs0 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
+        snap0 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
         time.sleep(1.2)  # the timing files are rewritten every 0.5 s
         ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
@@ -226,6 +290,7 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         ct1 = (conn_times(p_spec), conn_times(d_spec))
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
         rs1 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
+        snap1 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
         reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
@@ -250,6 +315,9 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             "connector_decode": conn_summary(ct0[1], ct1[1], n),
             "read_ms_mean": 1e3 * (rs1[0] - rs0[0]) / reads if reads else float("nan"),
             "reads": reads,
+            # from the histograms' buckets (both connectors): the read's p50 / p90 and each phase's p50; the
+            # spans differ: kvbridge's read is acquire sent -> last byte; NixlConnector's is post -> complete
+            **read_quantiles(snap0, snap1),
             "external_kv_tokens": ext,
             "prompt_tokens": sum(len(x) for x in prompts),
             "wall_s": wall,
@@ -287,6 +355,7 @@ def print_tables(runs: list[dict], a: dict) -> None:
         "connector ms/req P / D",
         "D connector ms/step",
         "D read ms mean",
+        "D read p50 / p90 ms",
         "external KV tokens / prompt tokens",
         "tokens equal",
         "load (1 min)",
@@ -309,6 +378,7 @@ def print_tables(runs: list[dict], a: dict) -> None:
                 "-",
                 "-",
                 "-",
+                "-",
             )
             continue
         t.add_row(str(r["round"]), r["config"], f"{r['failed']} / {r['requests']}",
@@ -319,9 +389,21 @@ def print_tables(runs: list[dict], a: dict) -> None:
                   f"{r['connector_prefill']['ms_per_request']:.2f} / {r['connector_decode']['ms_per_request']:.2f}",
                   f"{r['connector_decode']['ms_per_step']:.3f}",
                   f"{r['read_ms_mean']:.1f}" if "read_ms_mean" in r else "-",
+                  f"{r['read_p50_ms']:.1f} / {r['read_p90_ms']:.1f}" if "read_p50_ms" in r else "-",
                   f"{r['external_kv_tokens']:.0f} / {r['prompt_tokens']}", "yes" if r["tokens_equal"] else "NO",
                   f"{r['load'][0]:.1f}")
     Console(width=260).print(t)
+    # the decode read's phases, p50 ms from the histograms (a phase a connector does not time: "-")
+    phases = list(KVBRIDGE_PHASES) + [ph for ph in NIXL_PHASES if ph not in KVBRIDGE_PHASES]
+    pt = Table(title="decode read phases, p50 ms (kvbridge: acquire sent -> done; NixlConnector: post -> complete)")
+    for col in ("round", "connector", "read p50", *phases):
+        pt.add_column(col)
+    for r in runs:
+        if "read_p50_ms" in r:
+            cells = [r.get(f"{ph}_p50_ms") for ph in phases]
+            pt.add_row(str(r["round"]), r["config"], f"{r['read_p50_ms']:.2f}",
+                       *("-" if c is None or c != c else f"{c:.2f}" for c in cells))
+    Console(width=260).print(pt)
     # where the connector's time goes, per engine: ms per request by method group (µs per call in brackets)
     groups = {
         "scheduler side": lambda m: m.startswith("scheduler."),
