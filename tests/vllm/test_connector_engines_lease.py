@@ -14,6 +14,7 @@ pytest.importorskip("nixl._api")
 
 import dataclasses  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -99,6 +100,9 @@ def prefill_engine(pipe, port, tmp):
 
 def decode_engine(pipe, tmp):
     try:
+        # every READ of this decode takes >= 0.3 s (transport/delayed.py): the "aborted during its read" case
+        # needs a read still under way after the step that started it, and reads now finish within a step
+        os.environ["KVBRIDGE_DELAY_LINK"] = "*:read:300"
         # 10 blocks of 16 tokens: a local request of 100 tokens (7 blocks) leaves too few for a 40-token read
         conn, kv, kvc, sched = _engine("kv_consumer", "decode-e", 0, tmp, num_blocks=10)
         pipe.send(("ready",))
