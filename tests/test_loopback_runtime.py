@@ -16,9 +16,19 @@ from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 _n = itertools.count()
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host", "push"])
 def test_loopback_ranks_read_release_and_notify(mode):
-    _loopback_read(mode)
+    pres, dec = _loopback_read(mode)
+    m = dec.metrics
+    if mode == "push":  # the prefill WROTE every segment into the decode's staging: no READ was posted
+        assert m.pushed_transfers == m.staged_transfers == m.transfers > 0 and m.host_staged_transfers == 0
+        assert sum(p.metrics.pushed_segments for p in pres) == m.transfers
+        assert not dec.reads.push_holds and dec.slots.bytes_used == 0
+        for p in pres:  # the decode's agent was added for the WRITEs and removed with the prefill's transport
+            assert p.transport.stats.peers_added == p.transport.stats.peers_removed == 1
+            assert p.stats()["pushing"] == 0 and p.slots.bytes_used == 0
+    elif mode == "host":
+        assert m.host_staged_transfers == m.staged_transfers > 0 and m.pushed_transfers == 0
 
 
 @pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl")])

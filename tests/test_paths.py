@@ -16,7 +16,7 @@ from kvbridge.runtime.probe import link_warning
 from kvbridge.transport.delayed import DelayedTransport, LinkDelay, parse_delays
 from kvbridge.transport.nixl import nixl_available
 
-D, S, H = TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST
+D, S, H, P = TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST, TransferPath.PUSH
 
 
 def h100_like() -> LinkFigures:
@@ -80,12 +80,13 @@ def test_the_choice_flips_when_a_path_slows_down_in_service():
 
 
 def test_modes_are_one_enum():
-    assert TRANSFER_MODES == ("auto", "direct", "staged", "host")
+    assert TRANSFER_MODES == ("auto", "direct", "staged", "host", "push")
     assert parse_mode(TransferPath.HOST) == "host" and TransferPath("staged") is S and S == "staged"
-    with pytest.raises(ValueError, match="transfer_mode must be one of auto, direct, staged, host, got 'fast'"):
+    assert parse_mode("push") is P and DecodeConfig.from_mapping({"transfer_mode": "push"}).transfer_mode == "push"
+    with pytest.raises(ValueError, match="transfer_mode must be one of auto, direct, staged, host, push, got 'fast'"):
         parse_mode("fast")
-    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host"):
-        DecodeConfig.from_mapping({"transfer_mode": "push"})
+    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host, push"):
+        DecodeConfig.from_mapping({"transfer_mode": "pull"})
     assert DecodeConfig.from_mapping({"transfer_mode": "host", "probe_ms": "0"}).probe_ms == 0.0
     with pytest.raises(ConfigError, match="probe_bytes must be >= 0"):
         DecodeConfig(probe_bytes=-1)

@@ -31,6 +31,8 @@ PROM_COUNTERS = {
                                 "decode reads (per prefill rank) over a staged path (device or host staging)"),
     "decode_host_staged_transfers": ("vllm:kvbridge_host_staged_transfers",
                                      "decode reads (per prefill rank) over host staging"),
+    "decode_pushed_transfers": ("vllm:kvbridge_pushed_transfers",
+                                "decode reads (per prefill rank) over the push path (the prefill WRITEs; no READ)"),
     "decode_degraded_links": ("vllm:kvbridge_degraded_links",
                               "links to prefill ranks warned degraded (a device path far below the host path or a "
                               "floor: the warning in the log names the link and the likely causes)"),
