@@ -181,11 +181,14 @@ def _check(res, path: str) -> None:
         assert res.staged_transfers > 0 and res.host_staged_transfers == 0 and res.direct_transfers == 0
     elif path == "host":
         assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+    elif path == "push":  # every transfer WRITTEN by the prefill: the decode posted no READ
+        assert res.pushed_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+        assert res.host_staged_transfers == 0
 
 
 @pytest.mark.nixl
 @nixl
-@pytest.mark.parametrize("path", ["direct", "staged", "host"])
+@pytest.mark.parametrize("path", ["direct", "staged", "host", "push"])
 @pytest.mark.parametrize("case", list(ORACLE))
 def test_every_path_is_byte_exact_between_processes(case, path):
     from kvbridge.testing.demo import run_demo
@@ -197,7 +200,7 @@ def test_every_path_is_byte_exact_between_processes(case, path):
         for link in per["prefill-0"].values():
             assert link["chosen"] == path and link["source"] == "probe"
             # forced direct: no staging buffers on the decode rank, so direct is the only path it offers
-            assert set(link["paths"]) == ({"direct"} if path == "direct" else {"direct", "staged", "host"})
+            assert set(link["paths"]) == ({"direct"} if path == "direct" else {"direct", "staged", "host", "push"})
 
 
 @pytest.mark.nixl

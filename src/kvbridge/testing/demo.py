@@ -64,6 +64,7 @@ class DemoResult:
     staged_transfers: int = 0
     direct_transfers: int = 0
     host_staged_transfers: int = 0  # of the staged transfers, those through host staging
+    pushed_transfers: int = 0  # of the staged transfers, those pushed (the prefill WROTE; no READ)
     links: dict | None = None   # decode rank -> its stats()["links"] (the measured path figures per prefill rank)
     warm: Phase | None = None   # sequential single requests after a warm-up one (handshake excluded)
     # the warm requests read again, timed inside each decode process (no RPC): kvbridge's read, and NIXL's
@@ -269,6 +270,8 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
         - extra["transfers"] + extra["staged_transfers"],
         host_staged_transfers=sum(s["metrics"].get("host_staged_transfers", 0) for s in stats.values())
         - extra.get("host_staged_transfers", 0),
+        pushed_transfers=sum(s["metrics"].get("pushed_transfers", 0) for s in stats.values())
+        - extra.get("pushed_transfers", 0),
         links={r: s.get("links", {}) for r, s in stats.items()},
         warm=warm, burst=burst, large=big, decode_ranks=n_ranks, inproc=inproc, nixl=nixl,
         large_phases=large_phases, large_prefill=large_prefill, large_nixl=large_nixl, large_nixl_1=large_nixl_1,
