@@ -418,7 +418,8 @@ def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     from ..modes import TRANSFER_MODES
     p.add_argument("--mode", choices=TRANSFER_MODES, default="auto",
                    help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), host (staged "
-                        "through host staging buffers), or auto: chosen per (decode rank, prefill rank) and request "
+                        "through host staging buffers), push (prefill packs and WRITEs into the decode's staging, "
+                        "decode scatters), or auto: chosen per (decode rank, prefill rank) and request "
                         "from the links measured at handshake")
     p.set_defaults(fn=lambda args: cmd_demo(args, engine_from_args))
 
