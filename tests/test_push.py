@@ -213,3 +213,43 @@ def test_a_failed_write_is_a_typed_answer(where):
             assert dec.metrics.pushed_transfers == 1  # two segments landed and were scattered first
         until(lambda: (dec.poll(), t.pstats()["leases"] == 0)[1], 10, "the prefill to free the lease")
     push_pair(test, stage_segment_bytes=4096)
+
+
+def test_a_readers_push_agent_is_added_once_and_removed_when_it_is_evicted():
+    """The prefill adds a reader's agent (from its handshake's metadata) at its first push and keeps it
+    for the next; a reader evicted from the full reader table takes its agent with it."""
+    reg, k = LoopbackRegistry(), next(_n)
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=5)
+    jobs.engine("pe", pl)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pe",
+                      transport=LoopbackTransport(f"pe{k}", reg), max_readers=1, reader_idle_s=1e-3)
+    decs = []
+    try:
+        with served(pre) as lock:
+            for name in ("e1", "e2"):
+                dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id=name, transfer_mode="push",
+                                 transport=LoopbackTransport(f"{name}-{k}", reg))
+                decs.append(dec)
+                buffer_of(dec.mem).fill(SENTINEL)
+                dec.handshake("pe", {(0, 0): f"127.0.0.1:{pre.port}"})  # e2's evicts e1 (idle, no pin)
+                with lock:
+                    assert pre.transport.peers <= {dec.transport.agent_name}  # e1's agent went with it
+                moved = []
+                for j in jobs.make("pe", 2, lengths=[40, 64]):
+                    hold(pre, lock, j)
+                    dec.start(j.read())
+                    done, failed = dec.wait(10)
+                    assert done == [j.rid] and not failed, failed
+                    moved.append((j.num, j.read()))
+                    assert _verify(dec, moved)["mismatched_bytes"] == 0  # (every byte of this rank's memory)
+                until(lambda: pre.stats()["pins"] == 0, 10, "the reads' Done")
+                with lock:
+                    assert pre.transport.peers == {dec.transport.agent_name} and pre.stats()["push_peers"] == 1
+                assert dec.metrics.pushed_transfers == 2
+            with lock:
+                assert pre.transport.stats.peers_added == 2 and pre.transport.stats.peers_removed == 1
+    finally:
+        for dec in decs:
+            dec.close()
+        pre.close()

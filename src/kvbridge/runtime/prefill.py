@@ -622,7 +622,9 @@ class PrefillRank:
         if not md or not self.staging_bytes or metadata_digest(md) != msg.decode_metadata_sha256:
             return False
         old = self._push_meta.get(reader)
-        if old is not None and old[1] != md:
+        if old is not None and old[1] != md and not any(k[1:3] == reader for k in self._pushes):
+            # new metadata (a restarted decode process, or memory it registered since): added anew at the
+            # reader's next push stage request (never while one of its pushes is in flight)
             self._drop_push_peer(reader)
         self._push_meta[reader] = (msg.decode_agent, md, msg.decode_metadata_sha256)
         return True

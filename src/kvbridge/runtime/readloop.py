@@ -661,7 +661,7 @@ class ReadLoop:
         hold_key = ("push-hold", self._holds)
         if not self.slots.rename((f.req.key, prank), hold_key):
             return
-        k = (f.peer.engine_id, prank, f.req.key, int(f.req.attempt_for(prank)))
+        k = (f.peer.engine_id, prank, f.req.key, int(f.req.attempt_for(prank) or 0))
         old = self.push_holds.pop(k, None)
         if old is not None:  # (the same read ended twice unanswered: both slots wait for the bound)
             self.push_holds[(*k[:3], -self._holds)] = old
