@@ -31,7 +31,8 @@ def test_loopback_ranks_read_release_and_notify(mode):
         assert m.host_staged_transfers == m.staged_transfers > 0 and m.pushed_transfers == 0
 
 
-@pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl")])
+@pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl"),
+                                       ("push", "loopback"), ("push", "nixl")])
 def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
     """KV memory given as (CPU) torch tensors: both ranks' staging buffers are torch tensors on the
     memory's device (registered from the tensor) and pack/scatter run as torch index/copy operations
@@ -42,8 +43,10 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
         from kvbridge.transport.nixl import NixlTransport, nixl_available
         if not nixl_available():
             pytest.skip("NIXL not installed")
+        # (a pushing prefill's agent is used by its serving thread and its post thread: thread-safe mode)
         monkeypatch.setattr("test_loopback_runtime.LoopbackTransport",
-                            lambda name, reg: NixlTransport(name, multi_threaded=not name.startswith("pl")))
+                            lambda name, reg: NixlTransport(name, multi_threaded=mode == "push"
+                                                            or not name.startswith("pl")))
     from kvbridge import staging
     calls = []
     real = staging._copy_runs_torch
@@ -53,8 +56,9 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
     for r in (*pres, dec):
         assert isinstance(r.staging, torch.Tensor) and r.staging.device == torch.device("cpu")
         assert r.staging_bytes == r.staging.numel() > 0 or (r is dec and mode == "direct")  # direct: none
-    if mode == "staged":
+    if mode in ("staged", "push"):
         assert dec.metrics.staged_transfers > 0
+        assert dec.metrics.pushed_transfers == (dec.metrics.staged_transfers if mode == "push" else 0)
         assert calls and set(calls) == {"cpu"}  # every pack and scatter went through torch
     else:
         assert not calls
