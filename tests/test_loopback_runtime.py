@@ -17,12 +17,23 @@ from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 _n = itertools.count()
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host", "push"])
 def test_loopback_ranks_read_release_and_notify(mode):
-    _loopback_read(mode)
+    pres, dec = _loopback_read(mode)
+    m = dec.metrics
+    if mode == "push":  # the prefill WROTE every segment into the decode's staging: no READ was posted
+        assert m.pushed_transfers == m.staged_transfers == m.transfers > 0 and m.host_staged_transfers == 0
+        assert sum(p.metrics.pushed_segments for p in pres) == m.transfers
+        assert not dec.reads.push_holds and dec.slots.bytes_used == 0
+        for p in pres:  # the decode's agent was added for the WRITEs and removed with the prefill's transport
+            assert p.transport.stats.peers_added == p.transport.stats.peers_removed == 1
+            assert p.stats()["pushing"] == 0 and p.slots.bytes_used == 0
+    elif mode == "host":
+        assert m.host_staged_transfers == m.staged_transfers > 0 and m.pushed_transfers == 0
 
 
-@pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl")])
+@pytest.mark.parametrize("mode,over", [("staged", "loopback"), ("direct", "loopback"), ("staged", "nixl"),
+                                       ("push", "loopback"), ("push", "nixl")])
 def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
     """KV memory given as (CPU) torch tensors: both ranks' staging buffers are torch tensors on the
     memory's device (registered from the tensor) and pack/scatter run as torch index/copy operations
@@ -33,8 +44,10 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
         from kvbridge.transport.nixl import NixlTransport, nixl_available
         if not nixl_available():
             pytest.skip("NIXL not installed")
+        # (a pushing prefill's agent is used by its serving thread and its post thread: thread-safe mode)
         monkeypatch.setattr("test_loopback_runtime.LoopbackTransport",
-                            lambda name, reg: NixlTransport(name, multi_threaded=not name.startswith("pl")))
+                            lambda name, reg: NixlTransport(name, multi_threaded=mode == "push"
+                                                            or not name.startswith("pl")))
     from kvbridge import staging
     calls = []
     real = staging._copy_runs_torch
@@ -44,8 +57,9 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
     for r in (*pres, dec):
         assert isinstance(r.staging, torch.Tensor) and r.staging.device == torch.device("cpu")
         assert r.staging_bytes == r.staging.numel() > 0 or (r is dec and mode == "direct")  # direct: none
-    if mode == "staged":
+    if mode in ("staged", "push"):
         assert dec.metrics.staged_transfers > 0
+        assert dec.metrics.pushed_transfers == (dec.metrics.staged_transfers if mode == "push" else 0)
         assert calls and set(calls) == {"cpu"}  # every pack and scatter went through torch
     else:
         assert not calls

@@ -16,7 +16,7 @@ from kvbridge.runtime.probe import link_warning
 from kvbridge.transport.delayed import DelayedTransport, LinkDelay, parse_delays
 from kvbridge.transport.nixl import nixl_available
 
-D, S, H = TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST
+D, S, H, P = TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST, TransferPath.PUSH
 
 
 def h100_like() -> LinkFigures:
@@ -80,12 +80,13 @@ def test_the_choice_flips_when_a_path_slows_down_in_service():
 
 
 def test_modes_are_one_enum():
-    assert TRANSFER_MODES == ("auto", "direct", "staged", "host")
+    assert TRANSFER_MODES == ("auto", "direct", "staged", "host", "push")
     assert parse_mode(TransferPath.HOST) == "host" and TransferPath("staged") is S and S == "staged"
-    with pytest.raises(ValueError, match="transfer_mode must be one of auto, direct, staged, host, got 'fast'"):
+    assert parse_mode("push") is P and DecodeConfig.from_mapping({"transfer_mode": "push"}).transfer_mode == "push"
+    with pytest.raises(ValueError, match="transfer_mode must be one of auto, direct, staged, host, push, got 'fast'"):
         parse_mode("fast")
-    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host"):
-        DecodeConfig.from_mapping({"transfer_mode": "push"})
+    with pytest.raises(ConfigError, match="transfer_mode must be one of auto, direct, staged, host, push"):
+        DecodeConfig.from_mapping({"transfer_mode": "pull"})
     assert DecodeConfig.from_mapping({"transfer_mode": "host", "probe_ms": "0"}).probe_ms == 0.0
     with pytest.raises(ConfigError, match="probe_bytes must be >= 0"):
         DecodeConfig(probe_bytes=-1)
@@ -180,11 +181,14 @@ def _check(res, path: str) -> None:
         assert res.staged_transfers > 0 and res.host_staged_transfers == 0 and res.direct_transfers == 0
     elif path == "host":
         assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+    elif path == "push":  # every transfer WRITTEN by the prefill: the decode posted no READ
+        assert res.pushed_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+        assert res.host_staged_transfers == 0
 
 
 @pytest.mark.nixl
 @nixl
-@pytest.mark.parametrize("path", ["direct", "staged", "host"])
+@pytest.mark.parametrize("path", ["direct", "staged", "host", "push"])
 @pytest.mark.parametrize("case", list(ORACLE))
 def test_every_path_is_byte_exact_between_processes(case, path):
     from kvbridge.testing.demo import run_demo
@@ -196,7 +200,7 @@ def test_every_path_is_byte_exact_between_processes(case, path):
         for link in per["prefill-0"].values():
             assert link["chosen"] == path and link["source"] == "probe"
             # forced direct: no staging buffers on the decode rank, so direct is the only path it offers
-            assert set(link["paths"]) == ({"direct"} if path == "direct" else {"direct", "staged", "host"})
+            assert set(link["paths"]) == ({"direct"} if path == "direct" else {"direct", "staged", "host", "push"})
 
 
 @pytest.mark.nixl

@@ -15,7 +15,8 @@ measures them on the current machine.
 **Paths.** Each (decode rank, prefill rank) pair moves a request over one :class:`TransferPath`: a direct
 READ of the KV memory, a READ of device staging buffers (``staged``), or a READ of host staging buffers
 (``host``: the prefill packs on its device and copies to a registered host buffer, the decode reads host
-to host, copies to its device and scatters). Where a handshake measured the link (:mod:`kvbridge.runtime.probe`)
+to host, copies to its device and scatters), or a WRITE by the prefill into the decode's staging (``push``:
+pack, WRITE, scatter; the decode posts no READ). Where a handshake measured the link (:mod:`kvbridge.runtime.probe`)
 the pair's :class:`LinkFigures` replace the machine-wide constants: per path, the per-descriptor cost and
 GB/s of the READ, the local copy rates, and a moving correction from completed transfers
 (:meth:`PathFigures.observe`). :func:`choose_path` picks the fastest path predicted to end within the pin
@@ -193,7 +194,7 @@ def model_link(model: "CostModel", paths: Collection[TransferPath] = (TransferPa
     ``wire_gbps`` with ``per_desc_us`` per descriptor; staged paths add two copies at ``copy_gbps`` (host
     staging two more), each ``COPY_FIXED_US`` per segment."""
     copy = 1e3 / model.copy_gbps  # µs per MB of one copy
-    copies = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.HOST: 4}
+    copies = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.PUSH: 2, TransferPath.HOST: 4}
     return LinkFigures({TransferPath(p): PathFigures(model.per_desc_us, model.wire_gbps, copies[TransferPath(p)] * copy,
                                                      copy_fixed_us=copies[TransferPath(p)] * COPY_FIXED_US)
                         for p in paths}, pin_s=pin_s, min_read_rate=min_read_rate,

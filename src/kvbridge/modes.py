@@ -4,7 +4,9 @@ A *path* (:class:`TransferPath`) is how one (decode rank, prefill rank) pair mov
 ``direct`` (one READ of the prefill's blocks into the decode's), ``staged`` (the prefill packs the
 blocks into a staging buffer on its device and the decode reads segments of it and scatters) or
 ``host`` (the same through registered host staging buffers: device -> host on the prefill, a host to
-host READ, host -> device on the decode). A decode rank's
+host READ, host -> device on the decode) or ``push`` (the prefill packs into its staging buffer and
+WRITEs each segment into the decode's staging slot, named in the stage request; the decode issues no
+READ and scatters). A decode rank's
 *transfer mode* is one path forced for every read, or :data:`AUTO` (the cost model picks a path per
 pair and request). :class:`TransferPath` is a ``str`` enum: ``TransferPath.DIRECT == "direct"``, and the
 strings are what users pass (``DecodeConfig(transfer_mode="staged")``, ``--mode staged``).
@@ -23,6 +25,7 @@ class TransferPath(StrEnum):
     DIRECT = "direct"  # READ of the KV memory, one descriptor per contiguous run
     STAGED = "staged"  # prefill packs into its staging buffer; READ of segments; decode scatters
     HOST = "host"      # as staged, through host staging: device -> host, READ host -> host, host -> device
+    PUSH = "push"      # prefill packs and WRITEs into the decode's staging slot; decode scatters (no READ)
 
 
 AUTO: Literal["auto"] = "auto"

@@ -150,10 +150,10 @@ def test_mamba_spec_that_disagrees_with_the_config_gets_a_typed_error(spec_model
 
 
 # per forced path: whether a read over it counts in (decode_staged_transfers, decode_host_staged_transfers)
-_PATH_COUNTERS = {"direct": (0, 0), "staged": (1, 0), "host": (1, 1)}
+_PATH_COUNTERS = {"direct": (0, 0), "staged": (1, 0), "host": (1, 1), "push": (1, 0)}
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged", "host", "auto"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host", "push", "auto"])
 def test_every_transfer_path_is_byte_exact_through_the_connector(mode):
     """``transfer_mode`` as a user gives it (``kv_connector_extra_config``): prefill TP2 -> decode TP1 with
     different block sizes, vLLM 0.33's tensors, over real NIXL between processes. Every read is byte-exact;
@@ -181,3 +181,4 @@ def test_every_transfer_path_is_byte_exact_through_the_connector(mode):
         assert 0 <= host <= staged <= reads
     else:
         assert (staged, host) == tuple(reads * c for c in _PATH_COUNTERS[mode])
+        assert r.stats.get("decode_pushed_transfers", 0) == (reads if mode == "push" else 0)

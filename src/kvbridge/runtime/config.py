@@ -116,8 +116,9 @@ class DecodeConfig(_Config):
     handshake_timeout_s: float = 5.0
     """Bound on each step of a handshake with one prefill rank (its metadata, its answer)."""
     transfer_mode: TransferMode = AUTO
-    """``auto`` (the cost model picks a path per prefill rank and request), ``direct`` or ``staged``
-    (:mod:`kvbridge.modes`)."""
+    """``auto`` (the cost model picks a path per prefill rank and request), or one path forced:
+    ``direct``, ``staged``, ``host`` or ``push`` (:mod:`kvbridge.modes`); a pair that does not offer
+    the forced path reads directly."""
     staging_bytes: int = 64 << 20
     """Staging buffer staged reads land in before their scatter (0, or ``transfer_mode="direct"``: none)."""
     stage_timeout_s: float = 10.0

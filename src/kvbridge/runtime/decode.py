@@ -133,7 +133,8 @@ class DecodeRank:
             stage_segment_bytes=cfg.stage_segment_bytes, stage_timeout_s=cfg.stage_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died,
-            host_staging=self.host_staging, host_staging_addr=self.host_staging_addr)
+            host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
+            staging_device=str(getattr(self._kv, "device", "cpu")))
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
@@ -200,7 +201,8 @@ class DecodeRank:
         return Handshaker(self.ctx, self.transport, self.engine, self.rank, self.mem, self.engine_id,
                           self.handshake_timeout_s, self.staging_bytes, self.transfer_mode, self.cost_model,
                           prober=self.prober if self.prober.enabled else None,
-                          host_staging_bytes=staging_nbytes(self.host_staging))
+                          host_staging_bytes=staging_nbytes(self.host_staging),
+                          push=bool(self.staging_bytes) and self.transfer_mode != TransferPath.DIRECT)
 
     def handshake(self, engine_id: str, endpoints: dict[Rank, str]) -> Peer:
         """Contact the prefill engine's ranks this rank needs, on this thread; cached per engine id."""
@@ -460,7 +462,8 @@ class DecodeRank:
     @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
-        return bool(self.inflight or self.reads.zombies or self.peers.old or self.peers.connecting()
+        return bool(self.inflight or self.reads.zombies or self.reads.push_holds or self.peers.old
+                    or self.peers.connecting()
                     or any(p.outbox or p.unsent or p.heartbeats for p in self.peers.current.values())
                     or time.monotonic() < self.reads.linger_until)
 
@@ -537,6 +540,7 @@ class DecodeRank:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self.reads.zombies),
+                "held_push_slots": len(self.reads.push_holds),
                 "retired_engines": len(self.peers.old),
                 "staging_used": self.slots.bytes_used, "links": self.links(),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}

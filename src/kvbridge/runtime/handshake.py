@@ -55,7 +55,7 @@ class LinkCache:
         device = str(max(allocs, key=lambda a: a.nbytes).device) if allocs else "cpu"
         return (endpoint.rpartition(":")[0], device, bool(meta.staging_bytes),
                 bool(getattr(meta, "host_staging_bytes", 0)), str(mode), bool(staging), bool(host_staging),
-                getattr(meta, "pin_s", 0), getattr(meta, "min_read_rate", 0))
+                getattr(meta, "pin_s", 0), getattr(meta, "min_read_rate", 0), bool(getattr(meta, "push", False)))
 
     def get(self, key: tuple[Any, ...]) -> Any:
         with self._lock:
@@ -161,9 +161,14 @@ class Handshaker:
     cost_model: Any
     prober: Any = None             # probe.Prober: measures each link at handshake (None: the cost model's constants)
     host_staging_bytes: int = 0
+    push: bool = False             # this rank can be pushed to: its agent metadata goes with the handshake
 
     def get_meta(self, prank: Rank) -> GetMeta:
-        return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
+        if not self.push:
+            return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
+        from ..transport.nixl import metadata_digest
+        md = self.transport.metadata()
+        return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name, md, metadata_digest(md))
 
     def same_agents(self, remote: RemoteEngine, endpoints: dict[Any, Any]) -> bool:
         """Every rank this rank handshook with still has the NIXL agent (metadata) it had then."""

@@ -119,6 +119,10 @@ class Metrics:
     handshakes: int = 0
     staged_transfers: int = 0
     host_staged_transfers: int = 0
+    pushed_transfers: int = 0
+    pushed_segments: int = 0
+    failed_pushes: int = 0
+    push_holds: int = 0
     degraded_links: int = 0
     staging_fallbacks: int = 0
     stage_waits: int = 0
@@ -235,6 +239,16 @@ HELP = {
     "host_staged_transfers": (
         "counter",
         "staged transfers through host staging (device -> host, host READ, host -> device)",
+    ),
+    "pushed_transfers": (
+        "counter",
+        "staged transfers over the push path (the prefill WRITEs into this rank's staging; no READ)",
+    ),
+    "pushed_segments": ("counter", "packed segments this prefill rank WRITEs into decode ranks' staging (push path)"),
+    "failed_pushes": ("counter", "push stage requests whose WRITE failed on this prefill rank (answered typed)"),
+    "push_holds": (
+        "counter",
+        "push slots held past their read's end until the prefill's last answer (or its pin bound): never reused early",
     ),
     "staging_fallbacks": ("counter", "staged transfers that fell back to direct reads (no staging room)"),
     "stage_waits": ("counter", "stage requests that waited for staging space on the prefill"),

@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
-from ..errors import KVBridgeError, LayoutError
+from ..errors import HandshakeError, KVBridgeError, LayoutError
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..lower import GroupBlocks, LoweredPlan
 from ..memory import KVMemory
@@ -74,7 +74,7 @@ def _slot_key(msg: Stage) -> tuple:
 
 
 # the paths a stage request may name (cost.TransferPath values that stage on this rank)
-STAGE_PATHS = frozenset({TransferPath.STAGED.value, TransferPath.HOST.value})
+STAGE_PATHS = frozenset({TransferPath.STAGED.value, TransferPath.HOST.value, TransferPath.PUSH.value})
 
 
 def new_attempt() -> int:
@@ -89,6 +89,22 @@ class _Parked:
     msg: Stage
     descs: object
     deadline: float
+
+
+@dataclass
+class _Push:
+    """A push stage request being written: its segments' WRITEs in segment order, each answered (Staged)
+    once it and every earlier one completed; ``error`` (or the pin ending, ``ended``) is answered once no
+    WRITE of it is in flight, so the decode never reuses its slot while a WRITE may still land there."""
+
+    envelope: list
+    msg: Stage
+    agent: str
+    pending: deque = field(default_factory=deque)  # (handle, stream offset, bytes, last), in segment order
+    error: StageError | None = None
+    total: int = 0        # the packed stream's bytes
+    ended: bool = False   # the pin ended meanwhile: its staging slot is freed once the WRITEs settled
+    posted: bool = False  # every segment was packed and its WRITE posted (or the posting stopped on an error)
 
 
 class PrefillRank:
@@ -170,6 +186,12 @@ class PrefillRank:
         self.expired: list[str] = []
         self.metrics = Metrics()
         self._pinned_at: dict[tuple, int] = {}  # (req_id, reader, read_id) -> perf_counter_ns of its grant
+        # the push path: readers' NIXL agent metadata from their handshake (reader -> (agent, metadata,
+        # sha256)), the agents added to this rank's transport for WRITEs (added at a reader's first push
+        # stage request, removed when the reader is evicted or rebound), push stage requests being written
+        self._push_meta: dict[tuple, tuple[str, bytes, str]] = {}
+        self._push_peers: dict[tuple, str] = {}
+        self._pushes: dict[tuple, _Push] = {}  # slot key -> its push
         self._kind = ""  # the kind of side-channel message being answered (its phase)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -217,7 +239,11 @@ class PrefillRank:
                 if t:  # granted -> ended (the reader's Done, mostly; a timeout too)
                     self.metrics.observe_phase("pin_held", (time.perf_counter_ns() - t) / 1e9)
                 key = (e.req_id, eng, tuple(rank), read_id)
-                self.slots.free(key)
+                push = self._pushes.get(key)
+                if push is not None:  # WRITEs from the slot may be in flight: it is freed once they settled
+                    push.ended = True
+                else:
+                    self.slots.free(key)
                 lease = self.table.get(e.req_id)
                 if lease is not None:
                     lease.staged.discard(key)
@@ -238,6 +264,8 @@ class PrefillRank:
         while leases are held, else ``idle_s``."""
         if self._parked:
             return parked_s
+        if self._pushes:  # WRITEs in flight (an RDMA WRITE completes with no event)
+            return min(notif_s, parked_s)
         if self._pinned_at:
             return notif_s
         if self.table.leases:
@@ -287,6 +315,8 @@ class PrefillRank:
         self._effects(self.table.tick(time.monotonic()))
         if self._parked:
             self._retry_parked()
+        if self._pushes:
+            work += self._advance_pushes()
         if work:
             self.metrics.observe_phase("serve_turn", (time.perf_counter_ns() - t_turn) / 1e9)
         return work
@@ -305,7 +335,7 @@ class PrefillRank:
                 elif _pin_key(p.msg) not in lease.pins:
                     continue  # the reader gave up on it meanwhile: nobody will read it
                 else:
-                    replies = self._pack_into_slot(p.msg, p.descs)
+                    replies = self._pack_into_slot(p.msg, p.descs, p.envelope)
                     if replies is None:
                         if now < p.deadline:
                             self._parked.append(p)
@@ -465,10 +495,12 @@ class PrefillRank:
                                   "use a distinct decode engine id per engine", code=refusal))
             return
         self._remember(self._digests, metadata_digest(md), True, 8)
+        push = self._bind_push(reader, msg)
         yield pack(RankMeta(self.engine_id, self.rank, engine_to_dict(self.engine), self.engine.model.fingerprint,
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
                              self.staging_bytes, self.staging_addr, self.host_staging_addr,
-                             staging_nbytes(self.host_staging), float(self.pin_s), float(self.min_read_rate)))
+                             staging_nbytes(self.host_staging), float(self.pin_s), float(self.min_read_rate),
+                             push=push))
 
     def _stage(self, msg: Stage, envelope: list[bytes]):
         """Answer a stage request: pin the lease for this reader's read (as an acquire does), pack this
@@ -508,8 +540,14 @@ class PrefillRank:
                              code=Code.BAD_REQUEST, ttl_s=ttl, read_id=read_id, attempt=msg.attempt)
             return
         d = descs.get(self.rank)
+        if msg.path == TransferPath.PUSH:
+            bad_push = self._push_check(msg, reader)
+            if bad_push is not None:
+                yield StageError(msg.req_id, f"cannot push: {bad_push}; read it", code=Code.BAD_REQUEST, ttl_s=ttl,
+                                 read_id=read_id, attempt=msg.attempt)
+                return
         self._unpark(*_slot_key(msg))  # a retried request replaces a parked one
-        replies = self._pack_into_slot(msg, d)
+        replies = self._pack_into_slot(msg, d, envelope)
         if replies is None:
             total = d.total_bytes if d is not None else 0
             if self.slots.rounded(total) > min(self.slots.capacity, self.staging_peer_bytes) or self.stage_wait_s <= 0:
@@ -534,9 +572,11 @@ class PrefillRank:
                                       "read directly", code=Code.FULL, ttl_s=self._ttl(lease, msg),
                           read_id=_read_id(msg), attempt=msg.attempt)
 
-    def _pack_into_slot(self, msg: Stage, d):
+    def _pack_into_slot(self, msg: Stage, d, envelope: list | None = None):
         """Allocate a staging slot (held by the reader's pin) and return a generator of Staged replies
-        that packs segment by segment; None when there is no free slot of the size needed."""
+        that packs segment by segment; None when there is no free slot of the size needed. A push stage
+        request's generator packs and posts each segment's WRITE and yields nothing: its answers go out
+        as the WRITEs complete (:meth:`_advance_pushes`)."""
         from ..staging import RunSlice, run_lengths, segment_bounds
         total = d.total_bytes if d is not None else 0
         slot_key = _slot_key(msg)
@@ -546,6 +586,8 @@ class PrefillRank:
         lease = self.leases[msg.req_id]
         lease.staged.add(slot_key)
         read_id = _read_id(msg)
+        if msg.path == TransferPath.PUSH and total:
+            return self._push_segments(msg, d, off, list(envelope or ()))
 
         host = msg.path == TransferPath.HOST  # the decode READs host staging: each packed segment is copied there
         base = self.host_staging_addr if host else self.staging_addr
@@ -566,6 +608,138 @@ class PrefillRank:
                              self._ttl(lease, msg), read_id, msg.attempt)
                 pos += n
         return replies()
+
+    # ---- the push path: WRITE packed segments into the decode's staging --------------------------
+    def _bind_push(self, reader: tuple, msg: GetMeta) -> bool:
+        """Remember the reader's agent metadata from its handshake (the push path), and forget the agents
+        of readers no longer bound as they were (evicted from the reader table, or rebound to another
+        agent). True if this reader can be pushed to."""
+        for r, (agent, _, _) in list(self._push_meta.items()):
+            if self.readers.agent_of(r) != agent:
+                del self._push_meta[r]
+                self._drop_push_peer(r)
+        md = bytes(msg.decode_agent_metadata)
+        if not md or not self.staging_bytes or metadata_digest(md) != msg.decode_metadata_sha256:
+            return False
+        old = self._push_meta.get(reader)
+        if old is not None and old[1] != md and not any(k[1:3] == reader for k in self._pushes):
+            # new metadata (a restarted decode process, or memory it registered since): added anew at the
+            # reader's next push stage request (never while one of its pushes is in flight)
+            self._drop_push_peer(reader)
+        self._push_meta[reader] = (msg.decode_agent, md, msg.decode_metadata_sha256)
+        return True
+
+    def _drop_push_peer(self, reader: tuple) -> None:
+        name = self._push_peers.pop(reader, None)
+        if name is not None and name not in self._push_peers.values():
+            self.transport.remove_peer(name)
+
+    def _push_agent(self, reader: tuple) -> str:
+        """The transport's peer name of ``reader``'s agent (added on its first push stage request)."""
+        name = self._push_peers.get(reader)
+        if name is not None:
+            return name
+        meta = self._push_meta.get(reader)
+        if meta is None:
+            raise HandshakeError(f"decode rank {reader[1]} of {reader[0]!r} sent no NIXL agent metadata at its "
+                                 f"handshake with prefill rank {self.rank}")
+        name = self.transport.add_peer(meta[1], meta[2])
+        if name != meta[0]:
+            self.transport.remove_peer(name)
+            raise HandshakeError(f"decode rank {reader[1]} of {reader[0]!r} sent the metadata of agent {name!r}, "
+                                 f"not of {meta[0]!r}")
+        self._push_peers[reader] = name
+        return name
+
+    def _push_check(self, msg: Stage, reader: tuple) -> str | None:
+        """Why this push stage request cannot be served (None: it can; the reader's agent is added)."""
+        if not msg.push_addr:
+            return "the stage request names no staging slot of the decode (push_addr)"
+        if _slot_key(msg) in self._pushes:
+            return "this read's segments are being written already"
+        try:
+            self._push_agent(reader)
+        except KVBridgeError as e:
+            return str(e)
+        return None
+
+    def _push_segments(self, msg: Stage, d, off: int, envelope: list):
+        """Pack each segment into this rank's staging slot at ``off`` and post its WRITE to the same stream
+        offset of the decode's slot (``msg.push_addr``); a generator that yields nothing (its answers go
+        out as the WRITEs complete). A failure stops the posting; it is answered once nothing is in flight."""
+        from ..staging import RunSlice, run_lengths, segment_bounds
+        reader = (msg.decode_engine, tuple(msg.decode_rank))
+        job = self._pushes[_slot_key(msg)] = _Push(envelope, msg, self._push_peers[reader], total=d.total_bytes)
+        one = np.ones(1, dtype=np.int64)
+        try:
+            lengths = run_lengths(d)
+            bounds = segment_bounds(lengths, msg.segment_bytes)
+            pos = 0
+            for i, (a, b) in enumerate(bounds):
+                n = self._kv.pack(RunSlice(d, "src", a, b), lengths[a:b], self.staging, off + pos)
+                h = self.transport.write(job.agent, one * (self.staging_addr + off + pos), one * (msg.push_addr + pos),
+                                         one * n, remote_device=msg.push_device or None)
+                job.pending.append((h, pos, n, i == len(bounds) - 1))
+                self.metrics.pushed_segments += 1
+                pos += n
+        except Exception as e:  # noqa: BLE001 - answered typed once the WRITEs posted so far settled
+            job.error = self._push_error(msg, e)
+        finally:
+            job.posted = True
+        return
+        yield  # (a generator: the stage request's answers are the WRITEs' completions)
+
+    def _push_error(self, msg: Stage, e: BaseException) -> StageError:
+        self.metrics.failed_pushes += 1
+        log.warning("prefill rank %s: pushing %s to decode rank %s of %r failed: %r", self.rank, msg.req_id,
+                    tuple(msg.decode_rank), msg.decode_engine, e)
+        lease = self.leases.get(msg.req_id)
+        ok = lease is not None and lease.attempt == msg.attempt
+        text = str(e) if isinstance(e, KVBridgeError) else type(e).__name__
+        return StageError(msg.req_id, f"prefill rank {self.rank} could not WRITE {msg.req_id!r} into the decode's "
+                                      f"staging: {text}", code=Code.INTERNAL,
+                          ttl_s=self._ttl(lease, msg) if ok and lease is not None else 0.0, read_id=_read_id(msg),
+                          attempt=msg.attempt)
+
+    def _advance_pushes(self) -> int:
+        """Answer the push stage requests' segments whose WRITEs completed (in segment order); a failed
+        WRITE, or a pin that ended, is answered once none of the request's WRITEs is in flight (then its
+        staging slot is freed if its pin ended). Returns how many answers went out."""
+        sent = 0
+        for key, job in list(self._pushes.items()):
+            msg = job.msg
+            while job.pending and job.error is None and not job.ended:
+                h, pos, n, last = job.pending[0]
+                try:
+                    state = self.transport.check(h)
+                except Exception as e:  # noqa: BLE001 - a typed answer, never a dead rank
+                    job.error = self._push_error(msg, e)
+                    break
+                if state != "DONE":
+                    break
+                job.pending.popleft()
+                self.transport.release(h)
+                lease = self.leases.get(msg.req_id)
+                ttl = self._ttl(lease, msg) if lease is not None else 0.0
+                self.sock.send_multipart(job.envelope + pack(Staged(
+                    msg.req_id, msg.push_addr + pos, n, pos, job.total, last, ttl, _read_id(msg), msg.attempt)))
+                sent += 1
+            if job.error is not None or job.ended:
+                if any(self.transport.settle(h, 0) is None for h, *_ in job.pending):
+                    continue  # a WRITE is still in flight: answer once it settled
+                for h, *_ in job.pending:
+                    self.transport.release(h)
+                job.pending.clear()
+                self.sock.send_multipart(job.envelope + pack(job.error or StageError(
+                    msg.req_id, f"the pin of read {_read_id(msg)!r} ended while its segments were being written; "
+                                "do not use them", expired=True, code=Code.LEASE_EXPIRED, read_id=_read_id(msg),
+                    attempt=msg.attempt)))
+                sent += 1
+            if job.posted and not job.pending:
+                del self._pushes[key]
+                if job.ended:
+                    self.slots.free(key)
+        return sent
 
     def _on_notif(self, agent: str, raw: bytes) -> None:
         try:
@@ -603,8 +777,14 @@ class PrefillRank:
                 "pinned_leases": sum(bool(lease.pins) for lease in self.leases.values()),
                 "pins": sum(len(lease.pins) for lease in self.leases.values()), "readers": len(self.readers),
                 "parked_stage_requests": len(self._parked), "lowered_cached": len(self._lowered),
+                "pushing": len(self._pushes), "push_peers": len(self._push_peers),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
+        for job in self._pushes.values():  # WRITEs still in flight: let them end before the memory goes
+            for h, *_ in job.pending:
+                if self.transport.settle(h, 1.0) is not None:
+                    self.transport.release(h)
+        self._pushes.clear()
         self.sock.close(0)
         self.transport.close()

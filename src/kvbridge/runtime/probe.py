@@ -62,6 +62,11 @@ BIG_REPS = 3                 # READs of the largest size that fits, best kept
 DEGRADED_RATIO = 0.2
 DEGRADED_RATIO_CPU = 0.05
 DEVICE_FLOOR_GBPS = 1.0
+# the paths whose transfer moves the prefill's device memory kind. The push path's WRITE is not measured
+# (the probe READs): its first estimate is the READ of the same kind, until completed pushes correct it
+DEVICE_KIND = (TransferPath.DIRECT, TransferPath.STAGED, TransferPath.PUSH)
+# local copies per path: pack and scatter; host staging adds a bounce on each side
+COPIES = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.PUSH: 2, TransferPath.HOST: 4}
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,7 @@ class Prober:
             return link
         with self._lock:
             want = []
-            if kv_region is not None and any(p in paths for p in (TransferPath.DIRECT, TransferPath.STAGED)):
+            if kv_region is not None and any(p in paths for p in DEVICE_KIND):
                 want.append("device")
             if host_region is not None and TransferPath.HOST in paths:
                 want.append("host")
@@ -346,9 +351,9 @@ class Prober:
                 k = kinds.get("host" if p is TransferPath.HOST else "device")
                 if k is None:
                     continue
-                copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d,
+                copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d, TransferPath.PUSH: 2e3 / d2d,
                         TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
-                ncopies = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.HOST: 4}[p]
+                ncopies = COPIES[p]
                 link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=True,
                                             copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US))
             if kinds:
@@ -402,6 +407,7 @@ def check_link(link: LinkFigures, where: str) -> str | None:
 def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> list[TransferPath]:
     """The paths a (decode rank, prefill rank) pair offers: direct always; device staging when both sides
     have a staging buffer; host staging when both have host staging (``meta``: the prefill's RankMeta);
+    push when both have a staging buffer and the prefill said it will WRITE into ours (``meta.push``);
     none but direct when the decode rank is forced direct."""
     out = [TransferPath.DIRECT]
     if mode == TransferPath.DIRECT or not decode_staging or not meta.staging_bytes:
@@ -409,6 +415,8 @@ def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> l
     out.append(TransferPath.STAGED)
     if decode_host and meta.host_staging_bytes:
         out.append(TransferPath.HOST)
+    if getattr(meta, "push", False):
+        out.append(TransferPath.PUSH)
     return out
 
 

@@ -2,16 +2,20 @@
 
 Every message is three frames: ``[MAGIC, version (u16 big-endian), msgpack payload]``. The version is
 checked before the payload is decoded, so a peer speaking another version gets a clear error, not a
-decode failure. Version 4 speaks:
+decode failure. Version 5 speaks:
 
 * GetMeta / RankMeta / ErrorReply: a rank's layout, memory and NIXL agent (GetMeta names the decode's
-  agent: Done notifications must come from it);
+  agent: Done notifications must come from it; a decode rank that can be pushed to sends its agent's
+  metadata too, and ``RankMeta.push`` says the prefill will WRITE into its staging);
 * Acquire / Acquired: a read pins a lease bound to an attempt id (``add_request`` issues it, the decode
   presents it) and names its ``read_id`` (the decode's own request id; several reads of one prefill
   request may coexist); the answer is the pin's remaining duration, never a wall-clock time;
   ``Acquire(heartbeat=True)`` refreshes pins and extends queued leases without pinning;
 * Stage / Staged / StageError: the prefill packs a request's runs for one decode rank into its staging
-  buffer and answers one Staged per packed segment;
+  buffer and answers one Staged per packed segment; on the push path (``Stage.path == "push"``) it
+  WRITEs each segment into the decode's staging slot (``push_addr``) and answers its Staged only once
+  that WRITE completed, in segment order, and its last answer (the last Staged or a StageError) only
+  once no WRITE of the request is in flight;
 * Done over NIXL notifications: a read settled; ``Done(decline=True)`` settles a read the sender never
   pinned (nothing to read, or aborted before reading);
 * every refusal or error carries a :class:`Code`.
@@ -25,7 +29,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"KVB1"
 
 
@@ -68,6 +72,10 @@ class GetMeta(msgspec.Struct, tag="get_meta"):
     decode_rank: tuple[int, int]
     prefill_rank: tuple[int, int]
     decode_agent: str = ""  # the decode rank's NIXL agent: its Done notifications must come from it
+    # the push path: the decode agent's NIXL metadata (and its sha256), so the prefill can WRITE into the
+    # decode's staging; empty: this decode rank is never pushed to
+    decode_agent_metadata: bytes = b""
+    decode_metadata_sha256: str = ""
 
 
 class RankMeta(msgspec.Struct, tag="rank_meta"):
@@ -88,6 +96,7 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     # take longer is avoided
     pin_s: float = 0.0
     min_read_rate: float = 0.0
+    push: bool = False  # this rank serves push stage requests from the asking decode rank (it sent its metadata)
 
 
 # the prefill answers (and the decode reads) a stage request per segment of about this size, so
@@ -115,7 +124,11 @@ class Stage(msgspec.Struct, tag="stage"):
     incarnation: str = ""   # sha256 of the prefill rank's metadata this decode rank handshook with
     read_id: str = ""       # the decode's id of this read (its pin); "" means req_id
     decode_agent: str = ""  # the decode rank's NIXL agent (must be the one bound at handshake)
-    path: str = "staged"    # cost.TransferPath: "staged" (device staging) or "host" (host staging)
+    path: str = "staged"    # cost.TransferPath: "staged" (device staging), "host" (host staging) or "push"
+    # push: the decode's staging slot the prefill WRITEs the packed stream into (byte 0 of the stream at
+    # push_addr), on push_device ("cpu" or "cuda:N"); the slot holds the whole stream
+    push_addr: int = 0
+    push_device: str = ""
 
 
 class Acquire(msgspec.Struct, tag="acquire"):

@@ -14,6 +14,7 @@ channel or NIXL agent went away, is handed to the caller's callbacks (``restarte
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -29,6 +30,7 @@ from ..modes import TransferPath
 from ..plan import Rank
 from ..transport.base import Transport
 from . import prepped_hook as _prepped_hook
+from .lease import MIN_READ_RATE
 from .memhost import KVBytes
 from .metrics import Metrics
 from .paths import from_host_segment
@@ -56,6 +58,7 @@ from .readstate import (
     Failed,
     Granted,
     Heartbeat,
+    Landed,
     LetGo,
     Notify,
     PinsReleased,
@@ -86,6 +89,10 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 0.05      # a waiting decode looks at its reads at least this often
 XFER_POLL_S = 0.0002   # a transfer NIXL completes with no event (posted, in progress) is checked this often
 ZOMBIE_POLL_S = 0.01   # reads parked after a failure are checked this often
+# the push path: a slot the prefill may still WRITE into (a read that ended before the prefill's last answer)
+# is held until that answer arrives, or until the prefill's pin bound (from when the stage request went out)
+# plus this margin has passed
+PUSH_HOLD_MARGIN_S = 5.0
 
 # InFlight.marks: the end of each phase of metrics.DECODE_PHASES (index 0: the start)
 M_START, M_SENT, M_GRANTED, M_POSTED, M_RETURNED, M_XFER, M_SCATTERED, M_DONE = range(8)
@@ -111,11 +118,12 @@ class ReadLoop:
                  mem_wire: Any, stage_segment_bytes: int, stage_timeout_s: float, transfer_timeout_s: float,
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
                  retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
-                 host_staging: Any = None, host_staging_addr: int = 0):
+                 host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu"):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
         self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
         # host staging (same slots as the staging buffer): the host-staged path
         self.host_staging, self.host_staging_addr = host_staging, host_staging_addr
+        self.staging_device = staging_device  # where the staging buffer lives (named in push stage requests)
         self.layout_dict, self.mem_wire = layout_dict, mem_wire  # sent with stage requests
         self.stage_segment_bytes = stage_segment_bytes
         self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
@@ -127,6 +135,10 @@ class ReadLoop:
         self.zombies: list[Any] = []  # (req_id, staged ranks, reads still in progress after a failure)
         self._released: OrderedDict[Any, bool] = OrderedDict()  # (read key, prefill rank, attempt): let go
         self._failed_keys: OrderedDict[Any, bool] = OrderedDict()  # reads that failed (a retry counts once)
+        # the push path: slots of ended reads the prefill may still WRITE into, under keys of their own:
+        # (prefill engine, prefill rank, read id, attempt) -> (slot key, release time at the latest)
+        self.push_holds: dict[tuple[str, Rank, str, int], tuple[Any, float]] = {}
+        self._holds = 0
         self.linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
 
     def take(self) -> tuple[list[str], dict[str, ReadFailure]]:
@@ -141,7 +153,7 @@ class ReadLoop:
         request, which pins too; a rank with nothing to read is pinned and released at once)."""
         key = req.key
         direct = [p for p, m in modes.items() if m == TransferPath.DIRECT]
-        staged = [p for p, m in modes.items() if m in (TransferPath.STAGED, TransferPath.HOST)]
+        staged = [p for p, m in modes.items() if m in (TransferPath.STAGED, TransferPath.HOST, TransferPath.PUSH)]
         descs = _prepped_hook.direct_reads(peer.prepped, peer, req, direct)
         missing = [p for p in peer.agents if not req.attempt_for(p) and (
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
@@ -170,10 +182,16 @@ class ReadLoop:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self.layout_dict
             for prank in staged:
+                lower = partial(lower_one, peer.lowered, req, prank)
+                path, push_slot = TransferPath(modes[prank]), None
+                if path is TransferPath.PUSH:  # the prefill WRITEs into our slot: allocated now, named in the request
+                    path, push_slot, lower = self._push_slot(key, prank, lower)
                 msg = Stage(
                     req.req_id, self.engine_id, self.rank, layout, self.mem_wire, req.num_tokens, wire_p, wire_d,
                     self.stage_segment_bytes, req.attempt_for(prank), peer.readers[prank],
-                    peer.digests.get(prank, ""), key, self.transport.agent_name, str(TransferPath(modes[prank])))
+                    peer.digests.get(prank, ""), key, self.transport.agent_name, str(path),
+                    push_addr=0 if push_slot is None else self.staging_addr + push_slot,
+                    push_device=self.staging_device if push_slot is not None else "")
                 # lowered at most once, when the first segment is announced (or on a fallback to direct)
                 f.ranks[prank] = RankRead(
                     prank,
@@ -182,7 +200,8 @@ class ReadLoop:
                     ctx,
                     request=msg,
                     slot_key=(key, prank),
-                    lower=partial(lower_one, peer.lowered, req, prank),
+                    lower=lower,
+                    push_slot=push_slot,
                 )
                 peer.send(prank, pack(msg))
             f.stage_sent = time.perf_counter()
@@ -193,6 +212,18 @@ class ReadLoop:
             self.metrics.finished_requests += 1
             return
         self.inflight[key] = f
+
+    def _push_slot(self, key: str, prank: Rank, lower: Callable[[], Any]) -> tuple[TransferPath, int | None, Any]:
+        """The push path's slot for ``prank``'s part of read ``key``: (path, slot offset, lowering). Lowered
+        now (the slot holds the whole packed stream); nothing to move, or no room in our staging: device
+        staging instead (whose slot is allocated at the first segment, and falls back to a direct read)."""
+        d = lower()
+        off = self.slots.alloc((key, prank), d.total_bytes) if d.total_bytes else None
+        if off is None:
+            if d.total_bytes:
+                self.metrics.staging_fallbacks += 1
+            return TransferPath.STAGED, None, lambda: d
+        return TransferPath.PUSH, off, lambda: d
 
     def abort(self, key: str) -> bool:
         """Abort the read ``key`` if it is in flight (False if not): its reads are cancelled (one still in
@@ -263,6 +294,8 @@ class ReadLoop:
                         pause = min(pause, XFER_POLL_S)
         if self.zombies:
             pause = min(pause, ZOMBIE_POLL_S)
+        if self.push_holds:
+            pause = min(pause, min(t for _, t in self.push_holds.values()) - now)
         return max(0.0, pause)
 
     def read_ctx(self) -> ReadContext:
@@ -351,6 +384,12 @@ class ReadLoop:
                 self.metrics.transfers += 1
             elif isinstance(a, Scatter):
                 a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
+            elif isinstance(a, Landed):  # pushed: the bytes are in our staging already
+                f.nbytes += cast(int, a.transfer.nbytes)
+                f.ndescs += 1
+                self.metrics.transfers += 1
+                _mark(f, M_XFER)
+                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
             elif isinstance(a, Ask):
                 if not a.stage:
                     queue_read(peer.outbox, peer, prank, f.req)
@@ -431,6 +470,8 @@ class ReadLoop:
         f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)
         ids = (msg.req_id, msg.attempt, msg.read_id or msg.req_id)
         if f is None or rr is None:  # the request failed or was aborted meanwhile: a pin made for it is released (once)
+            if isinstance(msg, StageError) or msg.last:  # the prefill's last word: no WRITE of it can land now
+                self._end_hold((peer.engine_id, prank, ids[2], msg.attempt))
             if (isinstance(msg, Staged) or msg.code not in REFUSALS) and msg.attempt:
                 self._let_go(peer, prank, *ids)
             return
@@ -565,12 +606,19 @@ class ReadLoop:
             if rr.state is not ReadState.DONE and (rr.reads or rr.state is ReadState.POSTED):
                 incomplete.add(prank)
             for r in rr.reads:  # (unfinished direct reads were cancelled by their machine when it ended)
-                state = self.transport.settle(r.xfer, 0)
+                state = self.transport.settle(r.xfer, 0) if r.xfer is not None else True
                 if state is None or (r.scatter is not None and not r.scatter.done()):
                     parked.append(r)
                     continue
-                self.transport.release(r.xfer)
-        slots = [(f.req.key, p) for p, rr in f.ranks.items() if rr.staging is not None]
+                self._release(r)
+        slots = []
+        for p, rr in f.ranks.items():
+            if rr.staging is None:
+                continue
+            if rr.path is TransferPath.PUSH and not rr.answered_last:  # a WRITE may still land in it
+                self._hold(f, p, rr)
+            else:
+                slots.append((f.req.key, p))
         if parked:
             self.zombies.append((f.req.req_id, slots, parked))
         else:
@@ -581,13 +629,49 @@ class ReadLoop:
     def _reap_zombies(self) -> None:
         for item in list(self.zombies):
             rid, slots, reads = item
-            if all(self.transport.settle(r.xfer, 0) is not None and (r.scatter is None or r.scatter.done())
-                   for r in reads):
+            if all((r.xfer is None or self.transport.settle(r.xfer, 0) is not None)
+                   and (r.scatter is None or r.scatter.done()) for r in reads):
                 for r in reads:
-                    self.transport.release(r.xfer)
+                    self._release(r)
                 for key in slots:
                     self.slots.free(key)
                 self.zombies.remove(item)
+        if self.push_holds:
+            now = time.monotonic()
+            for k, (_, until) in list(self.push_holds.items()):
+                if now >= until:
+                    self._end_hold(k)
+
+    def _release(self, r: Transfer) -> None:
+        if r.xfer is not None:  # (a pushed segment posted nothing here)
+            self.transport.release(r.xfer)
+
+    def _hold(self, f: InFlight, prank: Rank, rr: RankRead) -> None:
+        """Keep ``rr``'s push slot from reuse until the prefill's last answer on it arrives, or its pin
+        bound (from when the stage request went out) plus ``PUSH_HOLD_MARGIN_S`` has passed: until then a
+        WRITE the prefill posted may still land there. The slot moves to a key of its own (a new read of
+        the same key allocates anew)."""
+        assert rr.staging is not None
+        total = int(rr.staging.nbytes.sum())
+        link = (getattr(f.peer.remote, "links", None) or {}).get(prank)
+        bound = link.pin_bound_s(total) if link is not None else math.inf
+        if not math.isfinite(bound):  # the prefill said nothing of its pins: our own bound on a read
+            bound = self.stage_timeout_s + self.transfer_timeout_s + total / MIN_READ_RATE
+        self._holds += 1
+        hold_key = ("push-hold", self._holds)
+        if not self.slots.rename((f.req.key, prank), hold_key):
+            return
+        k = (f.peer.engine_id, prank, f.req.key, int(f.req.attempt_for(prank) or 0))
+        old = self.push_holds.pop(k, None)
+        if old is not None:  # (the same read ended twice unanswered: both slots wait for the bound)
+            self.push_holds[(*k[:3], -self._holds)] = old
+        self.push_holds[k] = (hold_key, rr.sent_at + bound + PUSH_HOLD_MARGIN_S)
+        self.metrics.push_holds += 1
+
+    def _end_hold(self, k: tuple[str, Rank, str, int]) -> None:
+        held = self.push_holds.pop(k, None)
+        if held is not None:
+            self.slots.free(held[0])
 
     def count_failed(self, req: ReadRequest) -> None:
         """One failed request per read (key and attempt): an engine that starts the same read again after

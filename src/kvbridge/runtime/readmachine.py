@@ -31,6 +31,7 @@ from .readstate import (
     Failed,
     Granted,
     Heartbeat,
+    Landed,
     LetGo,
     Notify,
     PinsReleased,
@@ -92,11 +93,13 @@ class RankRead:
     ``work``: the lowered work item of a direct rank (None: nothing to read, pin and release);
     ``lower``: returns this rank's lowered descriptors, called at most once (a staged rank's first
     segment and a fallback to direct reads use the same lowering); ``request``: the stage request the
-    loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator."""
+    loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator;
+    ``push_slot``: the push path's staging slot, allocated before the stage request named it (the
+    prefill WRITEs the packed stream there)."""
 
     def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
                  work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
-                 slot_key: Hashable = None):
+                 slot_key: Hashable = None, push_slot: int | None = None):
         self.prefill, self.ctx = prefill, ctx
         self.sm = ReadMachine(state)
         self.sent_at = now               # when the acquire/stage request was made: the pin counts from here
@@ -112,6 +115,13 @@ class RankRead:
         self.pin_deadline = float("inf")
         self.reads: list[Transfer] = []
         self.staging: Staging | None = None
+        # the prefill answered its last word on the stage request (the last Staged, or a StageError): on
+        # the push path no WRITE of it can land in our slot after that
+        self.answered_last = False
+        if push_slot is not None:
+            d = self.lowered()
+            lengths = run_lengths(d)
+            self.staging = Staging(push_slot, d, lengths, offsets(lengths))
         self.notify_at_end = False       # no read carries this rank's Done: send it when the request completes
         self.pinned = False              # the prefill granted this rank's pin (only then is a Done sent for it)
         self.asked = state is ReadState.STAGE_REQUESTED  # a request is out, unanswered (a pin may exist)
@@ -257,6 +267,8 @@ class RankRead:
 
     def _stage_reply(self, ev: Segment | StageFailed, now: float) -> list[Action]:
         pins = isinstance(ev, Segment) or ev.code not in REFUSALS
+        if isinstance(ev, StageFailed) or ev.last:
+            self.answered_last = True
         if self.state not in (ReadState.STAGE_REQUESTED, ReadState.STAGING) or self.retry_at is not None:
             # failed or aborted meanwhile, or fell back to direct reads: a pin made for a read no longer
             # live here is released (once)
@@ -276,30 +288,15 @@ class RankRead:
                 return self._direct_fallback()
             return self._fail(ReadEvent.REFUSED, RemoteError, ev.text)
         out: list[Action] = []
-        if self.staging is None and self.state is ReadState.STAGE_REQUESTED:  # first segment
-            self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + max(ev.ttl_s, 0.0) / 3
-            if ev.total == 0:
-                self.notify_at_end = True  # nothing to read: Done goes out when the request completes
-                self.pin_deadline = now + 1e9  # nothing read: nothing to trust
-                self.sm.fire(ReadEvent.STAGE_LAST)
-                return []
-            d = self.lowered()
-            if d.total_bytes != ev.total:
-                return self._fail(ReadEvent.PROTOCOL_ERROR, RemoteError,
-                                  f"the prefill packed {ev.total} B but this rank expects {d.total_bytes} B: "
-                                  "the two sides lower differently (same kvbridge release?)")
-            if ev.ttl_s <= 0:
-                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged with no pin time left")
-            self.pin_deadline = self.sent_at + ev.ttl_s
-            off = self.ctx.slots.alloc(self.slot_key, ev.total)
-            if off is None:  # our staging is full: read directly (under the pin), ignore the rest
-                return self._direct_fallback()
-            lengths = run_lengths(d)
-            self.staging = Staging(off, d, lengths, offsets(lengths))
-            self.notify_at_end = True
+        if self.state is ReadState.STAGE_REQUESTED:  # first segment
+            first = self._first_segment(ev, now)
+            if first is not None:
+                return first
             out.append(Count("staged_transfers"))
             if self.path is TransferPath.HOST:
                 out.append(Count("host_staged_transfers"))
+            elif self.path is TransferPath.PUSH:
+                out.append(Count("pushed_transfers"))
         st = self.staging
         if st is None:
             return out
@@ -310,6 +307,11 @@ class RankRead:
                                     f"the prefill sent a segment [{ev.offset}, +{ev.nbytes}) that does not start "
                                     "and end on run boundaries of this rank's lowering")
         self.sm.fire(ReadEvent.STAGE_LAST if ev.last else ReadEvent.STAGE_SEGMENT)
+        if self.path is TransferPath.PUSH:  # the prefill WROTE it into our slot already: scatter it
+            t = Transfer(nbytes=int(ev.nbytes), slot=st.slot + ev.offset, runs=(RunSlice(st.dst, "dst", a, b),
+                                                                                 st.nbytes[a:b]), done=True)
+            self.reads.append(t)
+            return out + [Landed(t)]
         # no notification on segment reads: Done is sent once every segment is read (the prefill frees
         # its staging slot on Done, and segments may complete out of order)
         host = self.path is TransferPath.HOST
@@ -322,6 +324,32 @@ class RankRead:
         self.reads.append(t)
         base = self.ctx.host_staging_addr if host else self.ctx.staging_addr
         return out + [PostSegment(t, ev.addr, base + st.slot + ev.offset, host)]
+
+    def _first_segment(self, ev: Segment, now: float) -> list[Action] | None:
+        """The first segment's answer: pin deadline, heartbeats, and (staged) our staging slot. None to go
+        on with the segment; else the actions that end the answer here."""
+        self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + max(ev.ttl_s, 0.0) / 3
+        if ev.total == 0 and self.staging is None:
+            self.notify_at_end = True  # nothing to read: Done goes out when the request completes
+            self.pin_deadline = now + 1e9  # nothing read: nothing to trust
+            self.sm.fire(ReadEvent.STAGE_LAST)
+            return []
+        d = self.lowered()
+        if d.total_bytes != ev.total:
+            return self._fail(ReadEvent.PROTOCOL_ERROR, RemoteError,
+                              f"the prefill packed {ev.total} B but this rank expects {d.total_bytes} B: "
+                              "the two sides lower differently (same kvbridge release?)")
+        if ev.ttl_s <= 0:
+            return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged with no pin time left")
+        self.pin_deadline = self.sent_at + ev.ttl_s
+        if self.staging is None:  # staged: our slot now (push: allocated before the stage request)
+            off = self.ctx.slots.alloc(self.slot_key, ev.total)
+            if off is None:  # our staging is full: read directly (under the pin), ignore the rest
+                return self._direct_fallback()
+            lengths = run_lengths(d)
+            self.staging = Staging(off, d, lengths, offsets(lengths))
+        self.notify_at_end = True
+        return None
 
     def _direct_fallback(self) -> list[Action]:
         self.sm.fire(ReadEvent.STAGE_FULL)

@@ -258,6 +258,14 @@ class Scatter:
 
 
 @dataclass(frozen=True, slots=True)
+class Landed:
+    """The push path: the prefill WROTE a segment into our staging (its Staged says so); count it and
+    scatter it (no READ is posted)."""
+
+    transfer: Transfer
+
+
+@dataclass(frozen=True, slots=True)
 class Notify:
     """Send Done (ok) to this prefill rank: it releases our pin."""
 
@@ -296,7 +304,7 @@ class Count:
     name: str
 
 
-Action = Ask | Heartbeat | Post | PostSegment | Scatter | Notify | LetGo | Restarted | Retry | Fail | Count
+Action = Ask | Heartbeat | Post | PostSegment | Scatter | Landed | Notify | LetGo | Restarted | Retry | Fail | Count
 
 
 @dataclass(eq=False)
@@ -311,7 +319,7 @@ class Transfer:
     slot: int | None = None    # staged: our staging offset of the segment
     runs: tuple[Any, Any] | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
     host: bool = False         # staged: READ into host staging (copied to device staging before the scatter)
-    xfer: Any = None           # the transport's handle (set by the loop when posted)
+    xfer: Any = None           # the transport's handle (set by the loop when posted; None: pushed, no READ)
     scatter: Any = None        # the scatter's Future (set by the loop)
     done: bool = False         # the transfer completed
     scattered: bool = False    # staged: the scatter finished

@@ -12,7 +12,9 @@ socket's ``EVENTS`` is read again under the lock (ZMQ's fd is edge-triggered: an
 the edge of a message that arrived meanwhile), so a message is never left waiting for a timeout. NIXL
 notifications (readers' Done) have no file descriptor: while pins are held (reads in flight) they are
 checked every ``poll_s``; with none, the thread sleeps until the next lease deadline (at most
-``IDLE_S``). An idle prefill process wakes a few times a second.
+``IDLE_S``). An idle prefill process wakes a few times a second. The push path's WRITEs end on the
+transport's post thread: its wake-up fd (where it has one) wakes the thread too, and while WRITEs are in
+flight (an RDMA WRITE completes with no event) they are checked every ``poll_s``.
 
 Both the thread and the engine's steps serve: inside a vLLM worker a background thread alone was seen
 starved of CPU while vLLM's own threads busy-wait; while a prefill holds blocks for a decode, vLLM keeps
@@ -60,6 +62,8 @@ class PrefillServer:
         self._wake = Wakeup()
         sock = getattr(endpoint, "sock", None)
         self._zfd = sock.getsockopt(_zmq().FD) if sock is not None else None
+        # the transport's wake-up fd: readable when one of its posts (a push WRITE) ends
+        self._tfd = getattr(getattr(endpoint, "transport", None), "wake_fd", None)
         self.wakeups = 0  # times the thread woke up (tests and benchmarks read the idle rate)
         self._sleep_until = 0.0  # when the thread's current wait ends at the latest
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
@@ -146,6 +150,11 @@ class PrefillServer:
         waiter.register(self._wake.fd, select.POLLIN)
         if self._zfd is not None:
             waiter.register(self._zfd, select.POLLIN)
+        clear_transport = getattr(getattr(self.ep, "transport", None), "clear_wake", None)
+        if isinstance(self._tfd, int) and clear_transport is not None:
+            waiter.register(self._tfd, select.POLLIN)
+        else:
+            clear_transport = None
         while not self._stop.is_set():
             timeout = 0.01
             try:
@@ -169,6 +178,8 @@ class PrefillServer:
             waiter.poll(max(0, int(timeout * 1000 + 0.999)))
             self.wakeups += 1
             self._wake.clear()
+            if clear_transport is not None:
+                clear_transport()
 
     def _name(self) -> str:
         return f"{getattr(self.ep, 'engine_id', '?')} rank {getattr(self.ep, 'rank', '?')}"

@@ -67,6 +67,16 @@ class SlotAllocator:
         self._free = merged
         return True
 
+    def rename(self, key: Hashable, new: Hashable) -> bool:
+        """The extent of ``key`` is held by ``new`` from now on (False if ``key`` holds none, or ``new``
+        holds one already)."""
+        if key not in self.used or new in self.used:
+            return False
+        self.used[new] = self.used.pop(key)
+        if key in self._group_of:
+            self._group_of[new] = self._group_of.pop(key)
+        return True
+
     def group_bytes(self, group: Hashable) -> int:
         """Bytes held by the extents charged to ``group``."""
         return self._group_bytes.get(group, 0)

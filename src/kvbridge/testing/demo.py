@@ -64,6 +64,7 @@ class DemoResult:
     staged_transfers: int = 0
     direct_transfers: int = 0
     host_staged_transfers: int = 0  # of the staged transfers, those through host staging
+    pushed_transfers: int = 0  # of the staged transfers, those pushed (the prefill WROTE; no READ)
     links: dict | None = None   # decode rank -> its stats()["links"] (the measured path figures per prefill rank)
     warm: Phase | None = None   # sequential single requests after a warm-up one (handshake excluded)
     # the warm requests read again, timed inside each decode process (no RPC): kvbridge's read, and NIXL's
@@ -284,6 +285,8 @@ def _result(eng: _Engines, n_reqs: int, n_ranks: int, stats: dict, ver: dict, me
         - extra["transfers"] + extra["staged_transfers"],
         host_staged_transfers=sum(s["metrics"].get("host_staged_transfers", 0) for s in stats.values())
         - extra.get("host_staged_transfers", 0),
+        pushed_transfers=sum(s["metrics"].get("pushed_transfers", 0) for s in stats.values())
+        - extra.get("pushed_transfers", 0),
         links={r: s.get("links", {}) for r, s in stats.items()},
         warm=warm, burst=burst, large=big, decode_ranks=n_ranks, inproc=ex.inproc, nixl=ex.nixl,
         large_phases=ex.large_phases, large_prefill=ex.large_prefill, large_nixl=ex.large_nixl,
@@ -491,7 +494,8 @@ def add_demo_parser(sub, add_topology, engine_from_args) -> None:
     from ..modes import TRANSFER_MODES
     p.add_argument("--mode", choices=TRANSFER_MODES, default="auto",
                    help="direct head-sliced reads, staged (prefill packs, one read, decode scatters), host (staged "
-                        "through host staging buffers), or auto: chosen per (decode rank, prefill rank) and request "
+                        "through host staging buffers), push (prefill packs and WRITEs into the decode's staging, "
+                        "decode scatters), or auto: chosen per (decode rank, prefill rank) and request "
                         "from the links measured at handshake")
     p.set_defaults(fn=lambda args: cmd_demo(args, engine_from_args))
 

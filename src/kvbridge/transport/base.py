@@ -12,6 +12,9 @@ Reads take one of two entry points:
   (the request validated against the lists :meth:`Transport.prepare` made at handshake);
 * :meth:`Transport.read` -- explicit descriptor lists ``(remote[i], local[i], nbytes[i])``: a staged
   segment, the direct read of a staged rank whose staging was full, tools and tests.
+
+Writes (the push path: a prefill rank WRITEs a packed segment into a decode rank's staging) take
+:meth:`Transport.write`, the mirror of :meth:`Transport.read`, posted and completed the same way.
 """
 from __future__ import annotations
 
@@ -137,6 +140,12 @@ class Transport(Protocol):
         """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer memory on ``remote_device``, "cpu"
         or "cuda:N") to ``local[i]`` (our memory on ``local_device``; None: this agent's own kind);
         ``notif`` and ``cancel`` as in :meth:`post`."""
+
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
+              remote_device: str | None = None, local_device: str | None = None) -> XferHandle:
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` (our memory on ``local_device``; None: this
+        agent's own kind) to ``remote[i]`` (peer memory on ``remote_device``): the mirror of :meth:`read`,
+        off the caller's thread, completed through :meth:`check` / :meth:`settle` / :meth:`release`."""
 
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
         """Run ``fn(*args)`` off the caller's thread (a staged scatter); returns a Future."""

@@ -105,14 +105,19 @@ class LoopbackTransport(TransportBookkeeping):
                                 "registered region (NIXL would answer NIXL_ERR_NOT_FOUND)")
         return i
 
-    def _copy(self, peer: str, remote: Any, local: Any, nbytes: Any, notif: bytes) -> int:
+    def _copy(self, peer: str, remote: Any, local: Any, nbytes: Any, notif: bytes, write: bool = False) -> int:
+        """A READ (``remote`` -> ``local``) or, ``write``, a WRITE (``local`` -> ``remote``); the notification
+        goes to the peer either way (as NIXL delivers it to the remote agent)."""
         src = self._peer(peer)
         remote, local, nbytes = (np.asarray(a, dtype=np.int64) for a in (remote, local, nbytes))
         if not (remote.shape == local.shape == nbytes.shape):
             raise TransferError("descriptor lists differ in length")
         ri = self._check_inside(src._regions, remote, nbytes, "remote")
         li = self._check_inside(self._regions, local, nbytes, "local")
-        copy_between_regions(self._regions, li, local, src._regions, ri, remote, nbytes)
+        if write:
+            copy_between_regions(src._regions, ri, remote, self._regions, li, local, nbytes)
+        else:
+            copy_between_regions(self._regions, li, local, src._regions, ri, remote, nbytes)
         self.bytes_moved += int(nbytes.sum())
         self.descriptors_moved += int(nbytes.size)
         if notif:
@@ -126,6 +131,11 @@ class LoopbackTransport(TransportBookkeeping):
              local_device: str | None = None) -> int:
         check_cancel(cancel, peer)
         return self._copy(peer, remote, local, nbytes, notif)
+
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
+              remote_device: str | None = None, local_device: str | None = None) -> int:
+        """See :meth:`~kvbridge.transport.base.Transport.write`: copied at once, bounds-checked on both sides."""
+        return self._copy(peer, remote, local, nbytes, notif, write=True)
 
     def post(self, peer: str, work: DirectRead, notif: bytes = b"", cancel: Cancellable | None = None,
              remote_device: str | None = None) -> int:

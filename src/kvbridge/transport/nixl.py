@@ -7,6 +7,7 @@
 * ``transfer()`` blocks for the whole copy on the cma transport (GIL released), so posts run on a
   worker thread: :meth:`~NixlTransport.post` and :meth:`~NixlTransport.read` return at once and the
   decode loop never blocks on a copy.
+* Writes (the push path): :meth:`~NixlTransport.write`, the same post with ``initialize_xfer("WRITE")``.
 * Errors come back as typed :class:`~kvbridge.errors.TransferError` / :class:`HandshakeError`.
 """
 from __future__ import annotations
@@ -218,6 +219,19 @@ class NixlTransport(TransportBookkeeping):
             return descs.nixl_arrays(ldev, rdev)
         return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype, ltype)
 
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
+              remote_device: str | None = None, local_device: str | None = None) -> NixlXfer:
+        """Post a WRITE of explicit descriptor lists (``local[i]`` -> ``remote[i]``) off the caller's thread:
+        the mirror of :meth:`read` (``initialize_xfer("WRITE", ...)``), checked and released the same way.
+        The push path's prefill writes packed segments into a decode rank's staging with it."""
+        rtype, rdev = self.remote_mem(remote_device)
+        ltype, ldev = (self.mem_type, self.device_id) if local_device is None else self.remote_mem(local_device)
+        descs = Descriptors(None, remote, local, nbytes)  # (remote, local) as a read's: only the op differs
+
+        def arrays() -> tuple[np.ndarray, np.ndarray]:
+            return descs.nixl_arrays(ldev, rdev)
+        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype, ltype, op="WRITE")
+
     def _post(
         self,
         peer: str,
@@ -227,10 +241,11 @@ class NixlTransport(TransportBookkeeping):
         notif: bytes,
         remote_type: str,
         local_type: str | None = None,
+        op: str = "READ",
     ) -> NixlXfer:
         def post(x: NixlXfer) -> str:
             local, remote = arrays()
-            x.handle = self.agent.initialize_xfer("READ", self.xfer_descs(local, local_type),
+            x.handle = self.agent.initialize_xfer(op, self.xfer_descs(local, local_type),
                                                   self.xfer_descs(remote, remote_type), peer, notif)
             return self._start(x.handle, peer)
         return self._submit_post(peer, 0, 0, post)

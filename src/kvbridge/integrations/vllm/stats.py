@@ -32,6 +32,8 @@ PROM_COUNTERS = {
                                 "decode reads (per prefill rank) over a staged path (device or host staging)"),
     "decode_host_staged_transfers": ("vllm:kvbridge_host_staged_transfers",
                                      "decode reads (per prefill rank) over host staging"),
+    "decode_pushed_transfers": ("vllm:kvbridge_pushed_transfers",
+                                "decode reads (per prefill rank) over the push path (the prefill WRITEs; no READ)"),
     "decode_degraded_links": ("vllm:kvbridge_degraded_links",
                               "links to prefill ranks warned degraded (a device path far below the host path or a "
                               "floor: the warning in the log names the link and the likely causes)"),
@@ -47,7 +49,8 @@ PHASE_BUCKETS = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 
 # link row field (link_rows) -> (Prometheus gauge name, help)
 PROM_LINK_GAUGES = {
     "chosen": ("vllm:kvbridge_link_chosen",
-               "1 on the path a decode rank reads a prefill rank's KV over (direct, staged, host), 0 on the others"),
+               "1 on the path a decode rank reads a prefill rank's KV over (direct, staged, host, push), 0 on "
+               "the others"),
     "gbps": ("vllm:kvbridge_link_gbps", "measured READ bandwidth of a path from a decode rank to a prefill rank "
                                         "(GB/s; probe at handshake)"),
     "us_per_desc": ("vllm:kvbridge_link_us_per_desc",
