@@ -280,7 +280,7 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-FORCED_PATHS = ("direct", "staged", "host")  # transfer_mode values, each forced on its own decode
+FORCED_PATHS = ("direct", "staged", "host", "push")  # transfer_mode values, each forced on its own decode
 
 
 # the (prefill, decode) engines each test uses, in test order (a -k selection starts only what it needs)
@@ -291,6 +291,7 @@ ENGINES_OF = {"test_pd_tp1_same_block_size": ("prefill", "decode-tp1"),
               "test_router_tp1_forced_path[direct]": ("prefill", "decode-direct"),
               "test_router_tp1_forced_path[staged]": ("prefill", "decode-staged"),
               "test_router_tp1_forced_path[host]": ("prefill", "decode-host"),
+              "test_router_tp1_forced_path[push]": ("prefill", "decode-push"),
               "test_pd_prefill_tp2": ("prefill-tp2", "decode-tp1"),
               "test_router_prefill_tp2": ("prefill-tp2", "decode-tp1"),
               "test_router_100_concurrent_small_pool_n2_and_prefill_restart": ("prefill-tp2", "decode-tp1"),
@@ -550,7 +551,8 @@ def test_router_tp1_forced_path(cluster, reference, mode):
     """``transfer_mode`` forced in the decode's ``kv_connector_extra_config`` to each path in turn, prefill TP1
     → decode TP1 through vllm-router: ``direct`` reads vLLM's blocks, ``staged`` reads the prefill's packed
     staging buffer, ``host`` reads its host staging buffer (on a GPU: packed on the device, copied to pinned
-    host memory) and copies host → device before the scatter. Tokens equal the single engine's, the prompt
+    host memory) and copies host → device before the scatter, ``push``: the prefill WRITEs the packed bytes
+    into the decode's staging slot and the decode posts no READ. Tokens equal the single engine's, the prompt
     came by transfer, the prefill's blocks are freed; the decode's /metrics count every read on the forced
     path and none on another, name it as the chosen path to the prefill rank with its GB/s and µs per
     descriptor, and no failed read. (``link_measured`` says whether the handshake's probe measured the
@@ -562,7 +564,9 @@ def test_router_tp1_forced_path(cluster, reference, mode):
     def counts(text: str) -> dict[str, float]:
         staged = metric_sum(text, "vllm:kvbridge_staged_transfers_total")
         host = metric_sum(text, "vllm:kvbridge_host_staged_transfers_total")
-        return {"staged": staged - host, "host": host}
+        push = metric_sum(text, "vllm:kvbridge_pushed_transfers_total")
+        return {"reads": metric_sum(text, "vllm:kvbridge_reads_done_total"), "staged": staged - host - push,
+                "host": host, "push": push}
 
     def run():
         d = cluster.get(name, keep=("prefill",))
@@ -578,7 +582,7 @@ def test_router_tp1_forced_path(cluster, reference, mode):
         print(f"[e2e] {name}: reads by staged path {moved}, link to prefill-0 {figures}, other paths chosen {others}, "
               f"failure counters {fails}")
         # one prefill rank: one read per request, all on the forced path
-        assert moved == {k: (len(cases) if k == mode else 0) for k in moved}, moved
+        assert moved == {k: (len(cases) if k in (mode, "reads") else 0) for k in moved}, moved
         assert figures["chosen"] == 1 and figures["gbps"] > 0 and figures["us_per_desc"] >= 0, figures
         assert all(v == 0 for v in others.values()), others
         assert all(v == 0 for v in fails.values()), fails
