@@ -28,6 +28,13 @@ released (sockets, NIXL agents, prepared lists) and handshaken again on their ne
 opening one that would leave fewer than :data:`FD_RESERVE` of the process's file descriptors (or ZMQ's
 socket limit) fails the handshake, typed, before anything runs out.
 
+What a poll looks at grows with the work, not with the peers: every open side channel is registered in one
+:class:`~kvbridge.runtime.poller.ChannelPoller` (from install until it closes) that gives the channels with
+something to read; :attr:`PeerTable.todo` holds the peers with something to send (marked by
+:meth:`Peer.queue <kvbridge.runtime.peer.Peer.queue>` and by frames ZMQ could not take);
+:attr:`PeerTable.handshaking` the background handshakes. Only eviction looks at every live peer, at most
+once a second.
+
 Handshakes run on a pool of :data:`HANDSHAKE_THREADS` threads; a handshake's bound
 (``connect_timeout_s``) counts from when its thread starts it, not while it waits in the queue (a
 queued handshake waits at most :data:`QUEUE_BOUNDS` bounds).
