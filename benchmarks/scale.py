@@ -17,6 +17,10 @@ Sections (``--only`` picks some; every number is measured here, in this run):
   time until every one is live, failures; then all of them restart at once (new process, new ports, same
   ids) and it happens again. Also: file descriptors and RSS the decode process holds per peer, and the
   decode's ``poll()`` per step with no peer and with every peer live and idle.
+* ``poll``: the decode's ``poll()`` per step against 0 ... 512 live idle peers (``--poll-peers`` with one
+  rank each, ``--poll-peers-tp8`` with eight: stand-in prefill endpoints in another process, peers
+  installed without a handshake: ``kvbridge.testing.standins``), µs per call (median of
+  ``--poll-rounds`` batches) and, where the code counts it, side channels visited per call.
 * ``fds``: side channels alone (no NIXL) to ``--fd-engines`` engines of 8 ranks (stand-in ROUTER sockets
   in another process): descriptors per engine, against the former per-rank DEALER + monitor.
 * ``leases``: a prefill rank's serving turn (``serve_once``, nothing to answer) with 0 ... 10,000 live
@@ -221,6 +225,43 @@ def burst(n: int, tp: int, connect_timeout_s: float, progress_delay_us: int) -> 
     return res
 
 
+# ---- poll against idle peers -------------------------------------------------------------------------
+def poll_sweep(counts: list[int], ranks: int, rounds: int) -> list[dict[str, Any]]:
+    """µs per ``DecodeRank.poll()`` with ``counts`` live idle peers of ``ranks`` prefill ranks each (one
+    decode rank; stand-in endpoints in another process; peers added between steps, the TCP connections
+    left to settle before each measurement)."""
+    from kvbridge.runtime.decode import DecodeRank
+    from kvbridge.testing.engine import default_memory
+    from kvbridge.testing.standins import StandIns, install_idle, wide_context
+    m = load_model("tiny-dense")
+    dl = EngineLayout(m, tp=1, block_size=16, num_blocks=64, role="decode")
+    top = max(counts)
+    out = []
+    with StandIns(max(1, top * ranks)) as stand:
+        dec = DecodeRank(dl, (0, 0), f"dPoll{ranks}", memory=default_memory(dl, (0, 0)), transfer_mode="direct",
+                         staging_bytes=0)
+        wide_context(dec, max(8192, 4 * top + 64))
+        work = getattr(dec.peers, "work", None)  # None: a kvbridge without the poller's counters
+        try:
+            have = 0
+            for n in sorted(counts):
+                while have < n:
+                    install_idle(dec, f"idle{have}", {(0, r): stand.endpoints[have * ranks + r] for r in range(ranks)})
+                    have += 1
+                time.sleep(0.5)  # the side channels' TCP connections
+                for _ in range(200):
+                    dec.poll()
+                k = max(20, int(0.05 / max(_poll_us(dec, 20) * 1e-6, 1e-7)))  # ~50 ms per batch
+                ch0 = work.channels if work is not None else 0
+                us = statistics.median(_poll_us(dec, k) for _ in range(rounds))
+                visited = (work.channels - ch0) / (k * rounds) if work is not None else None
+                out.append({"ranks_per_peer": ranks, "peers": n, "prefill_ranks": n * ranks, "poll_us": us,
+                            "polls_per_batch": k, "channels_per_poll": visited})
+        finally:
+            dec.close()
+    return out
+
+
 # ---- side channels alone ---------------------------------------------------------------------------
 def _routers(n: int, conn) -> None:
     raise_fd_limit()
@@ -323,7 +364,7 @@ def _table(title: str, cols: list[str], rows: list[list[Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="handshake,e2e,burst,fds,leases")
+    ap.add_argument("--only", default="handshake,e2e,burst,poll,fds,leases")
     ap.add_argument("--presets", default="deepseek-v3,llama-3.1-70b")
     ap.add_argument("--block-sizes", default="16,32,64")
     ap.add_argument("--tp", type=int, default=8)
@@ -335,6 +376,9 @@ def main() -> None:
     ap.add_argument("--connect-timeout", type=float, default=15.0)
     ap.add_argument("--progress-delay-us", type=int, default=20000, help="NIXL progress sleep in the burst's host")
     ap.add_argument("--fd-engines", type=int, default=128)
+    ap.add_argument("--poll-peers", default="0,1,8,64,128,512", help="idle peers (one rank each) in the poll sweep")
+    ap.add_argument("--poll-peers-tp8", default="8,64", help="idle peers of eight ranks each in the poll sweep")
+    ap.add_argument("--poll-rounds", type=int, default=7)
     ap.add_argument("--leases", default="0,100,1000,10000")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -374,6 +418,15 @@ def main() -> None:
                [[g, r[g]["all_live_s"], r[g]["median_live_s"], r[g]["failed"]] for g in ("new", "restarted")])
         _table("decode process per live peer", ["fds", "RSS MB", "poll us, no peer", f"poll us, {a.burst} idle peers"],
                [[r["fds_per_peer"], r["rss_mb_per_peer"], r["poll_us_no_peer"], r[f"poll_us_{a.burst}_idle_peers"]]])
+    if "poll" in only:
+        r = res["poll"] = []
+        for ranks, counts in ((1, a.poll_peers), (8, a.poll_peers_tp8)):
+            if counts:
+                r += poll_sweep([int(x) for x in counts.split(",")], ranks, a.poll_rounds)
+        _table("decode poll() against live idle peers (stand-in prefill endpoints)",
+               ["ranks per peer", "idle peers", "prefill ranks", "us per poll", "channels visited per poll"],
+               [[x["ranks_per_peer"], x["peers"], x["prefill_ranks"], x["poll_us"],
+                 "-" if x["channels_per_poll"] is None else x["channels_per_poll"]] for x in r])
     if "fds" in only:
         r = res["fds"] = fds(a.fd_engines)
         _table(f"side channels to {a.fd_engines} engines x 8 ranks", ["", "fds per engine", "ZMQ sockets per engine"],

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_reliability import Jobs, _verify, hold, layout, served, until
+from _helpers import Jobs, hold, layout, served, until
 
 from kvbridge.errors import RemoteError, TransferError
 from kvbridge.runtime import readloop
@@ -17,6 +17,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
+from kvbridge.testing.procs import _verify
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 
 _n = itertools.count()

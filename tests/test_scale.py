@@ -21,8 +21,10 @@ from kvbridge.errors import HandshakeError
 from kvbridge.runtime.metrics import Metrics
 from kvbridge.runtime.peer import Peer, PeerState, SideChannel
 from kvbridge.runtime.peers import PeerTable
+from kvbridge.runtime.poller import ChannelPoller
 from kvbridge.testing.prefill_host import PrefillHost, open_fds
 from kvbridge.testing.procs import _verify
+from kvbridge.testing.standins import StandIns, install_idle, wide_context
 from kvbridge.transport.nixl import nixl_available
 
 nixl = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
@@ -191,3 +193,116 @@ def test_a_link_is_probed_once_not_once_per_engine():
         assert probed > 0  # the first engine's link was measured
         dec.handshake("pL1", host.endpoints["pL1"])
         assert dec.transport.stats.handles_created == probed and sorted(dec.remotes) == ["pL0", "pL1"]
+
+
+def _quiet(dec, polls: int = 50, timeout: float = 60.0) -> None:
+    """Poll until ``polls`` polls in a row visit no side channel (ZMQ announces each new TCP connection on
+    its socket's descriptor once; after that an idle channel stays silent)."""
+    streak, deadline = 0, time.monotonic() + timeout
+    while streak < polls:
+        assert time.monotonic() < deadline, f"side channels still announcing something: {dec.peers.work}"
+        before = dec.peers.work.channels
+        dec.poll()
+        streak = streak + 1 if dec.peers.work.channels == before else 0
+        time.sleep(1e-3)
+
+
+def _work_per_poll(dec, k: int = 200) -> dict:
+    """What ``k`` polls of an idle decode visited, per poll (peers.work: channels drained, peers flushed,
+    handshakes looked at)."""
+    _quiet(dec)
+    before = dec.peers.work.snapshot()
+    for _ in range(k):
+        dec.poll()
+    after = dec.peers.work.snapshot()
+    assert after["polls"] - before["polls"] == k
+    return {key: (after[key] - before[key]) / k for key in after if key != "polls"}
+
+
+@nixl
+@pytest.mark.nixl
+def test_poll_work_is_the_same_with_1_or_512_idle_peers_and_reads_stay_exact():
+    """One poller: a decode rank's poll visits only side channels with something to read (or just sent
+    on), peers with something to send and handshakes running. With 1 and with 512 idle peers (TP1
+    stand-in prefill endpoints in another process, each a live peer with its own side channel) a poll
+    visits the same: nothing. Then reads from a real prefill engine, with the 512 idle peers present,
+    complete byte-exact, and no poll visits more than one channel (the busy peer's)."""
+    n = 512
+    pl, dl = layout("prefill", 2, 256), layout("decode", 1, 256)
+    jobs = Jobs(dl, seed=83)
+    jobs.engine("pBusy", pl)
+    with StandIns(n) as stand, Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pBusy")])
+        first, second = jobs.make("pBusy", 3), jobs.make("pBusy", 6, tag="s")
+        publish(P, first + second)
+        with inproc_decode(dl, "dIdlePoll") as dec:
+            wide_context(dec)  # 3 ZMQ sockets per side channel: past the shared context's default 1,023
+            dec.connect("pBusy", P.endpoints())
+            for j in first:
+                dec.start(j.read())
+            done, failed = _settle(dec, {j.rid for j in first})
+            assert not failed and done == {j.rid for j in first}, failed
+            install_idle(dec, "idle0", {(0, 0): stand.endpoints[0]})
+            one = _work_per_poll(dec)
+            for i in range(1, n):
+                install_idle(dec, f"idle{i}", {(0, 0): stand.endpoints[i]})
+            assert len(dec.remotes) == n + 1 and len(dec.peers.poller) == n + 1 and dec.peers.channels == n + 1
+            many = _work_per_poll(dec)
+            assert one == many == {"channels": 0, "flushed": 0, "connecting": 0}, (one, many)
+            before = dec.peers.work.snapshot()
+            for j in second:
+                dec.start(j.read())
+            done, failed = _settle(dec, {j.rid for j in second})
+            assert not failed and done == {j.rid for j in second}, failed
+            after = dec.peers.work.snapshot()
+            assert 0 < after["channels"] - before["channels"] <= after["polls"] - before["polls"]
+            assert after["flushed"] - before["flushed"] <= 2 * (after["polls"] - before["polls"])
+            assert _verify(dec, [(j.num, j.read()) for j in first + second])["mismatched_bytes"] == 0
+            assert len(dec.remotes) == n + 1  # the idle peers are still there
+
+
+def test_poller_sees_a_reply_after_a_send_and_a_disconnect_on_the_monitor():
+    """ZMQ's descriptors are edge-style: a send may consume the signal of a reply, so a channel sent on
+    is visited on the next poll and asked before blocking (pending); drained, an idle channel is not
+    visited again; a prefill rank going away makes its monitor readable: the channel is visited and the
+    disconnect handed out once."""
+    ctx = zmq.Context.instance()
+    prefill = ctx.socket(zmq.ROUTER)
+    prefill.setsockopt(zmq.LINGER, 0)
+    port = prefill.bind_to_random_port("tcp://127.0.0.1")
+    poller = ChannelPoller()
+    ch = SideChannel(ctx, {(0, 0): f"127.0.0.1:{port}"})
+    peer = Peer("pPoll", {(0, 0): f"127.0.0.1:{port}"})
+    poller.add(peer, ch)
+
+    def visit():  # what the read loop's drain does with a ready channel
+        return ch.poll_monitor(), ch.recv_any()
+    try:
+        # visited once when registered: ZMQ's pipes signal only once their reader has found them empty
+        assert poller.ready() == [peer] and visit() == (set(), None)
+        ch.send((0, 0), [b"ping"])
+        assert list(poller.touched) == [ch]
+        rid, ping = prefill.recv_multipart()
+        assert ping == b"ping"
+        assert not poller.pending() and not poller.touched  # nothing yet: asked, the descriptor is accurate
+        prefill.send_multipart([rid, b"pong"])
+        poller.wait(10.0)  # woken by the reply's descriptor
+        until(lambda: poller.ready() == [peer], 10, "the reply announced by the descriptor")
+        assert visit() == (set(), ((0, 0), [b"pong"])) and ch.recv_any() is None
+        # a reply queued, then a send that may consume its signal: pending says do not block
+        prefill.send_multipart([rid, b"pong2"])
+        until(lambda: poller.ready() == [peer], 10, "the second reply announced")
+        ch.send((0, 0), [b"ping2"])
+        assert poller.pending() and poller.ready() == [peer] and visit() == (set(), ((0, 0), [b"pong2"]))
+        until(lambda: not poller.ready() and not poller.ready(), 10, "an idle channel not visited")
+        assert not poller.pending()
+        poller.wait(0.01)  # nothing to wake it: returns after the timeout
+        prefill.close(0)
+        until(lambda: peer in poller.ready() and ch.poll_monitor(), 10, "the disconnect on the monitor")
+        assert ch.disconnected((0, 0)) is True and ch.disconnected((0, 0)) is False
+        assert poller.work.channels >= 3
+    finally:
+        poller.remove(ch)
+        ch.close()
+        poller.close()
+    assert len(poller) == 0 and ch.watch is None

@@ -110,6 +110,9 @@ class DecodeRank:
         # (or past max_peers) are released and handshaken again on their next read
         self.peers = PeerTable(self.ctx, self.transport, self.metrics, self._handshaker, engine_id,
                                cfg.connect_bound_s, cfg.rehandshake_timeout_s, cfg.peer_idle_s, cfg.max_peers)
+        wake_fd = getattr(self.transport, "wake_fd", None)
+        if wake_fd is not None:  # a post or a scatter ending wakes wait() beside the side channels
+            self.peers.poller.add_fd(wake_fd)
         self.cost_model = cost_model or CostModel.load()
         # the staging buffer lives on the KV memory's device (registered as VRAM there when on a GPU)
         self.staging = self._kv.new_staging(cfg.staging_bytes if transfer_mode != TransferPath.DIRECT else 0)
@@ -463,14 +466,19 @@ class DecodeRank:
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
         return bool(self.inflight or self.reads.zombies or self.reads.push_holds or self.peers.old
-                    or self.peers.connecting()
-                    or any(p.outbox or p.unsent or p.heartbeats for p in self.peers.current.values())
+                    or self.peers.connecting() or self.peers.sending()
                     or time.monotonic() < self.reads.linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
-        """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call."""
+        """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call.
+
+        Costs the work there is, not the number of peers: it drains only the side channels the poller
+        finds readable (or that were sent on), sends only for peers with something queued, and looks only
+        at the reads in flight and the handshakes running (idle peers are looked at about once a second,
+        for eviction); ``peers.work`` counts what it visited."""
+        self.peers.work.polls += 1
         self.flush()
-        self.reads.drain(self.peers.active())
+        self.reads.drain(self.peers.poller.ready())
         now = time.monotonic()
         self._advance_peers(now)
         self.reads.advance(now)
@@ -480,8 +488,8 @@ class DecodeRank:
 
     def flush(self) -> None:
         """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
-        messages ZMQ could not take, of every peer with open sockets."""
-        self.reads.flush(self.peers.active())
+        messages ZMQ could not take, of the peers that have some."""
+        self.reads.flush(self.peers.take_todo())
 
     def wait(self, timeout_s: float = 60.0, sleep_s: float | None = None,
              first: bool = False) -> tuple[list[str], dict[str, ReadFailure]]:
@@ -513,28 +521,16 @@ class DecodeRank:
         pause = self.reads.next_wake(now, getattr(self.transport, "wake_fd", None) is not None)
         if self.peers.connecting():
             pause = min(pause, CONNECTING_POLL_S)  # a background handshake ends on its own thread
-        if any(p.outbox or p.unsent for p in self.peers.current.values()):
+        if self.peers.sending(heartbeats=False):
             pause = min(pause, UNSENT_POLL_S)  # ZMQ could not take a message: try again soon
         return pause
 
     def _block(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s`` or until a side-channel socket, its monitor or the transport's
         wake-up fd is readable."""
-        if timeout_s <= 0:
+        if timeout_s <= 0 or self.peers.poller.pending():  # a reply no descriptor announces: poll now
             return
-        poller = zmq.Poller()
-        for peer in self.peers.active():
-            if peer.buffered:  # a reply already taken off its socket: poll now
-                return
-            for sock in peer.wait_sockets():
-                poller.register(sock, zmq.POLLIN)
-        fd = getattr(self.transport, "wake_fd", None)
-        if fd is not None:
-            poller.register(fd, zmq.POLLIN)
-        try:
-            poller.poll(max(1, int(timeout_s * 1000 + 0.999)))
-        except zmq.ZMQError:  # a socket closed under us: the next poll() sees why
-            pass
+        self.peers.poller.wait(timeout_s)  # the one poller: every side channel, its monitor, the wake-up fd
 
     def stats(self) -> dict[str, Any]:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),

@@ -109,6 +109,9 @@ class SideChannel:
         self.by_endpoint: dict[bytes, Rank] = {}
         self.inbox: dict[Rank, deque[list[bytes]]] = {}
         self.down: set[Rank] = set()
+        # the poller's touched channels (runtime/poller.py), while registered: a send, or a disconnect not
+        # handed out yet, puts this channel there (its descriptor may not announce what follows)
+        self.watch: dict[SideChannel, None] | None = None
         for prank, ep in endpoints.items():
             rid = f"{prank[0]}.{prank[1]}".encode()
             self.rid[prank], self.rank_of[rid] = rid, prank
@@ -122,7 +125,13 @@ class SideChannel:
                 raise HandshakeError(f"cannot open the side channel to prefill rank {prank} at {ep!r} ({e}); "
                                      "give endpoints as host:port") from None
 
+    def fds(self) -> tuple[int, int]:
+        """The descriptors that announce its two sockets (``ZMQ_FD``: edge-style, see runtime/poller.py)."""
+        return int(self.sock.get(zmq.FD)), int(self.mon.get(zmq.FD))
+
     def send(self, prank: Rank, frames: list[bytes], flags: int = 0) -> None:
+        if self.watch is not None:  # sending may consume the socket's signal of a reply: look again
+            self.watch[self] = None
         self.sock.send_multipart([self.rid[prank], *frames], flags)
 
     def recv(self, prank: Rank, flags: int = 0) -> list[bytes]:
@@ -135,8 +144,25 @@ class SideChannel:
                 self.inbox[other].append(frames)
         return box.popleft()
 
-    def disconnected(self, prank: Rank) -> bool:
-        """Whether ``prank``'s TCP connection closed since the last call (drains the monitor)."""
+    def recv_any(self) -> tuple[Rank, list[bytes]] | None:
+        """The next message of any rank, in arrival order (``None``: none now, and ``ZMQ_EVENTS`` says so,
+        which leaves the socket's descriptor accurate). Raises ``zmq.ZMQError`` once closed."""
+        for prank, box in self.inbox.items():
+            if box:
+                return prank, box.popleft()
+        while int(self.sock.get(_EVENTS)) & _POLLIN:
+            try:
+                rid, *frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            other = self.rank_of.get(rid)
+            if other is not None:
+                return other, frames
+        return None
+
+    def poll_monitor(self) -> set[Rank]:
+        """Drain the monitor: the ranks whose TCP connection closed and that :meth:`disconnected` has not
+        reported yet."""
         while True:
             try:
                 ev = _recv_monitor(self.mon)
@@ -147,10 +173,17 @@ class SideChannel:
             event, endpoint = ev
             if event == zmq.EVENT_DISCONNECTED and endpoint in self.by_endpoint:
                 self.down.add(self.by_endpoint[endpoint])
-        if prank in self.down:
-            self.down.discard(prank)
-            return True
-        return False
+        return self.down
+
+    def disconnected(self, prank: Rank) -> bool:
+        """Whether ``prank``'s TCP connection closed since the last call (drains the monitor; other ranks
+        found closed stay for their own call, and the channel is looked at on the next poll)."""
+        down = self.poll_monitor()
+        hit = prank in down
+        down.discard(prank)
+        if down and self.watch is not None:
+            self.watch[self] = None
+        return hit
 
     @property
     def buffered(self) -> bool:
@@ -223,6 +256,9 @@ class Peer:
         self.outbox: dict[Rank, list[tuple[str, int, str]]] = {}      # acquires (req_id, attempt, key)
         self.heartbeats: dict[Rank, list[tuple[str, int, str]]] = {}  # heartbeats, the same
         self.unsent: list[tuple[Rank, list[bytes]]] = []  # frames ZMQ could not queue yet
+        # the table's peers with something to send (outbox, heartbeats, unsent), once installed: a flush
+        # looks only at those
+        self.todo: dict[Peer, None] | None = None
         self.gone: set[Rank] = set()          # prefill ranks whose agent was reported dead
         self._removed: set[Rank] = set()      # prefill ranks whose agent was removed from the transport
         self.progress: dict[Rank, float] = {}  # prefill rank -> last time a read from it completed
@@ -296,6 +332,8 @@ class Peer:
             for agent in sorted(set(left.values())):
                 transport.remove_peer(agent)
         self.outbox, self.heartbeats, self.unsent, self.pending = {}, {}, [], []
+        if self.todo is not None:
+            self.todo.pop(self, None)
 
     def _drop_late_result(self, transport: Transport, keep_agents: Collection[str]) -> None:
         """An abandoned (or closed-while-connecting) handshake's thread returned: release what it made."""
@@ -406,6 +444,8 @@ class Peer:
             sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self.unsent.append((prank, frames))
+            if self.todo is not None:
+                self.todo[self] = None
         except zmq.ZMQError:
             pass
 
@@ -416,6 +456,8 @@ class Peer:
 
     def queue(self, box: dict[Rank, list[tuple[str, int, str]]], prank: Rank, item: tuple[str, int, str]) -> None:
         box.setdefault(prank, []).append(item)
+        if self.todo is not None:
+            self.todo[self] = None
 
     def take_outbox(self) -> dict[Rank, list[tuple[str, int, str]]]:
         """The batched acquires queued so far (per prefill rank), leaving the outbox empty."""

@@ -28,6 +28,13 @@ released (sockets, NIXL agents, prepared lists) and handshaken again on their ne
 opening one that would leave fewer than :data:`FD_RESERVE` of the process's file descriptors (or ZMQ's
 socket limit) fails the handshake, typed, before anything runs out.
 
+What a poll looks at grows with the work, not with the peers: every open side channel is registered in one
+:class:`~kvbridge.runtime.poller.ChannelPoller` (from install until it closes) that gives the channels with
+something to read; :attr:`PeerTable.todo` holds the peers with something to send (marked by
+:meth:`Peer.queue <kvbridge.runtime.peer.Peer.queue>` and by frames ZMQ could not take);
+:attr:`PeerTable.handshaking` the background handshakes. Only eviction looks at every live peer, at most
+once a second.
+
 Handshakes run on a pool of :data:`HANDSHAKE_THREADS` threads; a handshake's bound
 (``connect_timeout_s``) counts from when its thread starts it, not while it waits in the queue (a
 queued handshake waits at most :data:`QUEUE_BOUNDS` bounds).
@@ -47,6 +54,7 @@ from ..errors import HandshakeError, HandshakeFailed, IncompatibleLayoutsError, 
 from ..transport.base import Transport
 from .metrics import Metrics
 from .peer import Peer, PeerEvent, PeerState, Rank, SideChannel
+from .poller import ChannelPoller, PollWork
 
 if TYPE_CHECKING:
     from .handshake import Handshaker, RemoteEngine
@@ -119,6 +127,12 @@ class PeerTable:
         # reads re-queued after their engine restarted or disconnected wait at most this long for it
         self.rehandshake_timeout_s = rehandshake_timeout_s
         self.pool: ThreadPoolExecutor | None = None
+        # what a poll looks at grows with the work, not with the peers: the side channels by their
+        # descriptors (one poller), the peers with something to send, the handshakes in flight
+        self.work = PollWork()
+        self.poller = ChannelPoller(self.work)
+        self.todo: dict[Peer, None] = {}         # peers with queued acquires, heartbeats or unsent frames
+        self.handshaking: dict[Peer, None] = {}  # peers begun in the background (pruned once not connecting)
 
     # ---- views ---------------------------------------------------------------------------------
     def get(self, engine_id: str) -> Peer | None:
@@ -141,13 +155,29 @@ class PeerTable:
         out = [p for p in self.current.values() if p.live]
         return out + [p for p in self.old if p.state is PeerState.LOST and p.remote is not None] if self.old else out
 
+    def _connecting(self) -> list[Peer]:
+        """The current peers whose background handshake runs (O(handshakes), not O(peers))."""
+        return [p for p in self.handshaking if p.connecting and self.current.get(p.engine_id) is p]
+
     def connecting(self) -> bool:
-        return any(p.connecting for p in self.current.values())
+        return bool(self.handshaking) and bool(self._connecting())
 
     @property
     def waiting(self) -> int:
         """Reads queued behind a background handshake."""
-        return sum(len(p.pending) for p in self.current.values() if p.connecting)
+        return sum(len(p.pending) for p in self._connecting())
+
+    def take_todo(self) -> list[Peer]:
+        """The peers with something to send (queued acquires or heartbeats, frames ZMQ could not take),
+        in the order they had it; none are left marked (sending what stays unsent marks them again)."""
+        out = list(self.todo)
+        self.todo.clear()
+        self.work.flushed += len(out)
+        return out
+
+    def sending(self, heartbeats: bool = True) -> bool:
+        """Some peer has acquires (or heartbeats) queued, or frames ZMQ could not take yet."""
+        return any(p.outbox or p.unsent or (heartbeats and p.heartbeats) for p in self.todo)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def check_budget(self, engine_id: str, ranks: int) -> None:
@@ -176,6 +206,7 @@ class PeerTable:
 
         def closed() -> None:
             self.channels -= 1
+            self.poller.remove(ch)  # before its sockets close (their descriptor numbers may be reused)
             close()
         ch.close = closed  # type: ignore[method-assign]
         return ch
@@ -188,6 +219,9 @@ class PeerTable:
         try:
             self.check_budget(peer.engine_id, len(remote.side_ranks))
             peer.connected(remote, prepped, self.open_channel)
+            peer.todo = self.todo
+            if isinstance(peer.channel, SideChannel):
+                self.poller.add(peer, peer.channel)
         except HandshakeError:  # release what the handshake made (agents another live peer uses stay)
             for prep in (prepped or {}).values():
                 self.transport.unprepare(prep)
@@ -232,6 +266,7 @@ class PeerTable:
             return handshaker.background(engine_id, endpoints, phase)
         peer.future = self.pool.submit(run)
         self.current[engine_id] = peer
+        self.handshaking[peer] = None
         self.evicted.discard(engine_id)
         return peer
 
@@ -265,9 +300,11 @@ class PeerTable:
         """Install engines whose background handshake finished; lose those whose handshake failed or ran
         past its bound (``connect_timeout_s``). Returns what the caller must do with their queued reads."""
         out: list[Ready | Unreachable] = []
-        for peer in list(self.current.values()):
-            if not peer.connecting:
+        for peer in list(self.handshaking):
+            if not peer.connecting or self.current.get(peer.engine_id) is not peer:
+                del self.handshaking[peer]  # installed, failed, abandoned or replaced
                 continue
+            self.work.connecting += 1
             assert peer.future is not None
             if peer.future.done():
                 try:
@@ -366,5 +403,6 @@ class PeerTable:
         for peer in self.old:
             peer.close(self.transport)
         self.old.clear()
+        self.poller.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False)

@@ -9,7 +9,9 @@ read machines: it turns side-channel replies (:meth:`ReadLoop.drain`) and NIXL t
 
 It never changes a peer's lifecycle itself: a prefill rank that answered "restarted", or whose side
 channel or NIXL agent went away, is handed to the caller's callbacks (``restarted``, ``retire``,
-``died``); the peers it reads from are passed in (:meth:`ReadLoop.flush`, :meth:`ReadLoop.drain`).
+``died``); the peers it reads from are passed in (:meth:`ReadLoop.flush`: those with something to send;
+:meth:`ReadLoop.drain`: those whose side channel the poller found readable), so a poll costs the work
+there is, not the number of peers.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from .lease import MIN_READ_RATE
 from .memhost import KVBytes
 from .metrics import Metrics
 from .paths import from_host_segment
-from .peer import Peer, PeerEvent
+from .peer import Peer, PeerEvent, SideChannel
 from .probe import observe_read
 from .protocol import (
     Acquire,
@@ -304,7 +306,8 @@ class ReadLoop:
 
     def flush(self, peers: Iterable[Peer]) -> None:
         """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
-        messages ZMQ could not take, of ``peers`` (every peer with open sockets)."""
+        messages ZMQ could not take, of ``peers`` (those with something to send:
+        :meth:`~kvbridge.runtime.peers.PeerTable.take_todo`)."""
         for peer in peers:
             if peer.unsent:
                 peer.retry_unsent()
@@ -506,28 +509,34 @@ class ReadLoop:
             self.metrics.failed_notifications += 1
 
     def drain(self, peers: Iterable[Peer]) -> None:
-        """Replies of ``peers`` (every peer with open sockets) -> read events; a closed side channel -> ``died``."""
+        """Replies of ``peers`` -> read events; a closed side channel -> ``died``. ``peers``: those whose side
+        channel the poller found readable or touched (:meth:`~kvbridge.runtime.poller.ChannelPoller.ready`);
+        each is drained until ZMQ shows nothing more (its descriptor is then accurate again)."""
         for peer in peers:
-            for prank, sock in list(peer.socks.items()):
-                if peer.disconnected(prank) and prank not in peer.gone and prank in peer.agents:
-                    self.died(peer, prank, "its side-channel connection closed")
-                real = isinstance(sock, zmq.Socket)
-                while True:
-                    try:
-                        # (EVENTS first: an empty socket costs no exception on every poll)
-                        if real and not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                            break
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except (zmq.Again, zmq.ZMQError):
-                        break
-                    try:
-                        msg = unpack(frames)
-                    except HandshakeError:
-                        continue
-                    if isinstance(msg, Acquired):
-                        self._on_acquired(peer, prank, msg)
-                    elif isinstance(msg, (Staged, StageError)):
-                        self._on_stage_reply(peer, prank, msg)
+            ch = peer.channel
+            if not isinstance(ch, SideChannel):  # closed meanwhile
+                continue
+            down = ch.poll_monitor()
+            if down:  # a disconnect is reported before that rank's replies
+                for prank in [p for p in peer.socks if p in down]:
+                    if peer.disconnected(prank) and prank not in peer.gone and prank in peer.agents:
+                        self.died(peer, prank, "its side-channel connection closed")
+            while peer.channel is ch:
+                try:
+                    got = ch.recv_any()
+                except zmq.ZMQError:  # closed under us
+                    break
+                if got is None:
+                    break
+                prank, frames = got
+                try:
+                    msg = unpack(frames)
+                except HandshakeError:
+                    continue
+                if isinstance(msg, Acquired):
+                    self._on_acquired(peer, prank, msg)
+                elif isinstance(msg, (Staged, StageError)):
+                    self._on_stage_reply(peer, prank, msg)
 
     def _advance(self, f: InFlight, rr: RankRead, now: float) -> bool:
         """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
