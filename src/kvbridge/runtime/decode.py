@@ -133,7 +133,8 @@ class DecodeRank:
             stage_segment_bytes=cfg.stage_segment_bytes, stage_timeout_s=cfg.stage_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died,
-            host_staging=self.host_staging, host_staging_addr=self.host_staging_addr)
+            host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
+            optimistic=cfg.optimistic_reads)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
