@@ -13,6 +13,10 @@ Per row (request size, topology), alternating in one run, round after round:
   polling ``check_xfer_state``), from the decode process's NIXL agent to the prefill's, one READ per
   prefill rank at once; ``nixl-1`` the same bytes as one descriptor per prefill rank.
 
+A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
+direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
+mode uses the config's default.
+
 With ``--inflight K`` K requests start at once: latency per request and throughput (requests/s, GB/s).
 Each kvbridge row carries its phase breakdown (``metrics.DECODE_PHASES``: median per read, from the
 per-read change of each phase's sum) and the prefill's mean time per acquire/stage answer.
@@ -145,8 +149,10 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 conn.send(("ok", None))
                 return
             if cmd == "mode":
-                if args[0] != dec.transfer_mode:
-                    dec.set_transfer_mode(args[0])
+                mode, _, flag = args[0].partition("+")  # (+optimistic / +pinned: optimistic_reads on / off)
+                dec.reads.optimistic = {"optimistic": True, "pinned": False}.get(flag, dec.config.optimistic_reads)
+                if mode != dec.transfer_mode:
+                    dec.set_transfer_mode(mode)
                 if "bench-p" not in dec.remotes:
                     dec.handshake("bench-p", endpoints)
                 res = {str(k): v for k, v in dec.remotes["bench-p"].modes.items()}

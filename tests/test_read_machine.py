@@ -30,7 +30,6 @@ from kvbridge.runtime.readstate import (
     Abort,
     AlignRetry,
     Ask,
-    Begin,
     Count,
     Fail,
     Failed,
@@ -325,28 +324,29 @@ def test_scattering_completes_only_when_every_segment_is_read_and_scattered(a, b
 
 # ---- optimistic direct reads (DecodeConfig.optimistic_reads): the READ is posted beside the acquire ----
 def optimistic(c=None):
-    """An optimistic direct read just started: its READ posted (no Done on it), its acquire sent."""
+    """An optimistic direct read just started: its acquire sent, its READ posted (no Done on it)."""
     c = c or ReadContext(stage_timeout_s=5.0, transfer_timeout_s=20.0, register_grace_s=1.0,
                          slots=SlotAllocator(1 << 20), staging_addr=1 << 30, optimistic=True)
     rr = RankRead(P, S.ACQUIRING, 0.0, c, work=WORK)
-    acts = rr.handle(Begin(), 0.0)
+    acts = rr.handle(Sent(), 0.0)
     assert acts[0] == Count("optimistic_reads") and isinstance(acts[1], Post) and len(acts) == 2
     assert acts[1].transfer.work is WORK and acts[1].notify is False  # its Done is sent only for a granted pin
     assert rr.reads == [acts[1].transfer] and rr.notify_at_end and not rr.pinned and rr.state is S.ACQUIRING
-    rr.handle(Sent(), 0.0)
+    assert rr.asked
     return rr
 
 
-def test_begin_posts_nothing_unless_optimistic():
-    assert machine(S.ACQUIRING).handle(Begin(), 0.0) == []  # the default: posted once granted
-    assert machine(S.STAGE_REQUESTED).handle(Begin(), 0.0) == []
+def test_sent_posts_nothing_unless_optimistic():
+    rr = RankRead(P, S.ACQUIRING, 0.0, ctx(), work=WORK)
+    assert rr.handle(Sent(), 0.0) == [] and not rr.reads  # the default: posted once granted
+    assert machine(S.STAGE_REQUESTED).handle(Sent(), 0.0) == []
     c = ReadContext(5.0, 20.0, 1.0, SlotAllocator(1 << 20), 1 << 30, optimistic=True)
     staged = RankRead(P, S.STAGE_REQUESTED, 0.0, c, lower=lowered, request="stage-msg", slot_key=("k", P))
-    assert staged.handle(Begin(), 0.0) == [] and not staged.reads  # staged paths are unchanged
+    assert staged.handle(Sent(), 0.0) == [] and not staged.reads  # staged paths are unchanged
     empty = RankRead(P, S.ACQUIRING, 0.0, c, work=None)  # nothing to read: pinned, then released
-    assert empty.handle(Begin(), 0.0) == [] and empty.handle(Granted(TTL), 0.1) == [Notify()]
+    assert empty.handle(Sent(), 0.0) == [] and empty.handle(Granted(TTL), 0.1) == [Notify()]
     rr = optimistic()
-    assert rr.handle(Begin(), 0.0) == [] and len(rr.reads) == 1  # posted once
+    assert rr.handle(Sent(), 0.0) == [] and len(rr.reads) == 1  # posted once (a re-sent acquire posts nothing)
 
 
 def test_optimistic_transfer_done_before_the_grant_waits_for_it():

@@ -51,7 +51,6 @@ from .readstate import (
     Abort,
     AlignRetry,
     Ask,
-    Begin,
     Count,
     Fail,
     Failed,
@@ -166,9 +165,8 @@ class ReadLoop:
                 if not req.attempt_for(prank) or prank not in peer.socks:
                     continue  # nothing to present: the prefill's lease expires on its own
                 d = None  # pinned, then released at once: only a pin holder's Done settles a read
-            rr = f.ranks[prank] = RankRead(prank, ReadState.ACQUIRING, now, ctx, work=d)
-            self.apply(f, rr, rr.handle(Begin(), now))  # optimistic: the READ is posted now, beside the acquire
-            queue_read(peer.outbox, peer, prank, req)
+            f.ranks[prank] = RankRead(prank, ReadState.ACQUIRING, now, ctx, work=d)
+            queue_read(peer.outbox, peer, prank, req)  # (optimistic: its READ is posted as the acquire goes out)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self.layout_dict

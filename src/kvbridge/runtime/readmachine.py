@@ -25,7 +25,6 @@ from .readstate import (
     Action,
     AlignRetry,
     Ask,
-    Begin,
     Count,
     Event,
     Fail,
@@ -96,8 +95,9 @@ class RankRead:
     segment and a fallback to direct reads use the same lowering); ``request``: the stage request the
     loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator.
 
-    **Optimistic reads** (``ctx.optimistic``, ``DecodeConfig.optimistic_reads``; direct ranks only): on
-    :class:`Begin` the READ is posted at once, beside the acquire, before any pin. A grant proves the
+    **Optimistic reads** (``ctx.optimistic``, ``DecodeConfig.optimistic_reads``; direct ranks only): when
+    the first acquire goes out (:class:`Sent`) the READ is posted at once, beside it, before any pin (the
+    acquire first: the READ's copy, on the post thread, must not delay it). A grant proves the
     lease was alive when the prefill pinned it, hence ever since its registration (a lease never comes
     back), and the read started after its parameters were issued, which the prefill does only once the
     blocks hold the request's KV and stay held (``add_request`` registers first; vLLM's scheduler keeps
@@ -190,12 +190,10 @@ class RankRead:
         if isinstance(ev, ScatterDone):
             self.reads[ev.index].scattered = True
             return []
-        if isinstance(ev, Begin):
-            return self._post_early()
         if isinstance(ev, Sent):
             if not self.terminal:
                 self.asked = True
-            return []
+            return self._post_early()
         if isinstance(ev, PinsReleased):
             self.pinned = self.asked = False
             return []

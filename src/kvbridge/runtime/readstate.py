@@ -21,8 +21,8 @@ actions); the machine is ``readmachine.py``.
 
 DONE, FAILED and CANCELLED are terminal.
 
-With ``DecodeConfig.optimistic_reads`` a direct read posts its READ in ACQUIRING already (:class:`Begin`,
-beside the acquire); the table is the same: the read completes only in POSTED, i.e. once GRANTED too
+With ``DecodeConfig.optimistic_reads`` a direct read posts its READ in ACQUIRING already, as its acquire
+goes out (:class:`Sent`); the table is the same: the read completes only in POSTED, i.e. once GRANTED too
 (``RankRead`` states the soundness rules).
 """
 from __future__ import annotations
@@ -110,13 +110,9 @@ class ReadMachine:
 
 # ---- events: what happened (frozen; the decode rank builds them from ZMQ frames and NIXL states) -------
 @dataclass(frozen=True, slots=True)
-class Begin:
-    """The read was set up (the loop's ``start``): an optimistic direct read posts its READ now."""
-
-
-@dataclass(frozen=True, slots=True)
 class Sent:
-    """The acquire/stage request went out: a pin may exist on the prefill from now on."""
+    """The acquire/stage request went out: a pin may exist on the prefill from now on (an optimistic
+    direct read posts its READ now, right behind its first acquire)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +223,7 @@ class PinsReleased:
     """The loop sent the Done that releases this read's pin (or a release of a pin it may hold)."""
 
 
-Event = (Begin | Sent | Granted | Refreshed | Refused | Segment | StageFailed | AlignRetry | XferDone | XferFailed
+Event = (Sent | Granted | Refreshed | Refused | Segment | StageFailed | AlignRetry | XferDone | XferFailed
          | ScatterDone | ScatterFailed | Tick | Failed | Abort | PinsReleased)
 
 
