@@ -26,7 +26,7 @@ import pytest
 import zmq
 from _helpers import Jobs, hold, inproc_decode, layout, until
 
-from kvbridge.errors import HandshakeError, NotRegistered
+from kvbridge.errors import HandshakeError, LeaseExpired, NotRegistered
 from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import fetch_meta
 from kvbridge.runtime.prefill import PrefillRank
@@ -132,6 +132,40 @@ def test_early_acquire_is_retried_not_freed(mode):
         else:
             assert dec.metrics.optimistic_reads == 0 and dec.metrics.discarded_reads == 0
         assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
+
+
+def test_optimistic_read_of_an_expired_lease_fails_typed_and_leaks_nothing():
+    """optimistic_reads: the READ goes out beside the acquire of a request whose lease has expired (its
+    blocks refilled with another request's bytes): refused ``lease_expired``, the read fails
+    ``LeaseExpired`` (its READ settled and released, never reported done), nothing is sent that the
+    prefill would have to ignore, and a read of a live request beside it is exact."""
+    pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
+    jobs = Jobs(dl, seed=43)
+    jobs.engine("pX", pl)
+    gone, live = jobs.make("pX", 2, lengths=[48, 33], prefix_p=0.0)
+    with reusing_prefill(pl, "pX", jobs) as (pre, lock, ended, by_rid), \
+            inproc_decode(dl, "dX", optimistic_reads=True) as dec:
+        by_rid.update({gone.rid: gone, live.rid: live})
+        dec.handshake("pX", {(0, 0): f"127.0.0.1:{pre.port}"})
+        hold(pre, lock, gone, lease_s=0.05)
+        until(lambda: gone.rid in ended, 10, "the lease to expire (and its blocks to be refilled)")
+        hold(pre, lock, live)
+        dec.start(gone.read())
+        dec.start(live.read())
+        done, failed = _poll_until(dec, lambda d, f: len(d) + len(f) == 2, 15, "the reads")
+        assert done == [live.rid] and isinstance(failed.get(gone.rid), LeaseExpired), (done, failed)
+        assert dec.metrics.optimistic_reads == 2 and dec.metrics.discarded_reads == 0
+        # `gone`'s blocks hold what its READ found there (the refill, request gone.num + 100000), or nothing
+        # if the refusal came before the post thread reached it; nothing else was written
+        exact = [_verify(dec, [(live.num, live.read())] + extra)["mismatched_bytes"]
+                 for extra in ([(gone.num + 100_000, gone.read())], [])]
+        print(f"optimistic read of an expired lease: mismatches with / without its READ's bytes {exact}")
+        assert 0 in exact, exact
+        until(lambda: dec.stats()["parked_reads"] == 0 and dec.stats()["live_handles"] == 0, 10, "READs settled")
+        with lock:
+            m = pre.metrics
+            assert m.ignored_notifications == 0 and m.unknown_notifications == 0 and m.forged_messages == 0
+        until(lambda: live.rid in ended, 10, "the live lease to be freed on its Done")
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged", "host"])
