@@ -13,6 +13,11 @@ Per row (request size, topology), alternating in one run, round after round:
   polling ``check_xfer_state``), from the decode process's NIXL agent to the prefill's, one READ per
   prefill rank at once; ``nixl-1`` the same bytes as one descriptor per prefill rank.
 
+A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
+direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
+mode uses the config's default. ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
+spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
+
 With ``--inflight K`` K requests start at once: latency per request and throughput (requests/s, GB/s).
 Each kvbridge row carries its phase breakdown (``metrics.DECODE_PHASES``: median per read, from the
 per-read change of each phase's sum) and the prefill's mean time per acquire/stage answer.
@@ -43,6 +48,22 @@ def _layout(tp: int, num_blocks: int):
 
 
 # ---- processes ------------------------------------------------------------------------------------
+def _busy_thread(share: float, period_s: float = 0.004) -> None:
+    """BENCH_PREFILL_BUSY=share (0..1): a Python thread of the prefill process spins that share of every
+    4 ms, holding the GIL as an engine's busy-waiting threads do (the serving thread's answers wait for it)."""
+    if share <= 0:
+        return
+    import threading
+
+    def spin() -> None:
+        while True:
+            end = time.perf_counter() + share * period_s
+            while time.perf_counter() < end:
+                pass
+            time.sleep((1 - share) * period_s)
+    threading.Thread(target=spin, daemon=True).start()
+
+
 def _prefill_main(conn, tp: int, rank, num_blocks: int) -> None:
     import kvbridge
     from kvbridge.testing import rankbench
@@ -54,6 +75,7 @@ def _prefill_main(conn, tp: int, rank, num_blocks: int) -> None:
                                       staging_bytes=int(os.environ.get("BENCH_STAGING_MIB", "320")) << 20)
         rankbench.fill_random(ep, rank[1])
         server = kvbridge.PrefillServer(ep)
+        _busy_thread(float(os.environ.get("BENCH_PREFILL_BUSY", "0")))
         conn.send(("ok", ep.port))
     except Exception:  # noqa: BLE001
         conn.send(("err", traceback.format_exc()))
@@ -145,8 +167,10 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 conn.send(("ok", None))
                 return
             if cmd == "mode":
-                if args[0] != dec.transfer_mode:
-                    dec.set_transfer_mode(args[0])
+                mode, _, flag = args[0].partition("+")  # (+optimistic / +pinned: optimistic_reads on / off)
+                dec.reads.optimistic = {"optimistic": True, "pinned": False}.get(flag, dec.config.optimistic_reads)
+                if mode != dec.transfer_mode:
+                    dec.set_transfer_mode(mode)
                 if "bench-p" not in dec.remotes:
                     dec.handshake("bench-p", endpoints)
                 res = {str(k): v for k, v in dec.remotes["bench-p"].modes.items()}

@@ -26,7 +26,7 @@ import pytest
 import zmq
 from _helpers import Jobs, hold, inproc_decode, layout, until
 
-from kvbridge.errors import HandshakeError, NotRegistered
+from kvbridge.errors import HandshakeError, LeaseExpired, NotRegistered
 from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import fetch_meta
 from kvbridge.runtime.prefill import PrefillRank
@@ -81,20 +81,27 @@ def _poll_until(dec, pred, timeout: float, what: str):
     return done, failed
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
+@pytest.mark.parametrize("mode", ["direct", "direct-optimistic", "staged", "host"])
 def test_early_acquire_is_retried_not_freed(mode):
     """The decode asks before the prefill registered the request (the router was faster than the
     prefill engine's step): refused ``not_registered``, asked again, read exactly once registered. The
     prefill frees the lease once, on the read's Done; no Done was ever ignored or taken from a refused
-    try; a request never registered fails ``NotRegistered`` within ``register_grace_s``."""
+    try; a request never registered fails ``NotRegistered`` within ``register_grace_s``.
+    ``direct-optimistic``: the READ went out beside the first acquire and read the blocks before the
+    request was written and registered (another request's bytes): those bytes are discarded and read
+    again once granted."""
+    mode, opt = mode.removesuffix("-optimistic"), mode.endswith("-optimistic")
     pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
     jobs = Jobs(dl, seed=41)
     jobs.engine("pE", pl)
     js = jobs.make("pE", 3, lengths=[40, 64, 17], prefix_p=0.0)
     (never,) = jobs.make("pE", 1, lengths=[8], prefix_p=0.0, tag="never")
     with reusing_prefill(pl, "pE", jobs) as (pre, lock, ended, by_rid), \
-            inproc_decode(dl, "dE", transfer_mode=mode, register_grace_s=3.0, stage_timeout_s=30.0) as dec:
+            inproc_decode(dl, "dE", transfer_mode=mode, register_grace_s=3.0, stage_timeout_s=30.0,
+                          optimistic_reads=opt) as dec:
         by_rid.update({j.rid: j for j in js})
+        with lock:  # `never`'s bytes are in its blocks, never registered: only an optimistic READ copies them
+            fill_rank(pre, never.num, never.req.num_tokens, never.req.prefill_blocks)
         dec.handshake("pE", {(0, 0): f"127.0.0.1:{pre.port}"})
         for j in js + [never]:
             dec.start(j.read())
@@ -106,7 +113,10 @@ def test_early_acquire_is_retried_not_freed(mode):
         done, failed = _poll_until(dec, lambda d, f: len(d) + len(f) == len(js) + 1, 15, "the reads")
         assert sorted(done) == sorted(j.rid for j in js), failed
         assert isinstance(failed[never.rid], NotRegistered) and never.rid not in done
-        assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+        # optimistic: `never` failed, but its READ went out before the refusal and wrote its blocks (as a
+        # read that fails after posting may): its own bytes there, nothing anywhere else
+        written = js + [never] if opt else js
+        assert _verify(dec, [(j.num, j.read()) for j in written])["mismatched_bytes"] == 0
         until(lambda: set(ended) >= {j.rid for j in js}, 10, "the leases to be freed")
         with lock:
             m = pre.metrics
@@ -117,7 +127,45 @@ def test_early_acquire_is_retried_not_freed(mode):
             assert m.unknown_notifications == 0  # the refused tries sent no Done at all
             assert not pre.leases and pre.slots.bytes_used == 0
         assert dec.metrics.failed_requests == 1  # `never`, once, however many retries it took
+        if opt:  # every read went out before its grant and was discarded (the first answer: not registered)
+            assert dec.metrics.optimistic_reads == len(js) + 1 and dec.metrics.discarded_reads == len(js) + 1
+        else:
+            assert dec.metrics.optimistic_reads == 0 and dec.metrics.discarded_reads == 0
         assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
+
+
+def test_optimistic_read_of_an_expired_lease_fails_typed_and_leaks_nothing():
+    """optimistic_reads: the READ goes out beside the acquire of a request whose lease has expired (its
+    blocks refilled with another request's bytes): refused ``lease_expired``, the read fails
+    ``LeaseExpired`` (its READ settled and released, never reported done), nothing is sent that the
+    prefill would have to ignore, and a read of a live request beside it is exact."""
+    pl, dl = layout("prefill", 1, 96), layout("decode", 1, 96)
+    jobs = Jobs(dl, seed=43)
+    jobs.engine("pX", pl)
+    gone, live = jobs.make("pX", 2, lengths=[48, 33], prefix_p=0.0)
+    with reusing_prefill(pl, "pX", jobs) as (pre, lock, ended, by_rid), \
+            inproc_decode(dl, "dX", optimistic_reads=True) as dec:
+        by_rid.update({gone.rid: gone, live.rid: live})
+        dec.handshake("pX", {(0, 0): f"127.0.0.1:{pre.port}"})
+        hold(pre, lock, gone, lease_s=0.05)
+        until(lambda: gone.rid in ended, 10, "the lease to expire (and its blocks to be refilled)")
+        hold(pre, lock, live)
+        dec.start(gone.read())
+        dec.start(live.read())
+        done, failed = _poll_until(dec, lambda d, f: len(d) + len(f) == 2, 15, "the reads")
+        assert done == [live.rid] and isinstance(failed.get(gone.rid), LeaseExpired), (done, failed)
+        assert dec.metrics.optimistic_reads == 2 and dec.metrics.discarded_reads == 0
+        # `gone`'s blocks hold what its READ found there (the refill, request gone.num + 100000), or nothing
+        # if the refusal came before the post thread reached it; nothing else was written
+        exact = [_verify(dec, [(live.num, live.read())] + extra)["mismatched_bytes"]
+                 for extra in ([(gone.num + 100_000, gone.read())], [])]
+        print(f"optimistic read of an expired lease: mismatches with / without its READ's bytes {exact}")
+        assert 0 in exact, exact
+        until(lambda: dec.stats()["parked_reads"] == 0 and dec.stats()["live_handles"] == 0, 10, "READs settled")
+        with lock:
+            m = pre.metrics
+            assert m.ignored_notifications == 0 and m.unknown_notifications == 0 and m.forged_messages == 0
+        until(lambda: live.rid in ended, 10, "the live lease to be freed on its Done")
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged", "host"])

@@ -175,7 +175,7 @@ def _check(res, path: str) -> None:
     assert not res.failed and not res.start_errors, (res.failed, res.start_errors)
     assert res.mismatched_bytes == 0 and res.bytes_moved == res.bytes_needed
     assert res.prefill_freed == res.requests and res.leaked_handles == 0 and res.ok
-    if path == "direct":
+    if path.startswith("direct"):
         assert res.staged_transfers == 0
     elif path == "staged":
         assert res.staged_transfers > 0 and res.host_staged_transfers == 0 and res.direct_transfers == 0
@@ -188,14 +188,20 @@ def _check(res, path: str) -> None:
 
 @pytest.mark.nixl
 @nixl
-@pytest.mark.parametrize("path", ["direct", "staged", "host", "push"])
+@pytest.mark.parametrize("path", ["direct", "direct-optimistic", "staged", "host", "push"])
 @pytest.mark.parametrize("case", list(ORACLE))
 def test_every_path_is_byte_exact_between_processes(case, path):
+    """``direct-optimistic``: READs posted beside their acquire (``optimistic_reads``); ``direct``: the
+    default (posted once the pin is granted)."""
     from kvbridge.testing.demo import run_demo
     prefill, decode = ORACLE[case]()
-    res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=11, show_progress=False, transfer_mode=path,
-                   decode_options={"probe_ms": 200.0})  # (a busy test machine: see the next test)
+    opts: dict[str, object] = {"probe_ms": 200.0}  # (a busy test machine: see the next test)
+    if path != "direct":
+        opts["optimistic_reads"] = path == "direct-optimistic"
+    res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=11, show_progress=False,
+                   transfer_mode=path.split("-")[0], decode_options=opts)
     _check(res, path)
+    path = path.split("-")[0]
     for per in res.links.values():  # a forced path is what every pair reports as chosen, with measured figures
         for link in per["prefill-0"].values():
             assert link["chosen"] == path and link["source"] == "probe"

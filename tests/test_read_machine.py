@@ -17,6 +17,7 @@ from kvbridge.errors import (
     LeaseExpired,
     NotRegistered,
     PeerDisconnected,
+    PeerRestarted,
     ReadFailure,
     RemoteError,
     TransferFailed,
@@ -319,3 +320,161 @@ def test_scattering_completes_only_when_every_segment_is_read_and_scattered(a, b
     rr.handle(ScatterDone(b), 0.3)
     rr.handle(Tick(), 0.3)
     assert rr.state is S.DONE
+
+
+# ---- optimistic direct reads (DecodeConfig.optimistic_reads): the READ is posted beside the acquire ----
+def optimistic(c=None):
+    """An optimistic direct read just started: its acquire sent, its READ posted (no Done on it)."""
+    c = c or ReadContext(stage_timeout_s=5.0, transfer_timeout_s=20.0, register_grace_s=1.0,
+                         slots=SlotAllocator(1 << 20), staging_addr=1 << 30, optimistic=True)
+    rr = RankRead(P, S.ACQUIRING, 0.0, c, work=WORK)
+    acts = rr.handle(Sent(), 0.0)
+    assert acts[0] == Count("optimistic_reads") and isinstance(acts[1], Post) and len(acts) == 2
+    assert acts[1].transfer.work is WORK and acts[1].notify is False  # its Done is sent only for a granted pin
+    assert rr.reads == [acts[1].transfer] and rr.notify_at_end and not rr.pinned and rr.state is S.ACQUIRING
+    assert rr.asked
+    return rr
+
+
+def test_sent_posts_nothing_unless_optimistic():
+    rr = RankRead(P, S.ACQUIRING, 0.0, ctx(), work=WORK)
+    assert rr.handle(Sent(), 0.0) == [] and not rr.reads  # the default: posted once granted
+    assert machine(S.STAGE_REQUESTED).handle(Sent(), 0.0) == []
+    c = ReadContext(5.0, 20.0, 1.0, SlotAllocator(1 << 20), 1 << 30, optimistic=True)
+    staged = RankRead(P, S.STAGE_REQUESTED, 0.0, c, lower=lowered, request="stage-msg", slot_key=("k", P))
+    assert staged.handle(Sent(), 0.0) == [] and not staged.reads  # staged paths are unchanged
+    empty = RankRead(P, S.ACQUIRING, 0.0, c, work=None)  # nothing to read: pinned, then released
+    assert empty.handle(Sent(), 0.0) == [] and empty.handle(Granted(TTL), 0.1) == [Notify()]
+    rr = optimistic()
+    assert rr.handle(Sent(), 0.0) == [] and len(rr.reads) == 1  # posted once (a re-sent acquire posts nothing)
+
+
+def test_optimistic_transfer_done_before_the_grant_waits_for_it():
+    rr = optimistic()
+    assert rr.handle(XferDone(0), 0.01) == []
+    for t in (0.02, 1.0, 2.0):  # every byte is here, but no pin: not done
+        rr.handle(Tick(), t)
+        assert rr.state is S.ACQUIRING and not rr.pinned
+    assert rr.handle(Granted(TTL), 2.5) == []  # no second READ
+    assert rr.state is S.POSTED and rr.pinned and rr.pin_deadline == pytest.approx(TTL)
+    assert rr.handle(Tick(), 2.5) == [] and rr.state is S.DONE
+    assert rr.notify_at_end and rr.pinned  # the loop sends Done at completion: only for this granted pin
+    assert rr.progress() == (300, 0)
+
+
+def test_optimistic_transfer_done_after_the_grant():
+    rr = optimistic()
+    assert rr.handle(Granted(TTL), 0.01) == [] and rr.state is S.POSTED and len(rr.reads) == 1
+    rr.handle(Tick(), 0.02)
+    assert rr.state is S.POSTED  # the bytes are not all here
+    assert rr.progress() == (0, 300)
+    rr.handle(XferDone(0), 0.03)
+    rr.handle(Tick(), 0.03)
+    assert rr.state is S.DONE
+
+
+def test_optimistic_pin_deadline_and_heartbeats_unchanged_once_granted():
+    rr = optimistic()
+    rr.handle(Granted(TTL), 0.01)
+    assert rr.refresh_at == pytest.approx(TTL / 3)
+    assert Heartbeat() in rr.handle(Tick(queued_locally=True), 3.5)
+    late = optimistic()
+    late.handle(Granted(1.0), 0.01)  # the pin holds until 1.0 (from when the acquire went out)
+    late.handle(XferDone(0), 1.2)
+    a = late.handle(Tick(), 1.2)[-1]  # the bytes arrived after the pin ran out: not trusted
+    assert isinstance(a, Fail) and a.kind is LeaseExpired and late.state is S.FAILED
+
+
+@pytest.mark.parametrize("settle, first_settles", [
+    ("done", "before the refusal"), ("done", "before the grant"), ("done", "after the grant"),
+    ("failed", "before the grant"), ("failed", "after the grant")])  # (failed before: the next test)
+def test_optimistic_not_registered_discards_then_reads_again_once_settled_and_granted(settle, first_settles):
+    """Refused "not registered": the optimistic bytes are discarded; a fresh READ into the same blocks is
+    posted only once the pin is granted AND the first READ has settled (completed or failed): never two
+    READs in flight into the same blocks."""
+    rr = optimistic()
+    first = rr.reads[0]
+    ended = XferDone(0) if settle == "done" else XferFailed("stale read failed", 0)
+    if first_settles == "before the refusal":
+        assert rr.handle(ended, 0.005) == []
+    acts = rr.handle(Refused("not_registered", "no lease yet"), 0.01)
+    assert acts[:1] == [Count("register_retries")] and isinstance(acts[1], Retry)
+    assert Count("discarded_reads") in acts and first.discard and not first.cancelled and rr.state is S.ACQUIRING
+    if first_settles == "before the grant":
+        assert rr.handle(ended, 0.012) == []  # settled, not granted: nothing posted yet
+    assert rr.handle(Tick(), acts[1].at) == [Ask(stage=False)]
+    rr.handle(Sent(), acts[1].at)
+    acts = rr.handle(Granted(TTL), 0.05)
+    assert rr.state is S.POSTED and rr.pinned
+    if first_settles == "after the grant":
+        assert acts == []  # the first READ may still write the blocks: wait for it
+        for t in (0.06, 0.5):
+            rr.handle(Tick(), t)
+            assert rr.state is S.POSTED  # discarded bytes never complete a read
+        acts = rr.handle(ended, 0.6)
+    (post,) = acts
+    assert isinstance(post, Post) and post.transfer is not first and post.transfer.work is WORK
+    assert post.notify is False and not post.transfer.discard and rr.reads == [first, post.transfer]
+    assert rr.progress() == (0, 300)  # discarded bytes are not progress
+    rr.handle(Tick(), 0.7)
+    assert rr.state is S.POSTED
+    rr.handle(XferDone(1), 0.8)
+    rr.handle(Tick(), 0.8)
+    assert rr.state is S.DONE and rr.notify_at_end and rr.pinned and rr.progress() == (300, 0)
+
+
+def test_optimistic_failed_read_before_any_answer_fails_typed():
+    """Not discarded (no refusal yet): a failed optimistic READ fails the read, as any failed READ."""
+    rr = optimistic()
+    acts = rr.handle(XferFailed("transport failed", 0), 0.01)
+    assert isinstance(acts[-1], Fail) and acts[-1].kind is TransferFailed and rr.state is S.FAILED
+
+
+@pytest.mark.parametrize("code, kind", [("lease_expired", LeaseExpired), ("done", LeaseExpired),
+                                        ("unknown_reader", RemoteError), ("bad_request", RemoteError)])
+@pytest.mark.parametrize("after_retry", [False, True])
+def test_optimistic_other_refusals_fail_typed_and_cancel_the_transfer_in_flight(code, kind, after_retry):
+    rr = optimistic()
+    if after_retry:  # refused "not registered" first (bytes discarded), then for good
+        acts = rr.handle(Refused("not_registered", "no lease yet"), 0.01)
+        rr.handle(Tick(), acts[1].at)
+    acts = rr.handle(Refused(code, "no"), 0.1)
+    assert acts[0] == Count("cancelled_reads") and isinstance(acts[-1], Fail) and acts[-1].kind is kind
+    # cancelled (never posted if the post thread had not reached it); the loop parks its handle until it
+    # settles (release_reads), so the blocks are not handed back while the READ may still write them
+    assert rr.reads[0].cancelled and not rr.reads[0].done and rr.state is S.FAILED and not rr.pinned
+    assert rr.progress() == (0, 0)
+
+
+def test_optimistic_not_registered_past_the_grace_fails_and_cancels():
+    rr = optimistic()
+    (cancel, fail) = rr.handle(Refused("not_registered", "none"), 1.5)  # past register_grace_s (1 s)
+    assert cancel == Count("cancelled_reads") and fail.kind is NotRegistered and rr.reads[0].cancelled
+
+
+def test_optimistic_restarted_is_the_loops_decision_then_cancels():
+    rr = optimistic()
+    assert rr.handle(Refused("restarted", "new process"), 0.1) == [Restarted("new process")]
+    acts = rr.handle(Failed(E.REFUSED, PeerRestarted, "new process"), 0.1)  # the loop could not re-queue it
+    assert acts[0] == Count("cancelled_reads") and acts[-1].kind is PeerRestarted and rr.reads[0].cancelled
+
+
+@pytest.mark.parametrize("granted", [False, True])
+@pytest.mark.parametrize("how", ["abort", "timeout", "disconnect"])
+def test_optimistic_abort_timeout_disconnect_like_a_posted_read(how, granted):
+    rr = optimistic()
+    now = 0.1
+    if granted:
+        rr.handle(Granted(TTL), now)
+    if how == "abort":
+        acts = rr.handle(Abort(), now)
+        assert acts == [Count("cancelled_reads")] and rr.state is S.CANCELLED
+    elif how == "timeout":  # no answer within stage_timeout_s (5 s), or no progress in transfer_timeout_s
+        now = 30.0 if granted else 5.5
+        acts = rr.handle(Tick(), now)
+        assert acts[-1].kind is TransferTimeout and rr.state is S.FAILED
+    else:
+        acts = rr.handle(Failed(E.DISCONNECT, PeerDisconnected, "gone"), now)
+        assert acts[-1].kind is PeerDisconnected and rr.state is S.FAILED
+    assert Count("cancelled_reads") in acts and rr.reads[0].cancelled
+    assert rr.handle(Granted(TTL), now + 1) == [LetGo()]  # a grant arriving after it ended is let go

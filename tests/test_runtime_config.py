@@ -68,3 +68,23 @@ def test_ranks_are_built_from_their_config():
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("v, want", [("true", True), ("False", False), ("1", True), ("off", False), (True, True),
+                                     (0, False), ("yes", True)])
+def test_optimistic_reads_flag_from_mapping(v, want):
+    assert DecodeConfig.from_mapping({"optimistic_reads": v}).optimistic_reads is want
+
+
+def test_optimistic_reads_passes_through_vllm_extra_config():
+    pytest.importorskip("vllm.distributed")  # (the adapter package imports vLLM)
+    from kvbridge.integrations.vllm.config import endpoint_configs
+    assert endpoint_configs({"optimistic_reads": "false"})[1].optimistic_reads is False
+    assert endpoint_configs({"optimistic_reads": True})[1].optimistic_reads is True
+
+
+def test_optimistic_reads_flag_rejects_other_values():
+    with pytest.raises(ConfigError, match="optimistic_reads must be bool, got 'maybe'"):
+        DecodeConfig.from_mapping({"optimistic_reads": "maybe"})
+    with pytest.raises(ConfigError, match="optimistic_reads must be bool"):
+        DecodeConfig.from_mapping({"optimistic_reads": 2})

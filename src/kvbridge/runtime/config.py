@@ -50,6 +50,8 @@ class _Config:
             try:
                 if v is None and "None" in want:
                     values[k] = None
+                elif want.startswith("bool"):
+                    values[k] = _bool(v)
                 elif want.startswith("float"):
                     values[k] = float(v)
                 elif want.startswith("int"):
@@ -67,6 +69,20 @@ class _Config:
                 continue
             if v < 0 or (v == 0 and n not in zero_ok):
                 raise ConfigError(f"{type(self).__name__}.{n} must be {'>= 0' if n in zero_ok else '> 0'}, got {v!r}")
+
+
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
+def _bool(v: Any) -> bool:
+    """A flag from a bool, 0/1, or a string (true/false, yes/no, on/off, 1/0; any case)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError(v)
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,12 @@ class DecodeConfig(_Config):
     constants stand in)."""
     probe_bytes: int = PROBE_BYTES
     """Bytes the link probe of one prefill rank moves at most."""
+    optimistic_reads: bool = False
+    """Direct reads post their READ at once, beside the acquire, instead of after the prefill granted the
+    pin (saves the acquire's round trip: a starved prefill thread no longer delays the bytes). The read
+    is still reported done only once the pin is granted and every byte arrived; a "not registered yet"
+    refusal discards the bytes and reads again once granted; other refusals fail as before
+    (:class:`~kvbridge.runtime.readmachine.RankRead`). Staged reads are unchanged."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))

@@ -137,7 +137,7 @@ class DecodeRank:
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died,
             host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
-            staging_device=str(getattr(self._kv, "device", "cpu")))
+            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property

@@ -140,6 +140,8 @@ class Metrics:
     retried_failures: int = 0
     ignored_notifications: int = 0
     register_retries: int = 0
+    optimistic_reads: int = 0
+    discarded_reads: int = 0
     heartbeats: int = 0
     transfer_seconds_sum: float = 0.0
     post_seconds_sum: float = 0.0
@@ -281,6 +283,8 @@ HELP = {
     "restart_requeues": ("counter", "reads re-queued behind a background re-handshake of a restarted prefill"),
     "not_registered": ("counter", "acquire/stage requests refused because the lease was not registered yet (retried)"),
     "register_retries": ("counter", "acquire/stage requests retried after a not-registered refusal"),
+    "optimistic_reads": ("counter", "direct reads posted beside their acquire, before the pin (optimistic_reads)"),
+    "discarded_reads": ("counter", "optimistic reads whose bytes were discarded (not registered yet) and read again"),
     "heartbeats": ("counter", "lease heartbeats sent (queued requests and in-flight pins)"),
     "cancelled_reads": ("counter", "reads cancelled before the transport posted them (dead peer, failed request)"),
     "transfer_seconds_sum": ("counter", "total seconds spent in KV transfers"),

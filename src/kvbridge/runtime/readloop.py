@@ -120,7 +120,8 @@ class ReadLoop:
                  mem_wire: Any, stage_segment_bytes: int, stage_timeout_s: float, transfer_timeout_s: float,
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
                  retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
-                 host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu"):
+                 host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu",
+                 optimistic: bool = False):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
         self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
         # host staging (same slots as the staging buffer): the host-staged path
@@ -130,6 +131,7 @@ class ReadLoop:
         self.stage_segment_bytes = stage_segment_bytes
         self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
         self.register_grace_s = register_grace_s
+        self.optimistic = optimistic  # DecodeConfig.optimistic_reads: direct READs posted beside the acquire
         self.restarted, self.retire, self.died = restarted, retire, died
         self.inflight: dict[str, InFlight] = {}
         self.finished: list[str] = []
@@ -179,7 +181,7 @@ class ReadLoop:
                     continue  # nothing to present: the prefill's lease expires on its own
                 d = None  # pinned, then released at once: only a pin holder's Done settles a read
             f.ranks[prank] = RankRead(prank, ReadState.ACQUIRING, now, ctx, work=d)
-            queue_read(peer.outbox, peer, prank, req)
+            queue_read(peer.outbox, peer, prank, req)  # (optimistic: its READ is posted as the acquire goes out)
         if staged:
             wire_p, wire_d = blocks_to_wire(req.prefill_blocks), blocks_to_wire(req.decode_blocks)
             layout = self.layout_dict
@@ -302,7 +304,7 @@ class ReadLoop:
 
     def read_ctx(self) -> ReadContext:
         return ReadContext(self.stage_timeout_s, self.transfer_timeout_s, self.register_grace_s, self.slots,
-                           self.staging_addr, host_staging_addr=self.host_staging_addr)
+                           self.staging_addr, host_staging_addr=self.host_staging_addr, optimistic=self.optimistic)
 
     def flush(self, peers: Iterable[Peer]) -> None:
         """Send the batched acquire requests and heartbeats (one message per prefill rank) and retry the
@@ -364,7 +366,7 @@ class ReadLoop:
         for a in actions:
             if isinstance(a, Post):
                 w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
-                done = self.done_msg(f.req, peer, prank)
+                done = self.done_msg(f.req, peer, prank) if a.notify else b""
                 if isinstance(w, Descriptors):  # a staged rank read directly (its staging was full)
                     a.transfer.xfer = self.transport.read(agent, w.src, w.dst, w.nbytes, done, remote_device=dev,
                                                           cancel=a.transfer)
@@ -541,7 +543,7 @@ class ReadLoop:
     def _advance(self, f: InFlight, rr: RankRead, now: float) -> bool:
         """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
         place), then a tick (retries, heartbeats, completion, deadlines). True if the request failed."""
-        peer, prank = f.peer, rr.prefill
+        peer, prank, i = f.peer, rr.prefill, -1
         try:
             for i, t in enumerate(rr.reads):
                 if not t.done and self.transport.check(t.xfer) == "DONE":
@@ -559,7 +561,7 @@ class ReadLoop:
             if prank in peer.agents and (isinstance(e, PeerGoneError) or peer.disconnected(prank)):
                 self.died(peer, prank, f"NIXL: {e}")
                 return True
-            return self.apply(f, rr, rr.handle(XferFailed(str(e)), now))
+            return self.apply(f, rr, rr.handle(XferFailed(str(e), i), now))
         except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
             return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
         if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
@@ -586,7 +588,7 @@ class ReadLoop:
         marks = f.marks
         for rr in f.ranks.values():
             for t in rr.reads:
-                if t.work is not None:
+                if t.work is not None and not t.discard:  # (discarded optimistic bytes were read again)
                     f.nbytes += t.work.total_bytes
                     f.ndescs += t.work.count
                 # when the post thread began and ended posting (the transport's handle records them)

@@ -82,6 +82,7 @@ class ReadContext:
     staging_addr: int
     min_read_rate: float = MIN_READ_RATE
     host_staging_addr: int = 0  # host staging (mirrors the staging buffer's slots): the host-staged path
+    optimistic: bool = False    # DecodeConfig.optimistic_reads: direct READs posted beside the acquire
 
 
 
@@ -95,7 +96,29 @@ class RankRead:
     segment and a fallback to direct reads use the same lowering); ``request``: the stage request the
     loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator;
     ``push_slot``: the push path's staging slot, allocated before the stage request named it (the
-    prefill WRITEs the packed stream there)."""
+    prefill WRITEs the packed stream there).
+
+    **Optimistic reads** (``ctx.optimistic``, ``DecodeConfig.optimistic_reads``; direct ranks only): when
+    the first acquire goes out (:class:`Sent`) the READ is posted at once, beside it, before any pin (the
+    acquire first: the READ's copy, on the post thread, must not delay it). A grant proves the
+    lease was alive when the prefill pinned it, hence ever since its registration (a lease never comes
+    back), and the read started after its parameters were issued, which the prefill does only once the
+    blocks hold the request's KV and stay held (``add_request`` registers first; vLLM's scheduler keeps
+    the blocks from ``request_finished`` on): so a granted READ touched live blocks only. The rules:
+
+    * the read is reported done (COMPLETED, then Done to the prefill) only when BOTH the pin is granted
+      and every transfer completed; a transfer completing before the grant waits for the grant (it stays
+      ACQUIRING; completion happens in POSTED only), and the pin's deadline applies to it as to any read;
+    * the optimistic READ carries no notification: its Done is sent by the loop when the request
+      completes, and only for a granted pin (``notify_at_end`` and ``pinned``), as a staged read's;
+    * refused "not registered" (retried within ``register_grace_s``): the transfer's bytes are discarded
+      (``Transfer.discard``); once it has settled (completed or failed) and the pin is granted, a fresh
+      READ is posted into the same blocks, never while the discarded one may still write them;
+    * any other refusal (expired, done, unknown attempt, restarted: the loop's decision) fails typed as
+      before; the transfer in flight is cancelled (never posted if the post thread has not reached it)
+      and the loop parks its handle until it settles, as for every failed read with a posted transfer;
+    * abort, timeout and disconnect: as for a posted read (cancelled, parked until settled);
+    * heartbeats, progress and the pin's deadline are unchanged once granted; staged paths unchanged."""
 
     def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
                  work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
@@ -146,7 +169,7 @@ class RankRead:
         done = inflight = 0
         for t in self.reads:
             if t.done:
-                done += t.size
+                done += 0 if t.discard else t.size
             elif not t.cancelled:
                 inflight += t.size
         return done, inflight
@@ -171,6 +194,8 @@ class RankRead:
         if isinstance(ev, XferDone):
             t = self.reads[ev.index]
             t.done, self.progress_at = True, now
+            if t.discard:  # optimistic bytes refused "not registered": settled, read again if granted
+                return self._repost()
             return [Scatter(t)] if t.runs is not None else []
         if isinstance(ev, ScatterDone):
             self.reads[ev.index].scattered = True
@@ -178,7 +203,7 @@ class RankRead:
         if isinstance(ev, Sent):
             if not self.terminal:
                 self.asked = True
-            return []
+            return self._post_early()
         if isinstance(ev, PinsReleased):
             self.pinned = self.asked = False
             return []
@@ -201,6 +226,9 @@ class RankRead:
                 self.retry_at = min(self.retry_at, ev.at)
             return []
         if isinstance(ev, XferFailed):
+            if ev.index is not None and not self.terminal and self.reads[ev.index].discard:
+                self.reads[ev.index].done = True  # settled (failed): its bytes were discarded anyway
+                return self._repost()
             return self._fail(ReadEvent.NIXL_ERROR, TransferFailed, ev.text)
         if isinstance(ev, ScatterFailed):
             return self._fail(ReadEvent.PROTOCOL_ERROR, ReadFailure, f"scatter failed: {ev.text}")
@@ -237,6 +265,8 @@ class RankRead:
         self.sm.fire(ReadEvent.GRANTED)
         self.pin_deadline, self.progress_at = self.sent_at + ev.ttl_s, now
         self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
+        if self.reads:  # optimistic: the READ is posted already (or its bytes were discarded: read again)
+            return self._repost()
         if self.work is None:  # nothing to read from this rank: release the pin at once
             self.pinned = False
             self.sm.fire(ReadEvent.COMPLETED)
@@ -248,12 +278,36 @@ class RankRead:
 
     def _not_registered(self, code: str, now: float) -> list[Action]:
         """A refusal "not registered yet": ask again shortly, within ``register_grace_s`` of the first try.
-        No pin exists and nothing is sent meanwhile."""
+        No pin exists and nothing is sent meanwhile; an optimistic READ's bytes are discarded."""
         if code != Code.NOT_REGISTERED or now - self.first_sent >= self.ctx.register_grace_s:
             return []
         self.retry_at = now + min(0.1, 0.005 * 2 ** min(5, int((now - self.first_sent) / 0.02)))
         self.progress_at = now
-        return [Count("register_retries"), Retry(self.retry_at)]
+        out: list[Action] = [Count("register_retries"), Retry(self.retry_at)]
+        for t in self.reads:  # (only an optimistic read has transfers while it asks)
+            if not t.discard:
+                t.discard = True
+                out.append(Count("discarded_reads"))
+        return out
+
+    def _post_early(self) -> list[Action]:
+        """Optimistic: post the direct READ now, before the pin (see the class docstring); its Done goes
+        out when the request completes, for a granted pin only."""
+        if not self.ctx.optimistic or self.state is not ReadState.ACQUIRING or self.work is None or self.reads:
+            return []
+        t = Transfer(work=self.work)
+        self.work, self.notify_at_end = None, True
+        self.reads.append(t)
+        return [Count("optimistic_reads"), Post(t, notify=False)]
+
+    def _repost(self) -> list[Action]:
+        """Optimistic, granted: nothing to do while a trusted READ exists; if every READ so far was
+        discarded ("not registered") and all have settled, post a fresh one into the same blocks."""
+        if self.state is not ReadState.POSTED or not all(t.discard and t.done for t in self.reads):
+            return []
+        t = Transfer(work=self.reads[-1].work)
+        self.reads.append(t)
+        return [Post(t, notify=False)]
 
     def _refused(self, code: str, text: str) -> list[Action]:
         if code == Code.RESTARTED:
@@ -380,7 +434,8 @@ class RankRead:
             self.refresh_sent = now
             self.refresh_at = now + max(0.05, (self.pin_deadline - now) / 2)  # again then if nobody answers
             out.append(Heartbeat())
-        finished = all(t.finished for t in self.reads)
+        # (discarded optimistic bytes alone are never a finished read: a fresh READ follows them)
+        finished = all(t.finished for t in self.reads) and not (self.reads and all(t.discard for t in self.reads))
         if finished and self.state in (ReadState.POSTED, ReadState.SCATTERING):
             if now > self.pin_deadline:  # the read ended after the pin the prefill granted: not trusted
                 return out + self._fail(ReadEvent.TIMEOUT, LeaseExpired,

@@ -20,6 +20,10 @@ actions); the machine is ``readmachine.py``.
     any live state ──ABORT──▶ CANCELLED                  (aborted, or another rank of the request failed)
 
 DONE, FAILED and CANCELLED are terminal.
+
+With ``DecodeConfig.optimistic_reads`` a direct read posts its READ in ACQUIRING already, as its acquire
+goes out (:class:`Sent`); the table is the same: the read completes only in POSTED, i.e. once GRANTED too
+(``RankRead`` states the soundness rules).
 """
 from __future__ import annotations
 
@@ -107,7 +111,8 @@ class ReadMachine:
 # ---- events: what happened (frozen; the decode rank builds them from ZMQ frames and NIXL states) -------
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """The acquire/stage request went out: a pin may exist on the prefill from now on."""
+    """The acquire/stage request went out: a pin may exist on the prefill from now on (an optimistic
+    direct read posts its READ now, right behind its first acquire)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +175,11 @@ class XferDone:
 
 @dataclass(frozen=True, slots=True)
 class XferFailed:
-    """The transport failed a transfer for another reason than a disconnect."""
+    """The transport failed a transfer for another reason than a disconnect; ``index``: which one of
+    :attr:`RankRead.reads` (None: not known)."""
 
     text: str
+    index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +242,11 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class Post:
-    """Post ``transfer`` (a direct read of ``transfer.work``; its Done rides on it)."""
+    """Post ``transfer`` (a direct read of ``transfer.work``; its Done rides on it unless ``notify`` is
+    False: an optimistic read, posted before its pin, whose Done goes out when the request completes)."""
 
     transfer: Transfer
+    notify: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +333,9 @@ class Transfer:
     done: bool = False         # the transfer completed
     scattered: bool = False    # staged: the scatter finished
     cancelled: bool = False
+    # optimistic: READ before the pin and refused "not registered": its bytes are not trusted; it only has
+    # to settle (``done`` then means ended, completed or failed) before a fresh READ into the same blocks
+    discard: bool = False
 
     @property
     def finished(self) -> bool:
