@@ -122,10 +122,11 @@ def test_link_figures_serialise_for_stats():
 
 
 def test_delay_specs_are_checked():
-    assert parse_delays("device:read:5:2, host:read:1") == [LinkDelay("device", "read", 0.005, 0.002),
-                                                            LinkDelay("host", "read", 0.001, 0.0)]
+    assert parse_delays("device:read:5:2, host:read:1,*:write:3") == [
+        LinkDelay("device", "read", 0.005, 0.002), LinkDelay("host", "read", 0.001, 0.0),
+        LinkDelay("*", "write", 0.003, 0.0)]
     for bad, match in (("device:read", "KIND:OP:FIXED_MS"), ("gpu:read:1", "kind must be one of"),
-                       ("device:write:1", "op must be one of"), ("device:read:x", "must be numbers"),
+                       ("device:send:1", "op must be one of"), ("device:read:x", "must be numbers"),
                        ("device:read:-1", ">= 0")):
         with pytest.raises(ValueError, match=match):
             parse_delays(bad)
@@ -149,6 +150,17 @@ def test_delayed_transport_holds_back_the_kind_it_names():
     assert slow.check(h) == "PROC" and slow.settle(h, 0.01) is None
     assert bytes(dst[:4096]) == bytes(src[:4096])  # the bytes moved; only the answer waits
     slow.release(h)
+    assert b.live_handles() == 0
+    # one direction: WRITEs held back, READs not
+    writes = DelayedTransport(b, [LinkDelay("*", "write", fixed_s=3600.0)])
+    h = writes.read(peer, one * sa, one * da, one * 4096, local_device="cpu")
+    assert writes.check(h) == "DONE" and writes.settle(h, 0.1) is True
+    writes.release(h)
+    dst[:] = 0
+    h = writes.write(peer, one * da, one * sa, one * 4096)  # b's dst -> a's src
+    assert writes.check(h) == "PROC" and writes.settle(h, 0.01) is None
+    assert not src[:4096].any()
+    writes.release(h)
     assert b.live_handles() == 0
 
 
