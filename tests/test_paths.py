@@ -164,6 +164,64 @@ def test_delayed_transport_holds_back_the_kind_it_names():
     assert b.live_handles() == 0
 
 
+@pytest.mark.parametrize("slow,want_push", [("*:read:2:500", True), ("*:write:2:500", False)])
+def test_the_push_probe_measures_the_write_and_auto_follows_it(monkeypatch, slow, want_push):
+    """In process (loopback agents; ``KVBRIDGE_DELAY_LINK`` wraps both ranks' transports, each rule inert
+    in the other direction): with every READ of the decode slow, the push probe measures the prefill's
+    WRITEs fast and ``auto`` pushes every request, byte-exact; with the prefill's WRITEs slow the probe
+    measures push slow and ``auto`` never pushes."""
+    from _helpers import Jobs, hold, layout, served
+
+    from kvbridge.runtime.decode import DecodeRank
+    from kvbridge.runtime.prefill import PrefillRank
+    from kvbridge.testing.engine import buffer_of, default_memory
+    from kvbridge.testing.oracle import SENTINEL
+    from kvbridge.testing.procs import _verify
+    from kvbridge.transport.delayed import DelayedTransport
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", slow)
+    reg = LoopbackRegistry()
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=7)
+    jobs.engine("pp", pl)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pp",
+                      transport=LoopbackTransport("pp-t", reg))
+    dec = None
+    try:
+        with served(pre) as lock:
+            # a probe budget of 200 ms (default 50): this test machine runs many processes on two cores
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dp", transfer_mode="auto",
+                             transport=LoopbackTransport("dp-t", reg), probe_ms=200.0)
+            assert isinstance(dec.transport, DelayedTransport) and isinstance(pre.transport, DelayedTransport)
+            buffer_of(dec.mem).fill(SENTINEL)
+            dec.handshake("pp", {(0, 0): f"127.0.0.1:{pre.port}"})
+            link = dec.remotes["pp"].remote.links[(0, 0)]
+            print(json.dumps(link.to_json(), indent=1))  # (shown when the test fails)
+            push = link.paths[P]
+            assert link.source == "probe" and push.measured  # the WRITE, timed by the push probe
+            if want_push:
+                assert dec.remotes["pp"].modes[(0, 0)] == "push"
+                assert push.gbps > 10 * max(f.gbps for p, f in link.paths.items() if p is not P and f.measured)
+            else:
+                assert dec.remotes["pp"].modes[(0, 0)] != "push"
+                assert push.gbps * 10 < max(f.gbps for p, f in link.paths.items() if p is not P and f.measured)
+            moved = []
+            for j in jobs.make("pp", 3, lengths=[40, 64, 17]):
+                hold(pre, lock, j)
+                dec.start(j.read())
+                done, failed = dec.wait(30)
+                assert done == [j.rid] and not failed, failed
+                moved.append((j.num, j.read()))
+            assert _verify(dec, moved)["mismatched_bytes"] == 0
+            assert dec.metrics.pushed_transfers == (3 if want_push else 0)
+            with lock:
+                assert not pre.stats()["push_probes"] and pre.transport.live_handles() == 0
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
+
+
 # ---- through real NIXL between processes --------------------------------------------------------
 nixl = pytest.mark.skipif(not nixl_available(), reason="nixl not installed")
 

@@ -111,6 +111,9 @@ def push_pair(test, pin_s: float = 60.0, **decode_kw):
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pg", {(0, 0): f"127.0.0.1:{pre.port}"})
             assert dec.remotes["pg"].modes[(0, 0)] == "push"
+            with lock:
+                assert not pre.stats()["push_probes"]
+                pre.transport.writes = 0  # (the handshake's push probe WRITEs are not the test's to number)
             test(PushPair(lock, pre, dec, jobs))
             pre.transport.gate.set()  # whatever is still held lands now; then nothing may be left
             until(lambda: (dec.poll(), not (dec.inflight or dec.reads.push_holds or dec.reads.zombies)
@@ -254,3 +257,69 @@ def test_a_readers_push_agent_is_added_once_and_removed_when_it_is_evicted():
         for dec in decs:
             dec.close()
         pre.close()
+
+
+def test_push_probes_are_bounded_and_never_block_the_prefill():
+    """The prefill serves a push probe only to a reader bound at handshake that it pushes to, within its
+    size bounds and one at a time per reader; a probe whose WRITE is in flight is answered once it
+    completed, by a later serving turn (the rank keeps serving meanwhile)."""
+    import zmq
+
+    from kvbridge.runtime.protocol import PUSH_PROBE_MAX_BYTES, Code, PushProbe, PushProbed, pack, unpack
+
+    def test(t: PushPair):
+        dec, pre = t.dec, t.pre
+        with t.lock:
+            incarnation = pre.transport.metadata()
+        from kvbridge.transport.nixl import metadata_digest
+        me = ("dg", (0, 0), dec.transport.agent_name, metadata_digest(incarnation))
+        buf, addr = dec.prober._buffer("device")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{pre.port}")
+
+        def ask(*ident, **kw) -> PushProbed:
+            sock.send_multipart(pack(PushProbe(*ident, **kw)))
+            assert sock.poll(10_000), "no answer"
+            got = unpack(sock.recv_multipart())
+            assert isinstance(got, PushProbed)
+            return got
+
+        try:
+            assert ask(*me).ok  # empty: the round trip
+            assert ask(*me, addr=addr, descs=4, nbytes=256, stride=1024).ok
+            forged = ask("dg", (0, 0), "someone-else", me[3], addr=addr, descs=1, nbytes=256)
+            assert not forged.ok and forged.code == Code.UNKNOWN_READER
+            stranger = ask("other", (0, 0), "x", me[3], addr=addr, descs=1, nbytes=256)
+            assert not stranger.ok and stranger.code == Code.UNKNOWN_READER
+            for kw in ({"descs": 1, "nbytes": PUSH_PROBE_MAX_BYTES + 1}, {"descs": 2000, "nbytes": 1, "stride": 1},
+                       {"descs": 2, "nbytes": 256, "stride": 8}, {"descs": 1, "nbytes": 0}):
+                bad = ask(*me, addr=addr, **kw)
+                assert not bad.ok and bad.code == Code.BAD_REQUEST, kw
+            pre.transport.gating = True  # the next WRITE stays in flight
+            sock.send_multipart(pack(PushProbe(*me, addr=addr, descs=1, nbytes=4096)))
+            until(lambda: t.pstats()["push_probes"] == 1, 10, "the probe's WRITE to be posted")
+            assert not sock.poll(50)  # not answered while its WRITE is in flight
+            other = zmq.Context.instance().socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(f"tcp://127.0.0.1:{pre.port}")
+            try:  # the rank keeps serving: a second probe of this reader is refused at once
+                other.send_multipart(pack(PushProbe(*me, addr=addr, descs=1, nbytes=256)))
+                assert other.poll(10_000)
+                busy = unpack(other.recv_multipart())
+                assert isinstance(busy, PushProbed) and not busy.ok and busy.code == Code.BUSY
+            finally:
+                other.close(0)
+            buf[:4096] = 0
+            pre.transport.gate.set()  # the WRITE lands; the next serving turn answers
+            assert sock.poll(10_000)
+            done = unpack(sock.recv_multipart())
+            assert isinstance(done, PushProbed) and done.ok
+            assert t.pstats()["push_probes"] == 0
+            with t.lock:
+                assert (np.asarray(buf[:4096]) == np.asarray(pre.staging[:4096])).all()  # the staging's bytes
+        finally:
+            sock.close(0)
+            pre.transport.gate.clear()
+            pre.transport.gating = False
+    push_pair(test)
