@@ -275,13 +275,17 @@ def test_every_path_is_byte_exact_between_processes(case, path):
 
 @pytest.mark.nixl
 @nixl
-@pytest.mark.parametrize("slow,want", [("device", "host"), ("host", None)])
+@pytest.mark.parametrize("slow,want", [("device:read:2:500,*:write:2:500", "host"), ("host:read:2:500", "not host"),
+                                       ("*:read:2:500", "push"), ("*:write:2:500", "not push")])
 def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_path, slow, want):
-    """``KVBRIDGE_DELAY_LINK`` makes the decode ranks' READs into one memory kind slow (2 ms + 500 ms per
-    MiB, ~0.002 GB/s, far below any noise of a busy machine): with device READs slow every pair moves over
-    host staging and the warning names the device path; with host READs slow none does, and nothing warns."""
+    """``KVBRIDGE_DELAY_LINK`` (set for both engines' processes: READ rules slow the decode ranks' READs,
+    WRITE rules the prefill ranks' WRITEs) makes one memory kind or one direction slow (2 ms + 500 ms per
+    MiB, ~0.002 GB/s, far below any noise of a busy machine). Device READs and pushes slow: every pair
+    moves over host staging and the warning names the device path. Host READs slow: none does, and
+    nothing warns. Every READ slow: the push probe measured the WRITEs fast and every pair pushes. Every
+    WRITE slow: the push probe measured them slow and no pair pushes."""
     from kvbridge.testing.demo import run_demo
-    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", f"{slow}:read:2:500")
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", slow)
     prefill, decode = ORACLE["swa+fa P4->D2"]()
     # a probe budget of 200 ms (default 50): this test machine runs many processes on two cores
     res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=5, show_progress=False,
@@ -290,6 +294,8 @@ def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_
     links = [link for per in res.links.values() for link in per["prefill-0"].values()]
     print(json.dumps(links, indent=1))  # (shown when the test fails)
     assert links and all(link["source"] == "probe" for link in links)
+    # every pair offers push and measured it with the push probe (a WRITE, timed round trip)
+    assert all(link["paths"]["push"]["measured"] for link in links)
     if want == "host":
         assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
         for link in links:
@@ -307,12 +313,24 @@ def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_
         warned = sum(1 for link in links if link["warning"])  # (a re-handshake would warn its new links again)
         assert sum(int(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
                    if line.startswith("kvbridge_degraded_links_total{")) >= warned > 0
-    else:
+    elif want == "not host":
         assert res.host_staged_transfers == 0
         for link in links:
             assert link["chosen"] != "host" and link["warning"] == ""
             if link["paths"]["host"]["measured"]:
                 assert link["paths"]["host"]["gbps"] < link["paths"]["direct"]["gbps"]
+    elif want == "push":  # every transfer WRITTEN by the prefill, byte-exact (_check)
+        assert res.pushed_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+        assert res.host_staged_transfers == 0
+        for link in links:
+            assert link["chosen"] == "push"
+            pulls = [f["gbps"] for p, f in link["paths"].items() if p != "push" and f["measured"]]
+            assert pulls and link["paths"]["push"]["gbps"] > 10 * max(pulls)
+    else:
+        assert res.pushed_transfers == 0
+        for link in links:
+            assert link["chosen"] != "push"
+            assert link["paths"]["push"]["gbps"] * 10 < link["paths"]["direct"]["gbps"]
 
 
 @pytest.mark.nixl
