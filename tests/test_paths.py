@@ -342,7 +342,7 @@ def test_plan_probe_measures_a_local_pair(capsys):
     links = out["(0, 0)"]
     assert set(links) == {"(0, 0)", "(0, 1)"}
     for link in links.values():
-        assert link["chosen"] in ("direct", "staged", "host") and link["source"] == "probe"
+        assert link["chosen"] in ("direct", "staged", "host", "push") and link["source"] == "probe"
         assert link["probe_ms"] > 0 and 0 < link["probe_bytes"] <= 64 << 20  # (times are not asserted)
         for f in link["paths"].values():
             assert f["measured"] and f["gbps"] > 0 and f["us_per_desc"] > 0
