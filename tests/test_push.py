@@ -12,6 +12,7 @@ import pytest
 from _helpers import Jobs, hold, layout, served, until
 
 from kvbridge.errors import RemoteError, TransferError
+from kvbridge.modes import TransferPath
 from kvbridge.runtime import readloop
 from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
@@ -323,3 +324,30 @@ def test_push_probes_are_bounded_and_never_block_the_prefill():
             pre.transport.gate.clear()
             pre.transport.gating = False
     push_pair(test)
+
+
+@pytest.mark.parametrize("how", ["silent", "refuses"])
+def test_a_prefill_that_does_not_serve_the_push_probe_leaves_push_unmeasured(monkeypatch, how):
+    """A prefill rank that never answers the push probe (or refuses it, as a rank that does not serve it
+    does) costs the handshake nothing but the probe's wait: the push path keeps the device READ's
+    figures, not measured, and pushes still move byte-exact."""
+    from kvbridge.runtime import probe
+    from kvbridge.runtime.prefill import PrefillRank as P
+    from kvbridge.runtime.protocol import Code, PushProbed
+    monkeypatch.setattr(probe, "PUSH_HELLO_S", 0.2)
+    monkeypatch.setattr(P, "_push_probe", (lambda self, msg, env: None) if how == "silent" else
+                        (lambda self, msg, env: PushProbed(False, Code.UNEXPECTED, "not served")))
+
+    def test(t: PushPair):
+        link = t.dec.remotes["pg"].remote.links[(0, 0)]
+        assert link.source == "probe" and link.paths[TransferPath.PUSH].measured is False
+        assert link.paths[TransferPath.PUSH].gbps == link.paths[TransferPath.STAGED].gbps  # (the device READ's figures)
+        (a,) = t.jobs.make("pg", 1, lengths=[50])
+        hold(t.pre, t.lock, a)
+        t.dec.start(a.read())
+        done, failed = t.dec.wait(10)
+        assert done == [a.rid] and not failed, failed
+        assert _verify(t.dec, [(a.num, a.read())])["mismatched_bytes"] == 0
+        until(lambda: (t.dec.poll(), t.pstats()["leases"] == 0)[1], 10, "the prefill to free the lease")
+    _, dec = push_pair(test)
+    assert dec.metrics.pushed_transfers == 1
