@@ -122,10 +122,11 @@ def test_link_figures_serialise_for_stats():
 
 
 def test_delay_specs_are_checked():
-    assert parse_delays("device:read:5:2, host:read:1") == [LinkDelay("device", "read", 0.005, 0.002),
-                                                            LinkDelay("host", "read", 0.001, 0.0)]
+    assert parse_delays("device:read:5:2, host:read:1,*:write:3") == [
+        LinkDelay("device", "read", 0.005, 0.002), LinkDelay("host", "read", 0.001, 0.0),
+        LinkDelay("*", "write", 0.003, 0.0)]
     for bad, match in (("device:read", "KIND:OP:FIXED_MS"), ("gpu:read:1", "kind must be one of"),
-                       ("device:write:1", "op must be one of"), ("device:read:x", "must be numbers"),
+                       ("device:send:1", "op must be one of"), ("device:read:x", "must be numbers"),
                        ("device:read:-1", ">= 0")):
         with pytest.raises(ValueError, match=match):
             parse_delays(bad)
@@ -150,6 +151,75 @@ def test_delayed_transport_holds_back_the_kind_it_names():
     assert bytes(dst[:4096]) == bytes(src[:4096])  # the bytes moved; only the answer waits
     slow.release(h)
     assert b.live_handles() == 0
+    # one direction: WRITEs held back, READs not
+    writes = DelayedTransport(b, [LinkDelay("*", "write", fixed_s=3600.0)])
+    h = writes.read(peer, one * sa, one * da, one * 4096, local_device="cpu")
+    assert writes.check(h) == "DONE" and writes.settle(h, 0.1) is True
+    writes.release(h)
+    dst[:] = 0
+    h = writes.write(peer, one * da, one * sa, one * 4096)  # b's dst -> a's src
+    assert writes.check(h) == "PROC" and writes.settle(h, 0.01) is None
+    assert not src[:4096].any()
+    writes.release(h)
+    assert b.live_handles() == 0
+
+
+@pytest.mark.parametrize("slow,want_push", [("*:read:2:500", True), ("*:write:2:500", False)])
+def test_the_push_probe_measures_the_write_and_auto_follows_it(monkeypatch, slow, want_push):
+    """In process (loopback agents; ``KVBRIDGE_DELAY_LINK`` wraps both ranks' transports, each rule inert
+    in the other direction): with every READ of the decode slow, the push probe measures the prefill's
+    WRITEs fast and ``auto`` pushes every request, byte-exact; with the prefill's WRITEs slow the probe
+    measures push slow and ``auto`` never pushes."""
+    from _helpers import Jobs, hold, layout, served
+
+    from kvbridge.runtime.decode import DecodeRank
+    from kvbridge.runtime.prefill import PrefillRank
+    from kvbridge.testing.engine import buffer_of, default_memory
+    from kvbridge.testing.oracle import SENTINEL
+    from kvbridge.testing.procs import _verify
+    from kvbridge.transport.delayed import DelayedTransport
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", slow)
+    reg = LoopbackRegistry()
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=7)
+    jobs.engine("pp", pl)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pp",
+                      transport=LoopbackTransport("pp-t", reg))
+    dec = None
+    try:
+        with served(pre) as lock:
+            # a probe budget of 200 ms (default 50): this test machine runs many processes on two cores
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dp", transfer_mode="auto",
+                             transport=LoopbackTransport("dp-t", reg), probe_ms=200.0)
+            assert isinstance(dec.transport, DelayedTransport) and isinstance(pre.transport, DelayedTransport)
+            buffer_of(dec.mem).fill(SENTINEL)
+            dec.handshake("pp", {(0, 0): f"127.0.0.1:{pre.port}"})
+            link = dec.remotes["pp"].remote.links[(0, 0)]
+            print(json.dumps(link.to_json(), indent=1))  # (shown when the test fails)
+            push = link.paths[P]
+            assert link.source == "probe" and push.measured  # the WRITE, timed by the push probe
+            if want_push:
+                assert dec.remotes["pp"].modes[(0, 0)] == "push"
+                assert push.gbps > 10 * max(f.gbps for p, f in link.paths.items() if p is not P and f.measured)
+            else:
+                assert dec.remotes["pp"].modes[(0, 0)] != "push"
+                assert push.gbps * 10 < max(f.gbps for p, f in link.paths.items() if p is not P and f.measured)
+            moved = []
+            for j in jobs.make("pp", 3, lengths=[40, 64, 17]):
+                hold(pre, lock, j)
+                dec.start(j.read())
+                done, failed = dec.wait(30)
+                assert done == [j.rid] and not failed, failed
+                moved.append((j.num, j.read()))
+            assert _verify(dec, moved)["mismatched_bytes"] == 0
+            assert dec.metrics.pushed_transfers == (3 if want_push else 0)
+            with lock:
+                assert not pre.stats()["push_probes"] and pre.transport.live_handles() == 0
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
 
 
 # ---- through real NIXL between processes --------------------------------------------------------
@@ -211,13 +281,17 @@ def test_every_path_is_byte_exact_between_processes(case, path):
 
 @pytest.mark.nixl
 @nixl
-@pytest.mark.parametrize("slow,want", [("device", "host"), ("host", None)])
+@pytest.mark.parametrize("slow,want", [("device:read:2:500,*:write:2:500", "host"), ("host:read:2:500", "not host"),
+                                       ("*:read:2:500", "push"), ("*:write:2:500", "not push")])
 def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_path, slow, want):
-    """``KVBRIDGE_DELAY_LINK`` makes the decode ranks' READs into one memory kind slow (2 ms + 500 ms per
-    MiB, ~0.002 GB/s, far below any noise of a busy machine): with device READs slow every pair moves over
-    host staging and the warning names the device path; with host READs slow none does, and nothing warns."""
+    """``KVBRIDGE_DELAY_LINK`` (set for both engines' processes: READ rules slow the decode ranks' READs,
+    WRITE rules the prefill ranks' WRITEs) makes one memory kind or one direction slow (2 ms + 500 ms per
+    MiB, ~0.002 GB/s, far below any noise of a busy machine). Device READs and pushes slow: every pair
+    moves over host staging and the warning names the device path. Host READs slow: none does, and
+    nothing warns. Every READ slow: the push probe measured the WRITEs fast and every pair pushes. Every
+    WRITE slow: the push probe measured them slow and no pair pushes."""
     from kvbridge.testing.demo import run_demo
-    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", f"{slow}:read:2:500")
+    monkeypatch.setenv("KVBRIDGE_DELAY_LINK", slow)
     prefill, decode = ORACLE["swa+fa P4->D2"]()
     # a probe budget of 200 ms (default 50): this test machine runs many processes on two cores
     res = run_demo(prefill, decode, num_requests=4, max_tokens=300, seed=5, show_progress=False,
@@ -226,6 +300,8 @@ def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_
     links = [link for per in res.links.values() for link in per["prefill-0"].values()]
     print(json.dumps(links, indent=1))  # (shown when the test fails)
     assert links and all(link["source"] == "probe" for link in links)
+    # every pair offers push and measured it with the push probe (a WRITE, timed round trip)
+    assert all(link["paths"]["push"]["measured"] for link in links)
     if want == "host":
         assert res.host_staged_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
         for link in links:
@@ -243,12 +319,24 @@ def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_
         warned = sum(1 for link in links if link["warning"])  # (a re-handshake would warn its new links again)
         assert sum(int(line.rsplit(" ", 1)[1]) for line in prom.splitlines()
                    if line.startswith("kvbridge_degraded_links_total{")) >= warned > 0
-    else:
+    elif want == "not host":
         assert res.host_staged_transfers == 0
         for link in links:
             assert link["chosen"] != "host" and link["warning"] == ""
             if link["paths"]["host"]["measured"]:
                 assert link["paths"]["host"]["gbps"] < link["paths"]["direct"]["gbps"]
+    elif want == "push":  # every transfer WRITTEN by the prefill, byte-exact (_check)
+        assert res.pushed_transfers == res.staged_transfers > 0 and res.direct_transfers == 0
+        assert res.host_staged_transfers == 0
+        for link in links:
+            assert link["chosen"] == "push"
+            pulls = [f["gbps"] for p, f in link["paths"].items() if p != "push" and f["measured"]]
+            assert pulls and link["paths"]["push"]["gbps"] > 10 * max(pulls)
+    else:
+        assert res.pushed_transfers == 0
+        for link in links:
+            assert link["chosen"] != "push"
+            assert link["paths"]["push"]["gbps"] * 10 < link["paths"]["direct"]["gbps"]
 
 
 @pytest.mark.nixl
@@ -260,7 +348,7 @@ def test_plan_probe_measures_a_local_pair(capsys):
     links = out["(0, 0)"]
     assert set(links) == {"(0, 0)", "(0, 1)"}
     for link in links.values():
-        assert link["chosen"] in ("direct", "staged", "host") and link["source"] == "probe"
+        assert link["chosen"] in ("direct", "staged", "host", "push") and link["source"] == "probe"
         assert link["probe_ms"] > 0 and 0 < link["probe_bytes"] <= 64 << 20  # (times are not asserted)
         for f in link["paths"].values():
             assert f["measured"] and f["gbps"] > 0 and f["us_per_desc"] > 0

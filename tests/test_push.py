@@ -12,6 +12,7 @@ import pytest
 from _helpers import Jobs, hold, layout, served, until
 
 from kvbridge.errors import RemoteError, TransferError
+from kvbridge.modes import TransferPath
 from kvbridge.runtime import readloop
 from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
@@ -111,6 +112,9 @@ def push_pair(test, pin_s: float = 60.0, **decode_kw):
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pg", {(0, 0): f"127.0.0.1:{pre.port}"})
             assert dec.remotes["pg"].modes[(0, 0)] == "push"
+            with lock:
+                assert not pre.stats()["push_probes"]
+                pre.transport.writes = 0  # (the handshake's push probe WRITEs are not the test's to number)
             test(PushPair(lock, pre, dec, jobs))
             pre.transport.gate.set()  # whatever is still held lands now; then nothing may be left
             until(lambda: (dec.poll(), not (dec.inflight or dec.reads.push_holds or dec.reads.zombies)
@@ -254,3 +258,96 @@ def test_a_readers_push_agent_is_added_once_and_removed_when_it_is_evicted():
         for dec in decs:
             dec.close()
         pre.close()
+
+
+def test_push_probes_are_bounded_and_never_block_the_prefill():
+    """The prefill serves a push probe only to a reader bound at handshake that it pushes to, within its
+    size bounds and one at a time per reader; a probe whose WRITE is in flight is answered once it
+    completed, by a later serving turn (the rank keeps serving meanwhile)."""
+    import zmq
+
+    from kvbridge.runtime.protocol import PUSH_PROBE_MAX_BYTES, Code, PushProbe, PushProbed, pack, unpack
+
+    def test(t: PushPair):
+        dec, pre = t.dec, t.pre
+        with t.lock:
+            incarnation = pre.transport.metadata()
+        from kvbridge.transport.nixl import metadata_digest
+        me = ("dg", (0, 0), dec.transport.agent_name, metadata_digest(incarnation))
+        buf, addr = dec.prober._buffer("device")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{pre.port}")
+
+        def ask(*ident, **kw) -> PushProbed:
+            sock.send_multipart(pack(PushProbe(*ident, **kw)))
+            assert sock.poll(10_000), "no answer"
+            got = unpack(sock.recv_multipart())
+            assert isinstance(got, PushProbed)
+            return got
+
+        try:
+            assert ask(*me).ok  # empty: the round trip
+            assert ask(*me, addr=addr, descs=4, nbytes=256, stride=1024).ok
+            forged = ask("dg", (0, 0), "someone-else", me[3], addr=addr, descs=1, nbytes=256)
+            assert not forged.ok and forged.code == Code.UNKNOWN_READER
+            stranger = ask("other", (0, 0), "x", me[3], addr=addr, descs=1, nbytes=256)
+            assert not stranger.ok and stranger.code == Code.UNKNOWN_READER
+            for kw in ({"descs": 1, "nbytes": PUSH_PROBE_MAX_BYTES + 1}, {"descs": 2000, "nbytes": 1, "stride": 1},
+                       {"descs": 2, "nbytes": 256, "stride": 8}, {"descs": 1, "nbytes": 0}):
+                bad = ask(*me, addr=addr, **kw)
+                assert not bad.ok and bad.code == Code.BAD_REQUEST, kw
+            pre.transport.gating = True  # the next WRITE stays in flight
+            sock.send_multipart(pack(PushProbe(*me, addr=addr, descs=1, nbytes=4096)))
+            until(lambda: t.pstats()["push_probes"] == 1, 10, "the probe's WRITE to be posted")
+            assert not sock.poll(50)  # not answered while its WRITE is in flight
+            other = zmq.Context.instance().socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(f"tcp://127.0.0.1:{pre.port}")
+            try:  # the rank keeps serving: a second probe of this reader is refused at once
+                other.send_multipart(pack(PushProbe(*me, addr=addr, descs=1, nbytes=256)))
+                assert other.poll(10_000)
+                busy = unpack(other.recv_multipart())
+                assert isinstance(busy, PushProbed) and not busy.ok and busy.code == Code.BUSY
+            finally:
+                other.close(0)
+            buf[:4096] = 0
+            pre.transport.gate.set()  # the WRITE lands; the next serving turn answers
+            assert sock.poll(10_000)
+            done = unpack(sock.recv_multipart())
+            assert isinstance(done, PushProbed) and done.ok
+            assert t.pstats()["push_probes"] == 0
+            with t.lock:
+                assert (np.asarray(buf[:4096]) == np.asarray(pre.staging[:4096])).all()  # the staging's bytes
+        finally:
+            sock.close(0)
+            pre.transport.gate.clear()
+            pre.transport.gating = False
+    push_pair(test)
+
+
+@pytest.mark.parametrize("how", ["silent", "refuses"])
+def test_a_prefill_that_does_not_serve_the_push_probe_leaves_push_unmeasured(monkeypatch, how):
+    """A prefill rank that never answers the push probe (or refuses it, as a rank that does not serve it
+    does) costs the handshake nothing but the probe's wait: the push path keeps the device READ's
+    figures, not measured, and pushes still move byte-exact."""
+    from kvbridge.runtime import probe
+    from kvbridge.runtime.prefill import PrefillRank as P
+    from kvbridge.runtime.protocol import Code, PushProbed
+    monkeypatch.setattr(probe, "PUSH_HELLO_S", 0.2)
+    monkeypatch.setattr(P, "_push_probe", (lambda self, msg, env: None) if how == "silent" else
+                        (lambda self, msg, env: PushProbed(False, Code.UNEXPECTED, "not served")))
+
+    def test(t: PushPair):
+        link = t.dec.remotes["pg"].remote.links[(0, 0)]
+        assert link.source == "probe" and link.paths[TransferPath.PUSH].measured is False
+        assert link.paths[TransferPath.PUSH].gbps == link.paths[TransferPath.STAGED].gbps  # (the device READ's figures)
+        (a,) = t.jobs.make("pg", 1, lengths=[50])
+        hold(t.pre, t.lock, a)
+        t.dec.start(a.read())
+        done, failed = t.dec.wait(10)
+        assert done == [a.rid] and not failed, failed
+        assert _verify(t.dec, [(a.num, a.read())])["mismatched_bytes"] == 0
+        until(lambda: (t.dec.poll(), t.pstats()["leases"] == 0)[1], 10, "the prefill to free the lease")
+    _, dec = push_pair(test)
+    assert dec.metrics.pushed_transfers == 1

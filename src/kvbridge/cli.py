@@ -121,7 +121,8 @@ def _print_links(links: dict, as_json: bool) -> None:
         print(json.dumps({str(d): v for d, v in links.items()}, indent=1, default=str))
         return
     t = Table(title="links per (decode rank, prefill rank): the path chosen at handshake and each path's "
-                    "measured READ (GB/s, us per descriptor) and local copies (us per MB)")
+                    "measured READ, or the prefill's WRITE for push (GB/s, us per descriptor) and local copies "
+                    "(us per MB)")
     for c in ("decode", "prefill", "chosen", "path", "GB/s", "us/desc", "copies us/MB", "source", "probe"):
         t.add_column(c, justify="right" if c in ("GB/s", "us/desc", "copies us/MB") else "left")
     warnings = []

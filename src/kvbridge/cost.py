@@ -18,7 +18,7 @@ READ of the KV memory, a READ of device staging buffers (``staged``), or a READ 
 to host, copies to its device and scatters), or a WRITE by the prefill into the decode's staging (``push``:
 pack, WRITE, scatter; the decode posts no READ). Where a handshake measured the link (:mod:`kvbridge.runtime.probe`)
 the pair's :class:`LinkFigures` replace the machine-wide constants: per path, the per-descriptor cost and
-GB/s of the READ, the local copy rates, and a moving correction from completed transfers
+GB/s of the READ (push: of the prefill's WRITE), the local copy rates, and a moving correction from completed transfers
 (:meth:`PathFigures.observe`). :func:`choose_path` picks the fastest path predicted to end within the pin
 bound (the prefill's ``pin_s``), or the fastest if none does.
 """

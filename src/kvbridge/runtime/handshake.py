@@ -167,6 +167,8 @@ class Handshaker:
         if not self.push:
             return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name)
         from ..transport.nixl import metadata_digest
+        if self.prober is not None:  # the push probe WRITEs into a probe buffer: in the metadata it sends
+            self.prober.prepare()
         md = self.transport.metadata()
         return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name, md, metadata_digest(md))
 
@@ -325,9 +327,14 @@ class Handshaker:
             out = {p: f for p in reads if (f := cache.get(keys[p])) is not None}
         todo = [p for p in reads if p not in out]
         if todo:
+            def push(p: Rank) -> _probe.PushProber | None:  # times the prefill's WRITEs (it said it pushes to us)
+                if not self.push or not getattr(metas[p], "push", False):
+                    return None
+                return _probe.PushProber(self.ctx, endpoints[p], (self.engine_id, self.rank,
+                                                                  self.transport.agent_name, metas[p].metadata_sha256))
             got = _probe.measure_links(self.prober, self.cost_model, self.transfer_mode, self.staging_bytes,
                                        self.host_staging_bytes, todo, metas, mems, agents,
-                                       f"decode rank {self.rank} <- prefill engine {engine_id!r} ")
+                                       f"decode rank {self.rank} <- prefill engine {engine_id!r} ", push)
             if cache is not None:
                 for p, f in got.items():
                     cache.put(keys[p], f)

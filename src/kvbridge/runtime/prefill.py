@@ -18,6 +18,7 @@ from ..memory import KVMemory
 from ..modes import TransferPath
 from ..plan import plan_transfer
 from ..transport.base import Transport
+from ..transport.delayed import wrap_from_env
 from ..transport.nixl import NixlTransport, metadata_digest
 from .config import PrefillConfig
 from .lease import (
@@ -35,12 +36,16 @@ from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, tra
 from .metrics import Metrics
 from .paths import new_host_buffer, to_host_segment
 from .protocol import (
+    PUSH_PROBE_MAX_BYTES,
+    PUSH_PROBE_MAX_DESCS,
     Acquire,
     Acquired,
     Code,
     Done,
     ErrorReply,
     GetMeta,
+    PushProbe,
+    PushProbed,
     RankMeta,
     Stage,
     Staged,
@@ -144,9 +149,10 @@ class PrefillRank:
         self._block_bytes = {g: sum(v.num_layers * r.tokens_per_block * v.num_units * v.unit_bytes
                                     for v in r.components) for g, r in self.mem.regions.items()}
         # NIXL's thread-safe mode: an engine serves this endpoint from more than one thread (PrefillServer: its
-        # own thread and the engine's step, one at a time) next to NIXL's progress thread
-        self.transport = transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}", multi_threaded=True,
-                                                    **transport_device(self.mem))
+        # own thread and the engine's step, one at a time) next to NIXL's progress thread. KVBRIDGE_DELAY_LINK
+        # (tests only) slows its WRITEs (transport/delayed.py)
+        self.transport = wrap_from_env(transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}",
+                                                                  multi_threaded=True, **transport_device(self.mem)))
         register_memory(self.transport, self.mem)
         # staged transfers: runs packed here for one decode rank, read with one descriptor. The staging
         # buffer lives on the KV memory's device (VRAM there on a GPU) and packing runs there (torch ops
@@ -192,6 +198,8 @@ class PrefillRank:
         self._push_meta: dict[tuple, tuple[str, bytes, str]] = {}
         self._push_peers: dict[tuple, str] = {}
         self._pushes: dict[tuple, _Push] = {}  # slot key -> its push
+        # push probes being written (reader -> (envelope, WRITE handle)): one at a time per reader
+        self._probes: dict[tuple, tuple[list, Any]] = {}
         self._kind = ""  # the kind of side-channel message being answered (its phase)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -264,7 +272,7 @@ class PrefillRank:
         while leases are held, else ``idle_s``."""
         if self._parked:
             return parked_s
-        if self._pushes:  # WRITEs in flight (an RDMA WRITE completes with no event)
+        if self._pushes or self._probes:  # WRITEs in flight (an RDMA WRITE completes with no event)
             return min(notif_s, parked_s)
         if self._pinned_at:
             return notif_s
@@ -317,6 +325,8 @@ class PrefillRank:
             self._retry_parked()
         if self._pushes:
             work += self._advance_pushes()
+        if self._probes:
+            work += self._advance_probes()
         if work:
             self.metrics.observe_phase("serve_turn", (time.perf_counter_ns() - t_turn) / 1e9)
         return work
@@ -474,6 +484,11 @@ class PrefillRank:
             self._kind = "" if msg.heartbeat else "acquire"
             yield pack(self._acquire(msg))
             return
+        if isinstance(msg, PushProbe):
+            answer = self._push_probe(msg, list(envelope))
+            if answer is not None:  # else answered once its WRITE completed (_advance_probes)
+                yield pack(answer)
+            return
         if not isinstance(msg, GetMeta):
             yield pack(ErrorReply(f"unexpected message {type(msg).__name__}; send get_meta, acquire or stage",
                                   code=Code.UNEXPECTED))
@@ -622,9 +637,10 @@ class PrefillRank:
         if not md or not self.staging_bytes or metadata_digest(md) != msg.decode_metadata_sha256:
             return False
         old = self._push_meta.get(reader)
-        if old is not None and old[1] != md and not any(k[1:3] == reader for k in self._pushes):
+        if (old is not None and old[1] != md and not any(k[1:3] == reader for k in self._pushes)
+                and reader not in self._probes):
             # new metadata (a restarted decode process, or memory it registered since): added anew at the
-            # reader's next push stage request (never while one of its pushes is in flight)
+            # reader's next push stage request or probe (never while one of its pushes or probes is in flight)
             self._drop_push_peer(reader)
         self._push_meta[reader] = (msg.decode_agent, md, msg.decode_metadata_sha256)
         return True
@@ -741,6 +757,67 @@ class PrefillRank:
                     self.slots.free(key)
         return sent
 
+    # ---- the push probe: a reader times the push path's WRITE at its handshake ---------------------
+    def _push_probe(self, msg: PushProbe, envelope: list) -> PushProbed | None:
+        """Post the WRITE a push probe asks for (from this rank's staging buffer into the reader's probe
+        buffer); None: answered once it completed (:meth:`_advance_probes`), never waited for here.
+        Refused typed: a reader not bound at handshake as this agent or not pushed to, one with a probe
+        in flight, or more than ``PUSH_PROBE_MAX_BYTES`` / ``PUSH_PROBE_MAX_DESCS``."""
+        reader = (msg.decode_engine, tuple(msg.decode_rank))
+        bad = self._check_reader(reader, msg.decode_agent, msg.incarnation)
+        if bad is not None:
+            return PushProbed(False, bad[0], bad[1])
+        if reader not in self._push_meta:
+            return PushProbed(False, Code.BAD_REQUEST, f"prefill rank {self.rank} does not push to decode rank "
+                                                       f"{reader[1]} of {reader[0]!r} (no staging, or no agent "
+                                                       "metadata at its handshake)")
+        if reader in self._probes:
+            return PushProbed(False, Code.BUSY, "a push probe of this decode rank is being written already")
+        descs, nbytes, stride = int(msg.descs), int(msg.nbytes), int(msg.stride)
+        if descs == 0:
+            return PushProbed(True)  # the side channel's round trip
+        extent = (descs - 1) * stride + nbytes
+        if (descs < 0 or nbytes <= 0 or stride < 0 or (descs > 1 and stride < nbytes) or not msg.addr
+                or descs > PUSH_PROBE_MAX_DESCS or extent > min(PUSH_PROBE_MAX_BYTES, self.staging_bytes)):
+            return PushProbed(False, Code.BAD_REQUEST, f"a push probe writes 1..{PUSH_PROBE_MAX_DESCS} descriptors "
+                                                       f"within {min(PUSH_PROBE_MAX_BYTES, self.staging_bytes)} B "
+                                                       "to a named address")
+        try:
+            agent = self._push_agent(reader)
+            offs = np.arange(descs, dtype=np.int64) * stride
+            h = self.transport.write(agent, self.staging_addr + offs, msg.addr + offs,
+                                     np.full(descs, nbytes, np.int64), remote_device=msg.device or None)
+        except Exception as e:  # noqa: BLE001 - a typed answer, never a dead rank
+            text = str(e) if isinstance(e, KVBridgeError) else type(e).__name__
+            return PushProbed(False, Code.INTERNAL, f"prefill rank {self.rank} could not WRITE the probe: {text}")
+        self._probes[reader] = (envelope, h)
+        return self._advance_probe(reader)
+
+    def _advance_probe(self, reader: tuple) -> PushProbed | None:
+        """The answer of ``reader``'s probe if its WRITE ended (its handle released), else None."""
+        envelope, h = self._probes[reader]
+        try:
+            if self.transport.check(h) != "DONE":
+                return None
+            answer = PushProbed(True)
+        except Exception as e:  # noqa: BLE001
+            text = str(e) if isinstance(e, KVBridgeError) else type(e).__name__
+            answer = PushProbed(False, Code.INTERNAL, f"the probe's WRITE failed on prefill rank {self.rank}: {text}")
+        del self._probes[reader]
+        self.transport.release(h)
+        return answer
+
+    def _advance_probes(self) -> int:
+        """Answer the push probes whose WRITEs ended; returns how many answers went out."""
+        sent = 0
+        for reader in list(self._probes):
+            envelope = self._probes[reader][0]
+            answer = self._advance_probe(reader)
+            if answer is not None:
+                self.sock.send_multipart(envelope + pack(answer))
+                sent += 1
+        return sent
+
     def _on_notif(self, agent: str, raw: bytes) -> None:
         try:
             d: Done = decode_notif(raw)
@@ -777,7 +854,7 @@ class PrefillRank:
                 "pinned_leases": sum(bool(lease.pins) for lease in self.leases.values()),
                 "pins": sum(len(lease.pins) for lease in self.leases.values()), "readers": len(self.readers),
                 "parked_stage_requests": len(self._parked), "lowered_cached": len(self._lowered),
-                "pushing": len(self._pushes), "push_peers": len(self._push_peers),
+                "pushing": len(self._pushes), "push_peers": len(self._push_peers), "push_probes": len(self._probes),
                 "nixl": vars(self.transport.stats).copy() if hasattr(self.transport, "stats") else {}}
 
     def close(self) -> None:
@@ -786,5 +863,9 @@ class PrefillRank:
                 if self.transport.settle(h, 1.0) is not None:
                     self.transport.release(h)
         self._pushes.clear()
+        for _, h in self._probes.values():
+            if self.transport.settle(h, 1.0) is not None:
+                self.transport.release(h)
+        self._probes.clear()
         self.sock.close(0)
         self.transport.close()

@@ -15,6 +15,15 @@ touched) where it has one, else from its KV memory. Per kind, in this order:
    the probe buffer and the byte budget, then up to ``BIG_REPS`` READs of the largest size:
    ``gbps = bytes / (t - t1)`` of the fastest (on a busy machine noise only ever slows a READ down).
 
+The push path is measured the same way, with WRITEs the prefill posts (``PushProbe`` requests on the
+side channel, after the READs, its share of the same budget): the prefill WRITEs the descriptors asked
+for from its staging buffer into the decode's device probe buffer and answers once they completed; the
+decode times each round trip. A first empty probe (nothing written) checks the prefill serves them; the
+warm-up WRITE adds the decode's agent on the prefill and connects. The round trip's fixed part (the side
+channel, the prefill's serving turn) is in ``t1`` and drops out of both figures, as a READ's fixed
+cost does. A prefill that does not answer (or refuses) leaves the push path with the device READ's
+figures, not measured.
+
 The whole probe of a prefill rank moves at most ``probe_bytes`` (default 64 MiB) in about ``probe_ms``
 (default 50 ms) of measuring: no step starts after the budget, a READ under way may finish within
 twice it, and the first large READ may take a whole budget of its own (a slow link or a busy machine is
@@ -33,7 +42,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +71,11 @@ BIG_REPS = 3                 # READs of the largest size that fits, best kept
 DEGRADED_RATIO = 0.2
 DEGRADED_RATIO_CPU = 0.05
 DEVICE_FLOOR_GBPS = 1.0
-# the paths whose transfer moves the prefill's device memory kind. The push path's WRITE is not measured
-# (the probe READs): its first estimate is the READ of the same kind, until completed pushes correct it
+# the paths whose transfer moves the prefill's device memory kind. The push path's WRITE is measured by
+# the push probe; where that fails its first estimate is the READ of the same kind (not measured)
 DEVICE_KIND = (TransferPath.DIRECT, TransferPath.STAGED, TransferPath.PUSH)
+# the empty push probe (does the prefill serve push probes?) waits this long for its answer at most
+PUSH_HELLO_S = 2.0
 # local copies per path: pack and scatter; host staging adds a bounce on each side
 COPIES = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.PUSH: 2, TransferPath.HOST: 4}
 
@@ -109,6 +120,67 @@ def _timed(transport: Any, agent: str, t: Target, offsets: np.ndarray, nbytes: n
     return dt if ok else None
 
 
+Timer = Callable[[np.ndarray, np.ndarray, float], "float | None"]  # (offsets, nbytes, timeout) -> seconds
+
+
+class PushProber:
+    """Times the push path's WRITE to one prefill rank: ``PushProbe`` requests on a DEALER socket of its
+    own, one at a time, sent as the decode rank bound at handshake (``ident``: decode engine, decode
+    rank, agent, and the prefill metadata's sha256). A request whose answer does not come in time is
+    given up with its socket (a late answer goes nowhere); the next one connects anew."""
+
+    def __init__(self, ctx: Any, endpoint: str, ident: tuple[str, tuple[int, int], str, str]):
+        self.ctx, self.endpoint, self.ident = ctx, endpoint, ident
+        self.sock: Any = None
+
+    def _socket(self) -> Any:
+        import zmq
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(f"tcp://{self.endpoint}")
+        return self.sock
+
+    def ask(self, addr: int, device: str, descs: int, nbytes: int, stride: int, timeout_s: float) -> float | None:
+        """Seconds from sending the probe to its answer; None: refused, failed or no answer in time."""
+        import zmq
+
+        from .protocol import PushProbe, PushProbed, pack, unpack
+        eng, rank, agent, incarnation = self.ident
+        msg = PushProbe(eng, rank, agent, incarnation, addr, device, descs, nbytes, stride)
+        sock = self._socket()
+        t0 = time.perf_counter()
+        try:
+            sock.send_multipart(pack(msg), zmq.NOBLOCK)
+            if not sock.poll(max(int(timeout_s * 1000), 1), zmq.POLLIN):
+                self.close()  # given up: its answer, if it ever comes, must not be taken for the next one's
+                return None
+            reply = unpack(sock.recv_multipart())
+        except Exception as e:  # noqa: BLE001 - a probe never fails a handshake
+            log.debug("push probe: %r", e)
+            self.close()
+            return None
+        dt = time.perf_counter() - t0
+        if not isinstance(reply, PushProbed) or not reply.ok:
+            log.debug("push probe refused: %s", getattr(reply, "message", type(reply).__name__))
+            return None
+        return dt
+
+    def timer(self, t: Target) -> Timer:
+        """A timer over the descriptors of :func:`measure_kind` (evenly spaced offsets into ``t``'s local
+        buffer, all of one size), for the prefill to WRITE into ``t.local_addr`` on the decode's device."""
+        def timed(offsets: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> float | None:
+            stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
+            return self.ask(t.local_addr + int(offsets[0]), t.remote_device, len(offsets), int(nbytes[0]), stride,
+                            timeout_s)
+        return timed
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+
 def _release_later(transport: Any, x: Any) -> None:
     if transport.settle(x, 60.0) is not None:
         transport.release(x)
@@ -124,6 +196,7 @@ class _Run:
     budget_s: float
     t_start: float
     moved: int = SMALL_BYTES  # the warm-up READ
+    timer: Timer | None = None  # times one transfer (default: a READ of ``t``; the push probe: a WRITE)
 
     @property
     def deadline(self) -> float:
@@ -142,6 +215,8 @@ class _Run:
         return time.perf_counter() > self.deadline
 
     def read(self, offsets: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> float | None:
+        if self.timer is not None:
+            return self.timer(offsets, nbytes, timeout_s)
         return _timed(self.transport, self.agent, self.t, offsets, nbytes, timeout_s)
 
 
@@ -216,16 +291,19 @@ def _largest(run: _Run, size: int, span: int, max_bytes: int) -> tuple[int, floa
     return (size, best) if math.isfinite(best) else None
 
 
-def measure_kind(transport: Any, agent: str, t: Target, budget_s: float, max_bytes: int) -> KindFigures | None:
-    """The per-descriptor cost and bandwidth of READs from ``t`` (see the module docstring); None when
-    the warm-up fails or nothing could be measured in time."""
+def measure_kind(transport: Any, agent: str, t: Target, budget_s: float, max_bytes: int,
+                 timer: Timer | None = None) -> KindFigures | None:
+    """The per-descriptor cost and bandwidth of READs from ``t`` (see the module docstring), or of the
+    transfers ``timer`` times (the push probe's WRITEs); None when the warm-up fails or nothing could be
+    measured in time."""
     span = min(t.remote_nbytes, t.local_nbytes)
     if span < SMALL_DESCS * SMALL_BYTES * 2:
         return None
-    if _timed(transport, agent, t, np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64), WARMUP_S) is None:
-        log.debug("probe of %s: the warm-up READ failed or took over %g s", agent, WARMUP_S)
+    run = _Run(transport, agent, t, budget_s, time.perf_counter(), timer=timer)
+    if run.read(np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64), WARMUP_S) is None:
+        log.debug("probe of %s: the warm-up transfer failed or took over %g s", agent, WARMUP_S)
         return None
-    run = _Run(transport, agent, t, budget_s, time.perf_counter())
+    run.t_start = time.perf_counter()
     t1 = _fixed_cost(run)
     if t1 is None:
         log.debug("probe of %s: no one-descriptor READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
@@ -293,6 +371,14 @@ class Prober:
             self._bufs[kind] = (buf, self.transport.register(buf))
         return self._bufs[kind]
 
+    def prepare(self) -> None:
+        """Allocate and register the probe buffers now (before this rank's agent metadata goes to a prefill
+        rank that will WRITE into the device one: the push probe)."""
+        if self.enabled:
+            with self._lock:
+                for kind in ("device", "host"):
+                    self._buffer(kind)
+
     def copy_rates(self) -> tuple[float, float, float]:
         """(device->device GB/s, host->device GB/s, µs of one small host->device copy: the fixed cost of a
         copy) on this rank, timed once on the probe buffers."""
@@ -308,10 +394,13 @@ class Prober:
         return self._copy
 
     def link(self, agent: str, kv_region: tuple[int, int, str] | None, host_region: tuple[int, int] | None,
-             paths: list[TransferPath], pin_s: float = math.inf, min_read_rate: float = math.inf) -> LinkFigures:
+             paths: list[TransferPath], pin_s: float = math.inf, min_read_rate: float = math.inf,
+             push: PushProber | None = None, push_bytes: int = 0) -> LinkFigures:
         """Measure the paths ``paths`` to one prefill rank: ``kv_region`` (addr, bytes, device) is its KV
         memory (direct and device staging READ that kind), ``host_region`` (addr, bytes) its host
-        staging. Paths it cannot measure keep the cost model's constants."""
+        staging; ``push``: times the prefill's WRITEs from its staging (``push_bytes``) into this rank's
+        device probe buffer. Paths it cannot measure keep the cost model's constants (the push path:
+        the device READ's figures, not measured)."""
         link = model_link(self.model, paths, pin_s, min_read_rate)
         local = str(getattr(self.kv, "device", "cpu"))
         link.device = kv_region[2] if kv_region is not None and kv_region[2] != "cpu" else local
@@ -323,6 +412,8 @@ class Prober:
                 want.append("device")
             if host_region is not None and TransferPath.HOST in paths:
                 want.append("host")
+            if push is not None and push_bytes and TransferPath.PUSH in paths:
+                want.append("push")
             for kind in ("device", "host"):  # allocated and registered once, before anything is timed
                 self._buffer(kind)
             t0 = time.perf_counter()
@@ -330,15 +421,26 @@ class Prober:
             kinds: dict[str, KindFigures] = {}
             spent = 0.0  # measuring seconds (warm-ups not counted)
             for i, kind in enumerate(want):
-                buf, addr = self._buffer(kind)
-                if kind == "device":
+                timer = None
+                buf, addr = self._buffer("device" if kind == "push" else kind)
+                if kind == "push":
+                    assert push is not None
+                    from .protocol import PUSH_PROBE_MAX_BYTES
+                    target = Target(0, min(push_bytes, PUSH_PROBE_MAX_BYTES), _device_of(self.kv), addr,
+                                    self.buffer_bytes, None)
+                    if push.ask(addr, target.remote_device, 0, 0, 0, PUSH_HELLO_S) is None:
+                        log.debug("probe of %s: the prefill does not serve push probes", agent)
+                        continue
+                    timer = push.timer(target)
+                elif kind == "device":
                     assert kv_region is not None
                     target = Target(kv_region[0], kv_region[1], kv_region[2], addr, self.buffer_bytes, None)
                 else:
                     assert host_region is not None
                     target = Target(host_region[0], host_region[1], "cpu", addr, self.buffer_bytes, "cpu")
                 share = budget / len(want)  # an equal share each (a slow kind cannot starve the next)
-                got = measure_kind(self.transport, agent, target, max(share, 0.0), left_bytes // (len(want) - i))
+                got = measure_kind(self.transport, agent, target, max(share, 0.0), left_bytes // (len(want) - i),
+                                   timer)
                 if got is not None:
                     kinds[kind] = got
                     left_bytes -= got.nbytes
@@ -348,24 +450,34 @@ class Prober:
             link.probe_ms, link.probe_bytes = spent * 1e3, moved
             link.probe_wall_ms = (time.perf_counter() - t0) * 1e3
             for p in paths:
-                k = kinds.get("host" if p is TransferPath.HOST else "device")
+                kind = {TransferPath.HOST: "host", TransferPath.PUSH: "push"}.get(p, "device")
+                k = kinds.get(kind)
+                measured = k is not None
+                if k is None and p is TransferPath.PUSH:  # the push probe failed: the device READ's figures
+                    k = kinds.get("device")
                 if k is None:
                     continue
                 copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d, TransferPath.PUSH: 2e3 / d2d,
                         TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
                 ncopies = COPIES[p]
-                link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=True,
+                link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=measured,
                                             copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US))
             if kinds:
                 link.source = "probe"
             return link
 
 
+def _device_of(kv: Any) -> str:
+    """The device string of a rank's KV memory ("cpu" or "cuda:N")."""
+    return str(getattr(kv, "device", "cpu") or "cpu")
+
+
 def link_warning(link: LinkFigures, where: str) -> str | None:
     """The warning for a degraded link (None if it is not): a device path (direct or device staging)
     reading far below the host path or below ``DEVICE_FLOOR_GBPS``. Names the likely causes and what to
     change. Once per link: :func:`check_link` keeps it in ``link.warning``."""
-    dev = [(p, f) for p, f in link.paths.items() if p is not TransferPath.HOST and f.measured]
+    # the READs of device memory (a fast push beside them still leaves the pulls degraded)
+    dev = [(p, f) for p, f in link.paths.items() if p in (TransferPath.DIRECT, TransferPath.STAGED) and f.measured]
     if not dev:
         return None
     p_dev, f_dev = max(dev, key=lambda pf: pf[1].effective_gbps)
@@ -422,10 +534,11 @@ def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> l
 
 def measure_links(prober: "Prober | None", model: CostModel, mode: str, decode_staging: int, decode_host: int,
                   reads: Sequence[Any], metas: dict[Any, Any], mems: dict[Any, Any], agents: dict[Any, str],
-                  where: str = "") -> dict[Any, LinkFigures]:
+                  where: str = "", push: Callable[[Any], PushProber | None] | None = None) -> dict[Any, LinkFigures]:
     """The :class:`LinkFigures` of each prefill rank in ``reads`` (measured by ``prober`` when given, else
     the cost model's constants), the paths each pair offers, and one warning per degraded link.
-    ``metas``: RankMeta per prefill rank; ``mems``: its KVMemory; ``agents``: its NIXL agent."""
+    ``metas``: RankMeta per prefill rank; ``mems``: its KVMemory; ``agents``: its NIXL agent; ``push``:
+    a :class:`PushProber` of a prefill rank that pushes to this one (closed here), for the push path."""
     out: dict[Any, LinkFigures] = {}
     for p in reads:
         meta = metas[p]
@@ -445,11 +558,15 @@ def measure_links(prober: "Prober | None", model: CostModel, mode: str, decode_s
                 else (int(a.addr), int(a.nbytes), str(a.device))
             )
         host = (int(meta.host_staging_addr), int(meta.host_staging_bytes)) if meta.host_staging_bytes else None
+        pusher = push(p) if push is not None and TransferPath.PUSH in paths else None
         try:
-            out[p] = prober.link(agents[p], kv, host, paths, pin_s, rate)
+            out[p] = prober.link(agents[p], kv, host, paths, pin_s, rate, pusher, int(meta.staging_bytes))
         except Exception as e:  # noqa: BLE001 - a probe never fails a handshake: the constants stand in
             log.info("kvbridge: link probe of prefill rank %s failed (%r); using the cost model's constants", p, e)
             out[p] = model_link(model, paths, pin_s, rate)
+        finally:
+            if pusher is not None:
+                pusher.close()
         if check_link(out[p], f"{where}prefill rank {p}") and prober is not None and prober.metrics is not None:
             prober.metrics.degraded_links += 1
     return out
@@ -483,4 +600,5 @@ def observe_read(f: Any, now: float, metrics: Any = None) -> None:
             metrics.degraded_links += 1
 
 
-__all__ = ["Prober", "observe_read", "measure_kind", "link_warning", "check_link", "PROBE_MS", "PROBE_BYTES"]
+__all__ = ["Prober", "PushProber", "observe_read", "measure_kind", "link_warning", "check_link", "PROBE_MS",
+           "PROBE_BYTES"]

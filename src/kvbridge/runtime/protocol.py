@@ -2,7 +2,7 @@
 
 Every message is three frames: ``[MAGIC, version (u16 big-endian), msgpack payload]``. The version is
 checked before the payload is decoded, so a peer speaking another version gets a clear error, not a
-decode failure. Version 5 speaks:
+decode failure. Version 6 speaks:
 
 * GetMeta / RankMeta / ErrorReply: a rank's layout, memory and NIXL agent (GetMeta names the decode's
   agent: Done notifications must come from it; a decode rank that can be pushed to sends its agent's
@@ -16,6 +16,9 @@ decode failure. Version 5 speaks:
   WRITEs each segment into the decode's staging slot (``push_addr``) and answers its Staged only once
   that WRITE completed, in segment order, and its last answer (the last Staged or a StageError) only
   once no WRITE of the request is in flight;
+* PushProbe / PushProbed: at handshake a decode rank that can be pushed to times the push path's WRITE:
+  the prefill WRITEs a few descriptors from its staging buffer into the decode's probe buffer and
+  answers once they completed (``descs == 0``: at once, the side channel's own round trip);
 * Done over NIXL notifications: a read settled; ``Done(decline=True)`` settles a read the sender never
   pinned (nothing to read, or aborted before reading);
 * every refusal or error carries a :class:`Code`.
@@ -29,7 +32,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: PushProbe / PushProbed
 MAGIC = b"KVB1"
 
 
@@ -52,6 +55,7 @@ class Code(enum.StrEnum):
     TOO_MANY_READERS = "too_many_readers"  # the reader table is full of live readers
     WRONG_RANK = "wrong_rank"              # GetMeta for another prefill rank than the one at this address
     UNEXPECTED = "unexpected"              # a message a prefill rank does not serve
+    BUSY = "busy"                          # a push probe of this reader is being written already
     ERROR = "error"                        # an error reply with no more specific code
 
     @classmethod
@@ -197,6 +201,40 @@ class ErrorReply(msgspec.Struct, tag="error"):
     code: str = Code.ERROR  # a Code: bad_request, wrong_rank, unexpected, internal, identity_in_use, too_many_readers
 
 
+# a push probe WRITEs at most this many bytes (first descriptor's start to last one's end) and descriptors
+PUSH_PROBE_MAX_BYTES = 16 << 20
+PUSH_PROBE_MAX_DESCS = 1024
+
+
+class PushProbe(msgspec.Struct, tag="push_probe"):
+    """Ask a prefill rank to WRITE ``descs`` descriptors of ``nbytes`` each into the asking decode rank's
+    memory (descriptor ``i`` from the prefill's staging buffer at ``i * stride`` to ``addr + i * stride``,
+    on ``device``) and answer :class:`PushProbed` once every byte was written: the decode times the push
+    path at handshake. ``descs == 0`` writes nothing and is answered at once (the side channel's round
+    trip). The prefill serves it only to a reader bound at handshake (``decode_agent``, ``incarnation``)
+    that it can push to, one at a time per reader, within ``PUSH_PROBE_MAX_BYTES`` and
+    ``PUSH_PROBE_MAX_DESCS``."""
+
+    decode_engine: str
+    decode_rank: tuple[int, int]
+    decode_agent: str
+    incarnation: str
+    addr: int = 0
+    device: str = ""
+    descs: int = 0
+    nbytes: int = 0
+    stride: int = 0
+
+
+class PushProbed(msgspec.Struct, tag="push_probed"):
+    """Answer to :class:`PushProbe`: written (``ok``), or refused or failed (``code``: a :class:`Code`,
+    ``message`` says why)."""
+
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
 class Done(msgspec.Struct, tag="done"):
     """NIXL notification from a decode rank to a prefill rank: this rank is done with the request.
 
@@ -216,7 +254,8 @@ class Done(msgspec.Struct, tag="done"):
     decline: bool = False
 
 
-Message = GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired
+Message = (GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired | PushProbe
+           | PushProbed)
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 

@@ -8,12 +8,18 @@ through ``inner``; a transfer that takes longer than that takes its own time). W
 * ``kind``: the local memory of a READ. ``"host"`` is a READ into host memory named as such
   (``read(..., local_device="cpu")``: the host staging path and the probe of it); ``"device"`` is every
   other READ, into the rank's own KV device memory or device staging (on a CPU-only rank that memory is
-  host memory too: "device" means the rank's own memory kind, not a GPU). ``"*"`` matches both.
-* ``op``: ``"read"`` (this transport is the initiator of the READ; the only direction kvbridge uses).
+  host memory too: "device" means the rank's own memory kind, not a GPU). Every WRITE is of kind
+  ``"device"`` (the push path and its probe WRITE the prefill's device staging into the decode's
+  device staging or probe buffer; no WRITE moves host staging). ``"*"`` matches both.
+* ``op``: ``"read"`` (this transport is the initiator of the READ: a decode rank's reads and probes) or
+  ``"write"`` (this transport WRITEs: a prefill rank's pushes and push probes).
 
-Set ``KVBRIDGE_DELAY_LINK`` to wrap the transports a decode rank builds, e.g.
-``KVBRIDGE_DELAY_LINK="device:read:5:2"`` (5 ms per READ plus 2 ms per MiB into device memory; fields
-``KIND:OP:FIXED_MS[:MS_PER_MIB]``, several separated by commas). Never set it in production.
+Set ``KVBRIDGE_DELAY_LINK`` to wrap the transports a rank builds or is given (decode and prefill ranks
+both read it), e.g. ``KVBRIDGE_DELAY_LINK="device:read:5:2"`` (5 ms per READ plus 2 ms per MiB into
+device memory; fields ``KIND:OP:FIXED_MS[:MS_PER_MIB]``, several separated by commas). A rule of the
+other direction is inert on a rank (a decode rank never WRITEs, a prefill rank never READs), so one
+value set for both processes slows reads on the decode and writes on the prefill:
+``"*:write:2:500"`` makes pushes slow, ``"*:read:2:500"`` every pull. Never set it in production.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ log = logging.getLogger(__name__)
 
 ENV = "KVBRIDGE_DELAY_LINK"
 KINDS = ("device", "host", "*")
-OPS = ("read",)
+OPS = ("read", "write")
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,8 @@ class DelayedTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def _delay(self, kind: str, nbytes: int, handle: Any) -> Any:
-        s = sum(d.seconds(nbytes) for d in self.delays if d.kind in (kind, "*") and d.op == "read")
+    def _delay(self, kind: str, nbytes: int, handle: Any, op: str = "read") -> Any:
+        s = sum(d.seconds(nbytes) for d in self.delays if d.kind in (kind, "*") and d.op == op)
         return _Delayed(handle, time.monotonic() + s) if s > 0 else handle
 
     def read(self, peer: str, remote: Any, local: Any, nbytes: Any, notif: bytes = b"", remote_device: Any = None,
@@ -105,6 +111,12 @@ class DelayedTransport:
         h = self.inner.read(peer, remote, local, nbytes, notif, remote_device=remote_device, cancel=cancel,
                             local_device=local_device)
         return self._delay("host" if local_device == "cpu" else "device", int(np.asarray(nbytes).sum()), h)
+
+    def write(self, peer: str, local: Any, remote: Any, nbytes: Any, notif: bytes = b"", remote_device: Any = None,
+              local_device: str | None = None) -> Any:
+        import numpy as np
+        h = self.inner.write(peer, local, remote, nbytes, notif, remote_device=remote_device, local_device=local_device)
+        return self._delay("device", int(np.asarray(nbytes).sum()), h, op="write")
 
     def post(self, peer: str, work: Any, notif: bytes = b"", cancel: Any = None, remote_device: Any = None) -> Any:
         return self._delay("device", _nbytes(work), self.inner.post(peer, work, notif, cancel=cancel,
