@@ -32,7 +32,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 6  # 6: PushProbe / PushProbed
+PROTOCOL_VERSION = 6
 MAGIC = b"KVB1"
 
 
