@@ -739,6 +739,44 @@ MUTANTS: list[Mutant] = [
         "    copy_runs(buf, dst, staging, offsets(nbytes), nbytes)",
         "scatter ignores the staging offset",
     ),
+    # ---- added after the tests were written (not aimed at by any test) ------------------------------------
+    M(
+        "X01",
+        L,
+        "            if claim is None:\n                lease.claims[ckey] = Claim(readers)",
+        "            if False:\n                lease.claims[ckey] = Claim(readers)",
+        "acquire makes a pin without its claim",
+    ),
+    M(
+        "X02",
+        L,
+        "            self._refresh(lease, pin, now)\n            return LeaseGranted(",
+        "            return LeaseGranted(",
+        "a heartbeat does not refresh its pin",
+    ),
+    M(
+        "X03",
+        L,
+        "if not pins_held(r) and now - x.last_seen >= self.idle_s",
+        "if now - x.last_seen >= self.idle_s",
+        "a full reader table evicts a reader holding a pin",
+    ),
+    M("X04", RM, "            self.sm.fire(ReadEvent.ABORT)\n", "", "an abort leaves the read live"),
+    M(
+        "X05",
+        RM,
+        "            self.pinned = False\n            self.sm.fire(ReadEvent.COMPLETED)",
+        "            self.sm.fire(ReadEvent.COMPLETED)",
+        "nothing to read: the released pin still counts as held",
+    ),
+    M("X06", P, "        self.gone.add(prank)\n", "", "a dead agent is still named"),
+    M(
+        "X07",
+        ST,
+        "    seg = offsets(nbytes) // max(1, int(segment_bytes))",
+        "    seg = (offsets(nbytes) + nbytes) // max(1, int(segment_bytes))",
+        "segments cut by run ends, not starts",
+    ),
 ]
 
 
@@ -844,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--only", nargs="+", metavar="ID", help="run only these mutants (ids or id prefixes)")
     ap.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
-    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mutant (default 180)")
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds per mutant (default 90)")
     args = ap.parse_args(argv)
     chosen = select(args.only)
     if args.list:

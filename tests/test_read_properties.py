@@ -222,6 +222,18 @@ def test_register_grace_counts_from_the_first_request():
     assert rr.state is S.FAILED and 1.0 <= t < 1.2
 
 
+def test_an_answer_racing_a_scheduled_retry_is_not_taken():
+    """Refused "not registered yet": nothing is held and the read asks again at its retry time. A refusal
+    (or grant) of the earlier ask arriving meanwhile changes nothing (a grant is let go): the retry's
+    answer decides."""
+    rr = direct(ctx())
+    rr.handle(Refused("not_registered", "not yet"), 0.0)
+    at = rr.retry_at
+    assert rr.handle(Refused("lease_expired", "gone"), 0.001) == [] and rr.state is S.ACQUIRING
+    assert rr.handle(Granted(5.0), 0.002) == [LetGo()] and not rr.pinned and rr.retry_at == at
+    assert rr.handle(Tick(), at) == [Ask(stage=False)]
+
+
 def test_a_retry_is_sent_at_its_time_and_aligned_earlier_only():
     rr = direct(ctx())
     (retry,) = [a for a in rr.handle(Refused("not_registered", "not yet"), 0.0) if isinstance(a, Retry)]
@@ -467,6 +479,9 @@ def test_read_machine_properties(ops, is_staged, lengths, segment_bytes, stage_s
         if rr.state is S.DONE and prev is not S.DONE:
             assert m.pinned_once and all(t.finished for t in rr.reads)
             assert now <= m.pin or isinstance(ev, Granted)
+        # an answer that is not this read's to take changes nothing
+        if isinstance(ev, Refused) and (prev is not S.ACQUIRING or retry_before is not None):
+            assert acts == [] and rr.state is prev and rr.retry_at == retry_before
         # the timeout (or pin) that applies in each waiting state
         if expected is not None:
             want_state, want_kind = expected
