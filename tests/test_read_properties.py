@@ -172,6 +172,19 @@ def test_a_refusal_after_the_first_segment_keeps_the_pin():
     assert fails(acts) and rr.state is S.FAILED and rr.pinned
 
 
+def test_a_pin_running_out_mid_read_fails_it_and_a_released_pin_sends_no_heartbeat():
+    """However alive the read looks (its transfer still in our post queue), it fails once the pin the
+    prefill granted has run out: the blocks may be reused. A read whose pin was released heartbeats no more."""
+    rr = direct(ctx())
+    rr.handle(Granted(10.0), 0.1)
+    (f,) = fails(rr.handle(Tick(queued_locally=True), 10.5))
+    assert f.kind is LeaseExpired and "ran out" in f.text and rr.state is S.FAILED
+    quiet = direct(ctx())
+    quiet.handle(Granted(10.0), 0.1)
+    quiet.handle(PinsReleased(), 0.2)
+    assert Heartbeat() not in quiet.handle(Tick(queued_locally=True), 5.0)
+
+
 def test_the_pin_counts_from_the_request_not_the_answer():
     c = ctx()
     rr = direct(c)                       # asked at 0.0

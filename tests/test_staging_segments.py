@@ -106,3 +106,12 @@ def test_slot_extents_never_overlap_and_come_back_whole(ops, blocks, quota_block
     for k in list(held):
         a.free(k)
     assert a.bytes_used == 0 and (cap == 0 or a.alloc("all", cap) == 0)  # merged back into one extent
+
+
+def test_freed_neighbours_anywhere_in_the_buffer_merge_into_one_extent():
+    a = SlotAllocator(4 * ALIGN)
+    for k in "wxyz":
+        a.alloc(k, ALIGN)
+    a.free("x")
+    a.free("y")  # two free neighbours not at offset 0: one extent of 2 x ALIGN
+    assert a.alloc("big", 2 * ALIGN) == ALIGN
