@@ -105,6 +105,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s, pin_idle_s):
     t = LeaseTable(lease_s=lease_s, pin_s=pin_s, pin_idle_s=pin_idle_s)
     now = 0.0
     ended: dict[tuple[str, int], LeaseState] = {}
+    settle_at: dict[str, float] = {}  # request id -> last effective release or decline
 
     def check_ends(effects, before, released_key=None, live=None):
         """Every lease that ended here had no pin held past ``now`` (except the one just released); one
@@ -126,7 +127,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s, pin_idle_s):
         before = copy.deepcopy(t.leases)
         live = dict(t.leases)
         all_pins_before = pins_of(t)
-        effects = []
+        effects, outcome = [], Outcome.UNKNOWN
         if kind == "register":
             _, rid, att, reads = o
             effects = t.register(rid, None, att, now, reads=reads)
@@ -228,8 +229,19 @@ def test_lease_machine_properties(ops, lease_s, pin_s, pin_idle_s):
             now += o[1]
             effects = t.tick(now)
             check_ends(effects, before, live=live)
+        if kind == "register":
+            settle_at.pop(o[1], None)
+        elif kind in ("release", "release_held", "decline") and outcome.effective:
+            settle_at[o[1] if kind != "release_held" else rid] = now
         for lease in t.leases.values():  # a live lease's state says whether it is pinned
             assert lease.state is (LeaseState.PINNED if lease.pins else LeaseState.RESERVED)
+            # rule 2: heartbeats and expect never hold it past max(lease_s, pin_s) after registration; only a
+            # release or decline gives the claim's other ranks lease_s more
+            assert lease.deadline <= max(lease.hold_until, settle_at.get(lease.req_id, -1.0) + lease_s) + 1e-9
+            assert lease.hold_until == lease.registered_at + max(lease_s, pin_s)
+            if kind == "advance":  # nothing due is left after a tick (rules 2 and 5)
+                assert lease.pins or lease.deadline > now, (lease, now)
+                assert all(p.deadline > now for p in lease.pins.values())
         assert sum(len(lease.pins) for lease in t.leases.values()) == sum(t._pins_of.values())
         check_heap(t)
         # every pin that ended was reported once (the IO layer gives its staging slot back on it); a pin

@@ -127,3 +127,22 @@ def test_one_wire_code_vocabulary_on_both_sides():
     for code, kind in ((Code.LEASE_EXPIRED, LeaseExpired), (Code.DONE, LeaseExpired), ("nope", RemoteError)):
         fails = [a for a in refused(str(code)) if isinstance(a, Fail)]
         assert fails and fails[0].kind is kind, code
+
+
+def test_the_table_is_exactly_the_documented_diagram():
+    """The module docstring's diagram, written out: no cell more, no cell less (a cell added to the table,
+    say POSTED accepting GRANTED, would let a duplicate grant through unnoticed)."""
+    S, E = ReadState, ReadEvent
+    fail = {E.REFUSED: S.FAILED, E.NIXL_ERROR: S.FAILED, E.PROTOCOL_ERROR: S.FAILED, E.DISCONNECT: S.FAILED,
+            E.TIMEOUT: S.FAILED, E.ABORT: S.CANCELLED}
+    expected = {
+        S.ACQUIRING: {E.GRANTED: S.POSTED, **fail},
+        S.STAGE_REQUESTED: {E.STAGE_SEGMENT: S.STAGING, E.STAGE_LAST: S.SCATTERING, E.STAGE_FULL: S.POSTED, **fail},
+        S.POSTED: {E.COMPLETED: S.DONE, **fail},
+        S.STAGING: {E.STAGE_SEGMENT: S.STAGING, E.STAGE_LAST: S.SCATTERING, **fail},
+        S.SCATTERING: {E.COMPLETED: S.DONE, **fail},
+        S.DONE: {}, S.FAILED: {}, S.CANCELLED: {},
+    }
+    assert TRANSITIONS == expected
+    # waiting for the prefill's answer: asked, or staging with more segments to come
+    assert AWAITING_REPLY == {S.ACQUIRING, S.STAGE_REQUESTED, S.STAGING}
