@@ -201,6 +201,21 @@ def test_the_pin_counts_from_the_request_not_the_answer():
     assert rr.pin_deadline == pytest.approx(14.0)
 
 
+def test_a_late_answer_counts_from_the_heartbeat_it_answers_not_a_later_one():
+    """Heartbeat 1 (at 3.0) is answered only after heartbeat 2 went out (6.0): the answer (ttl 6, the
+    prefill's pin then ends at 9.0) must not extend the decode's pin from 6.0 to 12.0."""
+    rr = direct(ctx())
+    rr.handle(Granted(9.0), 0.0)                          # asked at 0.0: pinned until 9.0
+    assert Heartbeat() in rr.handle(Tick(queued_locally=True), 3.0)
+    assert Heartbeat() in rr.handle(Tick(queued_locally=True), 6.0)
+    rr.handle(Refreshed(6.0), 6.5)                        # answers the heartbeat of 3.0
+    assert rr.pin_deadline == pytest.approx(9.0)
+    rr.handle(Refreshed(6.0), 6.6)                        # answers the heartbeat of 6.0
+    assert rr.pin_deadline == pytest.approx(12.0)
+    rr.handle(Refreshed(60.0), 6.7)                       # an answer nothing is waiting for: from 6.0 again
+    assert rr.pin_deadline == pytest.approx(66.0)
+
+
 def test_a_grant_with_no_time_left_fails_staged_or_direct():
     rr = direct(ctx())
     (f,) = fails(rr.handle(Granted(0.0), 0.1))
@@ -346,6 +361,8 @@ class Model:
         self.pinned_once = False
         self.failed = 0
         self.posted: list = []
+        self.beats: list[float] = []  # heartbeats out and unanswered, oldest first
+        self.base = 0.0               # the send time the last answer counted from
 
 
 def _event(o, rr: RankRead, now: float, segs: list, d):
@@ -418,6 +435,7 @@ def _update_model(rr: RankRead, m: Model, ev, prev: ReadState, retry_before, now
     elif isinstance(ev, Granted) and prev is S.ACQUIRING and retry_before is None:
         m.progress, m.pinned_once = now, True
         m.pin = sent_at + ev.ttl_s
+        m.beats, m.base = [], sent_at
     elif isinstance(ev, Refused) and prev is S.ACQUIRING and retry_before is None and rr.retry_at is not None:
         m.progress = now
     elif isinstance(ev, (Segment, StageFailed)) and prev in (S.STAGE_REQUESTED, S.STAGING) and retry_before is None:
@@ -427,10 +445,15 @@ def _update_model(rr: RankRead, m: Model, ev, prev: ReadState, retry_before, now
         m.pinned_once = m.pinned_once or isinstance(ev, Segment) or rr.pinned
         if prev is S.STAGE_REQUESTED and rr.state in (S.STAGING, S.SCATTERING, S.POSTED):
             m.pin = now + 1e9 if isinstance(ev, Segment) and ev.total == 0 else sent_at + ev.ttl_s
+            m.beats, m.base = [], sent_at
     elif isinstance(ev, Refreshed) and pinned_before and live:
-        m.pin = max(m.pin, refresh_sent + ev.ttl_s)
+        # an answer counts from the oldest heartbeat still unanswered (never from a later send)
+        m.base = m.beats.pop(0) if m.beats else m.base
+        m.pin = max(m.pin, m.base + ev.ttl_s)
     elif isinstance(ev, Tick) and retry_before is not None and now >= retry_before:
         pass  # a retry went out: the next answer counts from it (rr.sent_at)
+    if any(isinstance(a, Heartbeat) for a in acts) and len(m.beats) < 16:
+        m.beats.append(now)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

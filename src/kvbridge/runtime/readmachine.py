@@ -56,8 +56,8 @@ from .readstate import (
     XferFailed,
 )
 
-
 # ---- the machine --------------------------------------------------------------------------------------
+MAX_BEATS = 16  # unanswered heartbeats remembered per read
 @dataclass
 class Staging:
     """Our staging slot of a staged rank and the runs the packed stream feeds."""
@@ -150,7 +150,12 @@ class RankRead:
         self.asked = state is ReadState.STAGE_REQUESTED  # a request is out, unanswered (a pin may exist)
         self.retry_at: float | None = None  # not registered yet: ask again at this time
         self.refresh_at = float("inf")   # pinned: send a heartbeat (re-arms the pin) at this time
-        self.refresh_sent = 0.0          # when the last heartbeat went out (its answer counts from here)
+        self.refresh_sent = 0.0          # when the last heartbeat (or the request that pinned) went out
+        # heartbeats out and unanswered, oldest first: an answer counts from the oldest one (the prefill answers
+        # each in order; an answer credited to a later send would outlive the prefill's own pin), else from
+        # ``refresh_base``, the send time the last answer counted from
+        self.beats: list[float] = []
+        self.refresh_base = 0.0
         # no Tick can change anything before this time (0: tick at the next poll); every other event resets
         # it, a Tick sets it from the read's own deadlines: the loop skips idle reads' ticks
         self.wake_at = 0.0
@@ -211,8 +216,10 @@ class RankRead:
             return self._granted(ev, now)
         if isinstance(ev, Refreshed):
             if self.pinned and not self.terminal:
-                self.pin_deadline = max(self.pin_deadline, self.refresh_sent + ev.ttl_s)
-                self.refresh_at = self.refresh_sent + ev.ttl_s / 3
+                base = self.beats.pop(0) if self.beats else self.refresh_base
+                self.refresh_base = base
+                self.pin_deadline = max(self.pin_deadline, base + ev.ttl_s)
+                self.refresh_at = min(self.refresh_at, base + ev.ttl_s / 3) if self.beats else base + ev.ttl_s / 3
             return []
         if isinstance(ev, Refused):
             if self.state is not ReadState.ACQUIRING or self.retry_at is not None:
@@ -265,6 +272,7 @@ class RankRead:
         self.sm.fire(ReadEvent.GRANTED)
         self.pin_deadline, self.progress_at = self.sent_at + ev.ttl_s, now
         self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
+        self.beats, self.refresh_base = [], self.sent_at
         if self.reads:  # optimistic: the READ is posted already (or its bytes were discarded: read again)
             return self._repost()
         if self.work is None:  # nothing to read from this rank: release the pin at once
@@ -339,6 +347,7 @@ class RankRead:
             if self.state is ReadState.STAGE_REQUESTED and ev.ttl_s > 0:  # no room: read directly, pinned
                 self.pin_deadline = self.sent_at + ev.ttl_s
                 self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + ev.ttl_s / 3
+                self.beats, self.refresh_base = [], self.sent_at
                 return self._direct_fallback()
             return self._fail(ReadEvent.REFUSED, RemoteError, ev.text)
         out: list[Action] = []
@@ -383,6 +392,7 @@ class RankRead:
         """The first segment's answer: pin deadline, heartbeats, and (staged) our staging slot. None to go
         on with the segment; else the actions that end the answer here."""
         self.refresh_sent, self.refresh_at = self.sent_at, self.sent_at + max(ev.ttl_s, 0.0) / 3
+        self.beats, self.refresh_base = [], self.sent_at
         if ev.total == 0 and self.staging is None:
             self.notify_at_end = True  # nothing to read: Done goes out when the request completes
             self.pin_deadline = now + 1e9  # nothing read: nothing to trust
@@ -432,6 +442,8 @@ class RankRead:
                 out.append(Ask(stage=True))
         if self.pinned and now >= self.refresh_at:  # keep our pin alive on the prefill (its idle timeout)
             self.refresh_sent = now
+            if len(self.beats) < MAX_BEATS:  # (full: later answers count from older sends, never later ones)
+                self.beats.append(now)
             self.refresh_at = now + max(0.05, (self.pin_deadline - now) / 2)  # again then if nobody answers
             out.append(Heartbeat())
         # (discarded optimistic bytes alone are never a finished read: a fresh READ follows them)
