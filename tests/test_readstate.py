@@ -146,3 +146,74 @@ def test_the_table_is_exactly_the_documented_diagram():
     assert TRANSITIONS == expected
     # waiting for the prefill's answer: asked, or staging with more segments to come
     assert AWAITING_REPLY == {S.ACQUIRING, S.STAGE_REQUESTED, S.STAGING}
+
+
+def _rank_read_in(state, variant):
+    """A RankRead in ``state`` with one transfer (a plain direct read, a staged segment, or discarded
+    optimistic bytes), pinned or waiting to ask again as ``variant`` says."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvbridge.runtime.readmachine import RankRead, ReadContext
+    from kvbridge.runtime.readstate import Transfer
+    from kvbridge.runtime.slots import SlotAllocator
+
+    ctx = ReadContext(stage_timeout_s=5.0, transfer_timeout_s=20.0, register_grace_s=1.0,
+                      slots=SlotAllocator(1 << 20), staging_addr=1 << 30, optimistic=variant == "optimistic")
+    work = SimpleNamespace(total_bytes=300, count=3, dst=np.array([1000, 2000, 3000]),
+                           nbytes=np.array([100, 100, 100]))
+    rr = RankRead((0, 0), state, 0.0, ctx, work=work, lower=lambda: work, request=SimpleNamespace(),
+                  slot_key=("k", (0, 0)))
+    if variant == "optimistic":
+        return rr  # no transfer yet: Sent posts one (ACQUIRING only)
+    t = Transfer(work=work, discard=variant == "discarded",
+                 runs=(work.dst, work.nbytes) if variant == "segment" else None)
+    rr.reads.append(t)
+    if variant == "pinned":
+        rr.pinned, rr.beats = True, [0.5]
+    if variant == "retrying":
+        rr.retry_at = 3.0
+    return rr
+
+
+@pytest.mark.parametrize("variant", ["plain", "segment", "discarded", "pinned", "retrying", "optimistic"])
+@pytest.mark.parametrize("state", list(ReadState))
+def test_non_transitions_never_change_the_state(state, variant):
+    """Every event of ``NON_TRANSITIONS``, in every state, leaves ``rr.state`` as it was (it only updates
+    the read's own fields and may ask for I/O: post, scatter, count)."""
+    from kvbridge.runtime.readstate import (
+        NON_TRANSITIONS,
+        AlignRetry,
+        PinsReleased,
+        Refreshed,
+        ScatterDone,
+        Sent,
+        XferDone,
+    )
+
+    events = {XferDone: XferDone(0), ScatterDone: ScatterDone(0), Sent: Sent(), PinsReleased: PinsReleased(),
+              Refreshed: Refreshed(9.0), AlignRetry: AlignRetry(1.0)}
+    assert set(events) == NON_TRANSITIONS
+    for cls, ev in events.items():
+        if variant == "optimistic" and cls in (XferDone, ScatterDone):
+            continue  # (no transfer to name)
+        rr = _rank_read_in(state, variant)
+        rr.handle(ev, 1.0)
+        assert rr.state is state, (cls.__name__, variant)
+        rr.handle(ev, 2.0)  # twice (a late or repeated report) changes nothing either
+        assert rr.state is state, (cls.__name__, variant)
+
+
+def test_every_event_and_action_has_its_method():
+    """``RankRead.handle`` dispatches every ``readstate.Event`` type, ``ReadLoop.apply`` every ``Action``
+    type (an unknown one raises instead of being dropped)."""
+    import typing
+
+    from kvbridge.runtime import readloop, readmachine, readstate
+
+    assert set(readmachine._HANDLERS) == set(typing.get_args(readstate.Event))
+    assert set(readloop._RUNNERS) == set(typing.get_args(readstate.Action))
+    rr = _rank_read_in(ReadState.ACQUIRING, "plain")
+    with pytest.raises(TypeError, match="not a read event"):
+        rr.handle(object(), 0.0)

@@ -324,7 +324,7 @@ class ReadLoop:
                         g = self.inflight[k]
                         _mark(g, M_SENT)
                         rr = g.ranks.get(prank)
-                        if rr is not None:
+                        if rr is not None:  # (Sent, a non-transition, fails nothing: an optimistic READ at most)
                             self.apply(g, rr, rr.handle(Sent(), now))
             if peer.heartbeats:
                 for prank, reqs in peer.take_heartbeats().items():
@@ -361,79 +361,113 @@ class ReadLoop:
                                                   attempt, read_id)))
 
     def apply(self, f: InFlight, rr: RankRead, actions: list[Any], ids: tuple[str, int, str] | None = None) -> bool:
-        """Run what a read's machine asked for (the thin I/O half); True if the request failed."""
-        prank, peer = rr.prefill, f.peer
+        """Run what a read's machine asked for (the thin I/O half; one method per action type:
+        ``_RUNNERS``); True if the request failed (the actions after the one that failed it are not run)."""
         for a in actions:
-            if isinstance(a, Post):
-                w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
-                done = self.done_msg(f.req, peer, prank) if a.notify else b""
-                if isinstance(w, Descriptors):  # a staged rank read directly (its staging was full)
-                    a.transfer.xfer = self.transport.read(agent, w.src, w.dst, w.nbytes, done, remote_device=dev,
-                                                          cancel=a.transfer)
-                else:
-                    assert w is not None, "a Post carries its work"
-                    a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
-                # sizes of a direct read are worked out on the post thread: counted when the request completes
-                self.metrics.transfers += 1
-            elif isinstance(a, PostSegment):
-                t, one = a.transfer, np.ones(1, dtype=np.int64)
-                nbytes = cast(int, t.nbytes)  # set on a segment's transfer
-                if a.host:  # host staging on both sides
-                    t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
-                                                 remote_device="cpu", local_device="cpu")
-                else:
-                    t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
-                                                 remote_device=_device_of(peer, prank))
-                f.nbytes += nbytes
-                f.ndescs += 1
-                self.metrics.transfers += 1
-            elif isinstance(a, Scatter):
-                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
-            elif isinstance(a, Landed):  # pushed: the bytes are in our staging already
-                f.nbytes += cast(int, a.transfer.nbytes)
-                f.ndescs += 1
-                self.metrics.transfers += 1
-                _mark(f, M_XFER)
-                a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
-            elif isinstance(a, Ask):
-                if not a.stage:
-                    queue_read(peer.outbox, peer, prank, f.req)
-                elif prank in peer.socks:
-                    peer.send(prank, pack(rr.request))
-                    _mark(f, M_SENT)
-                    if self.apply(f, rr, rr.handle(Sent(), time.monotonic())):
-                        return True
-            elif isinstance(a, Heartbeat):
-                queue_read(peer.heartbeats, peer, prank, f.req)
-            elif isinstance(a, Notify):
-                self.notify(peer.agents[prank], self.done_msg(f.req, peer, prank))
-            elif isinstance(a, LetGo):
-                self._let_go(peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
-            elif isinstance(a, Count):
-                setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
-            elif isinstance(a, Retry):
-                # other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each
-                # child is a reader) ask together, in one message: the prefill pins them all before any of
-                # them can end and free the lease under the others (a refused acquire leaves no trace there)
-                for g in self.inflight.values():
-                    sib = g.ranks.get(prank) if g is not f else None
-                    if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
-                            and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
-                        at, now = min(a.at, sib.retry_at), time.monotonic()
-                        if self.apply(f, rr, rr.handle(AlignRetry(at), now)):
-                            return True
-                        self.apply(g, sib, sib.handle(AlignRetry(at), now))
-            elif isinstance(a, Restarted):
-                if self.restarted(f):
-                    return True
-                failed = self.apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text),
-                                                      time.monotonic()))
-                self.retire(peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
-                return failed
-            elif isinstance(a, Fail):
-                self.fail(f.req.key, f, self.failure(a.kind, f, prank, a.text))  # the read key: what poll() reports
+            run = _RUNNERS.get(type(a))
+            if run is None:
+                raise TypeError(f"not a read action: {a!r}")
+            if run(self, f, rr, a, ids):
                 return True
         return False
+
+    # ---- one method per action: True if the request failed ------------------------------------------
+    def _run_post(self, f: InFlight, rr: RankRead, a: Post, ids: tuple[str, int, str] | None) -> bool:
+        prank, peer = rr.prefill, f.peer
+        w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
+        done = self.done_msg(f.req, peer, prank) if a.notify else b""
+        if isinstance(w, Descriptors):  # a staged rank read directly (its staging was full)
+            a.transfer.xfer = self.transport.read(agent, w.src, w.dst, w.nbytes, done, remote_device=dev,
+                                                  cancel=a.transfer)
+        else:
+            assert w is not None, "a Post carries its work"
+            a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
+        # sizes of a direct read are worked out on the post thread: counted when the request completes
+        self.metrics.transfers += 1
+        return False
+
+    def _run_post_segment(self, f: InFlight, rr: RankRead, a: PostSegment, ids: tuple[str, int, str] | None) -> bool:
+        prank, peer = rr.prefill, f.peer
+        t, one = a.transfer, np.ones(1, dtype=np.int64)
+        nbytes = cast(int, t.nbytes)  # set on a segment's transfer
+        if a.host:  # host staging on both sides
+            t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
+                                         remote_device="cpu", local_device="cpu")
+        else:
+            t.xfer = self.transport.read(peer.agents[prank], one * a.addr, one * a.local, one * nbytes, b"",
+                                         remote_device=_device_of(peer, prank))
+        f.nbytes += nbytes
+        f.ndescs += 1
+        self.metrics.transfers += 1
+        return False
+
+    def _run_scatter(self, f: InFlight, rr: RankRead, a: Scatter, ids: tuple[str, int, str] | None) -> bool:
+        a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
+        return False
+
+    def _run_landed(self, f: InFlight, rr: RankRead, a: Landed, ids: tuple[str, int, str] | None) -> bool:
+        """Pushed: the bytes are in our staging already."""
+        f.nbytes += cast(int, a.transfer.nbytes)
+        f.ndescs += 1
+        self.metrics.transfers += 1
+        _mark(f, M_XFER)
+        a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
+        return False
+
+    def _run_ask(self, f: InFlight, rr: RankRead, a: Ask, ids: tuple[str, int, str] | None) -> bool:
+        prank, peer = rr.prefill, f.peer
+        if not a.stage:
+            queue_read(peer.outbox, peer, prank, f.req)
+        elif prank in peer.socks:
+            peer.send(prank, pack(rr.request))
+            _mark(f, M_SENT)
+            return self.apply(f, rr, rr.handle(Sent(), time.monotonic()))
+        return False
+
+    def _run_heartbeat(self, f: InFlight, rr: RankRead, a: Heartbeat, ids: tuple[str, int, str] | None) -> bool:
+        queue_read(f.peer.heartbeats, f.peer, rr.prefill, f.req)
+        return False
+
+    def _run_notify(self, f: InFlight, rr: RankRead, a: Notify, ids: tuple[str, int, str] | None) -> bool:
+        self.notify(f.peer.agents[rr.prefill], self.done_msg(f.req, f.peer, rr.prefill))
+        return False
+
+    def _run_let_go(self, f: InFlight, rr: RankRead, a: LetGo, ids: tuple[str, int, str] | None) -> bool:
+        prank = rr.prefill
+        self._let_go(f.peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+        return False
+
+    def _run_count(self, f: InFlight, rr: RankRead, a: Count, ids: tuple[str, int, str] | None) -> bool:
+        setattr(self.metrics, a.name, getattr(self.metrics, a.name) + 1)
+        return False
+
+    def _run_retry(self, f: InFlight, rr: RankRead, a: Retry, ids: tuple[str, int, str] | None) -> bool:
+        """Other reads of the same prefill request waiting to ask this rank again (vLLM n > 1: each child
+        is a reader) ask together, in one message: the prefill pins them all before any of them can end
+        and free the lease under the others (a refused acquire leaves no trace there)."""
+        prank, peer = rr.prefill, f.peer
+        for g in self.inflight.values():
+            sib = g.ranks.get(prank) if g is not f else None
+            if (sib is not None and sib.retry_at is not None and g.peer is peer and g.req.req_id == f.req.req_id
+                    and g.req.attempt_for(prank) == f.req.attempt_for(prank)):
+                at, now = min(a.at, sib.retry_at), time.monotonic()
+                # (AlignRetry is a non-transition returning no actions: neither apply can fail a request,
+                # and the sibling's result is not this request's)
+                if self.apply(f, rr, rr.handle(AlignRetry(at), now)):
+                    return True
+                self.apply(g, sib, sib.handle(AlignRetry(at), now))
+        return False
+
+    def _run_restarted(self, f: InFlight, rr: RankRead, a: Restarted, ids: tuple[str, int, str] | None) -> bool:
+        if self.restarted(f):
+            return True
+        failed = self.apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text), time.monotonic()))
+        self.retire(f.peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+        return failed
+
+    def _run_fail(self, f: InFlight, rr: RankRead, a: Fail, ids: tuple[str, int, str] | None) -> bool:
+        self.fail(f.req.key, f, self.failure(a.kind, f, rr.prefill, a.text))  # the read key: what poll() reports
+        return True
 
     def failure(self, cls: type[ReadFailure], f: InFlight, prank: Rank | None, text: str) -> ReadFailure:
         where = f"prefill engine {f.peer.engine_id!r} rank {prank}" if prank is not None else \
@@ -447,7 +481,7 @@ class ReadLoop:
         if msg.heartbeat:  # pins refreshed (reads in flight) or queued leases extended; refusals: no change
             for rid, attempt, read_id, ttl_s in msg.granted:
                 f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-                if f is not None and rr is not None:
+                if f is not None and rr is not None:  # (a non-transition: no actions, fails nothing)
                     self.apply(f, rr, rr.handle(Refreshed(ttl_s), now))
             return
         for rid, attempt, read_id, ttl_s in msg.granted:
@@ -456,10 +490,12 @@ class ReadLoop:
                 self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
                 continue
             _mark(f, M_GRANTED)
+            # (a failed request needs nothing more here: it left ``inflight``, and every later entry of this
+            # frame looks its read up afresh; one of a read no longer live is let go)
             self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
-            if f is not None and rr is not None:
+            if f is not None and rr is not None:  # (failed: as for a grant above)
                 self.apply(f, rr, rr.handle(Refused(code, text), now))
 
     def _rank_read(self, remote: Peer, prank: Rank, rid: str, attempt: int | None = None,
@@ -492,7 +528,7 @@ class ReadLoop:
             actions = [a for a in actions if not isinstance(a, LetGo)]
         if isinstance(msg, Staged) and msg.last and any(isinstance(a, PostSegment) for a in actions):
             self.metrics.stage_wait_seconds_sum += time.perf_counter() - f.stage_sent
-        self.apply(f, rr, actions, ids)
+        self.apply(f, rr, actions, ids)  # (the frame's last step: a failed request has left ``inflight``)
 
     def _scatter(self, r: Transfer, f: InFlight) -> None:
         """Staging -> KV buffer for one staged segment (runs on a copy thread)."""
@@ -549,7 +585,8 @@ class ReadLoop:
                 if not t.done and self.transport.check(t.xfer) == "DONE":
                     _mark(f, M_XFER)
                     peer.record_progress(prank, now)
-                    self.apply(f, rr, rr.handle(XferDone(i), now))
+                    if self.apply(f, rr, rr.handle(XferDone(i), now)):  # (a scatter or a fresh READ: fails nothing)
+                        return True
                 if t.scatter is not None and not t.scattered and t.scatter.done():
                     e = t.scatter.exception()
                     if e is not None:
@@ -583,7 +620,8 @@ class ReadLoop:
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
             if rr.notify_at_end and rr.pinned:
                 self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank))
-            self.apply(f, rr, rr.handle(PinsReleased(), now))  # direct reads' Done rode on the read
+            # direct reads' Done rode on the read (PinsReleased is a non-transition: no actions, fails nothing)
+            self.apply(f, rr, rr.handle(PinsReleased(), now))
         self.metrics.observe_transfer(time.perf_counter() - f.started)
         marks = f.marks
         for rr in f.ranks.values():
@@ -711,7 +749,8 @@ class ReadLoop:
     def abort_ranks(self, f: InFlight) -> None:
         now = time.monotonic()
         for rr in f.ranks.values():
-            self.apply(f, rr, rr.handle(Abort(), now))  # (counts of cancelled reads only)
+            # (counts of cancelled reads only: an abort fails nothing, the caller is failing or aborting f)
+            self.apply(f, rr, rr.handle(Abort(), now))
 
     def notify_failed(self, f: InFlight) -> None:
         """Done(failed) to every prefill rank where this rank holds a pin for the read, whose agent is
@@ -728,7 +767,24 @@ class ReadLoop:
                     self.linger_until = max(self.linger_until, time.monotonic() + self.stage_timeout_s)
                 else:
                     self._released[(f.req.key, p, f.req.attempt_for(p))] = True
-            self.apply(f, rr, rr.handle(PinsReleased(), now))
+            self.apply(f, rr, rr.handle(PinsReleased(), now))  # (a non-transition: no actions, fails nothing)
+
+
+# action type -> its method of ReadLoop (every type of ``readstate.Action``: tests check the two agree)
+_RUNNERS: dict[type, Callable[[ReadLoop, InFlight, RankRead, Any, tuple[str, int, str] | None], bool]] = {
+    Post: ReadLoop._run_post,
+    PostSegment: ReadLoop._run_post_segment,
+    Scatter: ReadLoop._run_scatter,
+    Landed: ReadLoop._run_landed,
+    Ask: ReadLoop._run_ask,
+    Heartbeat: ReadLoop._run_heartbeat,
+    Notify: ReadLoop._run_notify,
+    LetGo: ReadLoop._run_let_go,
+    Count: ReadLoop._run_count,
+    Retry: ReadLoop._run_retry,
+    Restarted: ReadLoop._run_restarted,
+    Fail: ReadLoop._run_fail,
+}
 
 
 def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: Rank, req: ReadRequest) -> None:

@@ -190,63 +190,75 @@ class RankRead:
 
     # ---- the one entry point ----------------------------------------------------------------------
     def handle(self, ev: Event, now: float) -> list[Action]:
-        """Apply one event at ``now``; returns what the I/O loop must do."""
+        """Apply one event at ``now``; returns what the I/O loop must do (one method per event type:
+        ``_HANDLERS``)."""
+        handler = _HANDLERS.get(type(ev))
+        if handler is None:
+            raise TypeError(f"not a read event: {ev!r}")
         if isinstance(ev, Tick):
-            out = self._tick(ev, now)
+            out = handler(self, ev, now)
             self.wake_at = self._next_wake()
             return out
         self.wake_at = 0.0
-        if isinstance(ev, XferDone):
-            t = self.reads[ev.index]
-            t.done, self.progress_at = True, now
-            if t.discard:  # optimistic bytes refused "not registered": settled, read again if granted
-                return self._repost()
-            return [Scatter(t)] if t.runs is not None else []
-        if isinstance(ev, ScatterDone):
-            self.reads[ev.index].scattered = True
+        return handler(self, ev, now)
+
+    # ---- one method per event (``readstate.NON_TRANSITIONS``: those never change the state) ----------
+    def _on_xfer_done(self, ev: XferDone, now: float) -> list[Action]:
+        t = self.reads[ev.index]
+        t.done, self.progress_at = True, now
+        if t.discard:  # optimistic bytes refused "not registered": settled, read again if granted
+            return self._repost()
+        return [Scatter(t)] if t.runs is not None else []
+
+    def _on_scatter_done(self, ev: ScatterDone, now: float) -> list[Action]:
+        self.reads[ev.index].scattered = True
+        return []
+
+    def _on_sent(self, ev: Sent, now: float) -> list[Action]:
+        if not self.terminal:
+            self.asked = True
+        return self._post_early()
+
+    def _on_pins_released(self, ev: PinsReleased, now: float) -> list[Action]:
+        self.pinned = self.asked = False
+        return []
+
+    def _on_refreshed(self, ev: Refreshed, now: float) -> list[Action]:
+        if self.pinned and not self.terminal:
+            base = self.beats.pop(0) if self.beats else self.refresh_base
+            self.refresh_base = base
+            self.pin_deadline = max(self.pin_deadline, base + ev.ttl_s)
+            self.refresh_at = min(self.refresh_at, base + ev.ttl_s / 3) if self.beats else base + ev.ttl_s / 3
+        return []
+
+    def _on_refused(self, ev: Refused, now: float) -> list[Action]:
+        if self.state is not ReadState.ACQUIRING or self.retry_at is not None:
             return []
-        if isinstance(ev, Sent):
-            if not self.terminal:
-                self.asked = True
-            return self._post_early()
-        if isinstance(ev, PinsReleased):
-            self.pinned = self.asked = False
+        self.asked = False
+        return self._not_registered(ev.code, now) or self._refused(ev.code, ev.text)
+
+    def _on_align_retry(self, ev: AlignRetry, now: float) -> list[Action]:
+        if self.retry_at is not None:
+            self.retry_at = min(self.retry_at, ev.at)
+        return []
+
+    def _on_xfer_failed(self, ev: XferFailed, now: float) -> list[Action]:
+        if ev.index is not None and not self.terminal and self.reads[ev.index].discard:
+            self.reads[ev.index].done = True  # settled (failed): its bytes were discarded anyway
+            return self._repost()
+        return self._fail(ReadEvent.NIXL_ERROR, TransferFailed, ev.text)
+
+    def _on_scatter_failed(self, ev: ScatterFailed, now: float) -> list[Action]:
+        return self._fail(ReadEvent.PROTOCOL_ERROR, ReadFailure, f"scatter failed: {ev.text}")
+
+    def _on_failed(self, ev: Failed, now: float) -> list[Action]:
+        return self._fail(ev.event, ev.kind, ev.text)
+
+    def _on_abort(self, ev: Abort, now: float) -> list[Action]:
+        if self.terminal:
             return []
-        if isinstance(ev, Granted):
-            return self._granted(ev, now)
-        if isinstance(ev, Refreshed):
-            if self.pinned and not self.terminal:
-                base = self.beats.pop(0) if self.beats else self.refresh_base
-                self.refresh_base = base
-                self.pin_deadline = max(self.pin_deadline, base + ev.ttl_s)
-                self.refresh_at = min(self.refresh_at, base + ev.ttl_s / 3) if self.beats else base + ev.ttl_s / 3
-            return []
-        if isinstance(ev, Refused):
-            if self.state is not ReadState.ACQUIRING or self.retry_at is not None:
-                return []
-            self.asked = False
-            return self._not_registered(ev.code, now) or self._refused(ev.code, ev.text)
-        if isinstance(ev, (Segment, StageFailed)):
-            return self._stage_reply(ev, now)
-        if isinstance(ev, AlignRetry):
-            if self.retry_at is not None:
-                self.retry_at = min(self.retry_at, ev.at)
-            return []
-        if isinstance(ev, XferFailed):
-            if ev.index is not None and not self.terminal and self.reads[ev.index].discard:
-                self.reads[ev.index].done = True  # settled (failed): its bytes were discarded anyway
-                return self._repost()
-            return self._fail(ReadEvent.NIXL_ERROR, TransferFailed, ev.text)
-        if isinstance(ev, ScatterFailed):
-            return self._fail(ReadEvent.PROTOCOL_ERROR, ReadFailure, f"scatter failed: {ev.text}")
-        if isinstance(ev, Failed):
-            return self._fail(ev.event, ev.kind, ev.text)
-        if isinstance(ev, Abort):
-            if self.terminal:
-                return []
-            self.sm.fire(ReadEvent.ABORT)
-            return self._cancel()
-        raise TypeError(f"not a read event: {ev!r}")
+        self.sm.fire(ReadEvent.ABORT)
+        return self._cancel()
 
     # ---- the cases ---------------------------------------------------------------------------------
     def _fail(self, event: ReadEvent, kind: type[ReadFailure], text: str) -> list[Action]:
@@ -489,3 +501,23 @@ class RankRead:
         if ev.queued_locally:
             return now
         return max(self.progress_at, ev.peer_progress, ev.posted_latest)
+
+
+# event type -> its method of RankRead (every type of ``readstate.Event``: tests check the two agree)
+_HANDLERS: dict[type, Callable[[RankRead, Any, float], list[Action]]] = {
+    Tick: RankRead._tick,
+    XferDone: RankRead._on_xfer_done,
+    ScatterDone: RankRead._on_scatter_done,
+    Sent: RankRead._on_sent,
+    PinsReleased: RankRead._on_pins_released,
+    Granted: RankRead._granted,
+    Refreshed: RankRead._on_refreshed,
+    Refused: RankRead._on_refused,
+    Segment: RankRead._stage_reply,
+    StageFailed: RankRead._stage_reply,
+    AlignRetry: RankRead._on_align_retry,
+    XferFailed: RankRead._on_xfer_failed,
+    ScatterFailed: RankRead._on_scatter_failed,
+    Failed: RankRead._on_failed,
+    Abort: RankRead._on_abort,
+}

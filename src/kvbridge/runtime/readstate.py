@@ -226,6 +226,15 @@ class PinsReleased:
 Event = (Sent | Granted | Refreshed | Refused | Segment | StageFailed | AlignRetry | XferDone | XferFailed
          | ScatterDone | ScatterFailed | Tick | Failed | Abort | PinsReleased)
 
+# events that never change a read's state (named non-transitions: they go through no table entry). Each
+# updates the read's own fields only: XferDone (a transfer completed: scatter it, or read again after
+# discarded optimistic bytes), ScatterDone (a scatter finished), Sent (a request went out: a pin may exist;
+# an optimistic read posts its READ), PinsReleased (the Done releasing its pin was sent), Refreshed (a
+# heartbeat answered: the pin's deadline moves), AlignRetry (ask again together with a sibling read).
+# Completion, failure and timeouts are the Tick's and the other events' (tests/test_readstate.py checks
+# that none of these changes the state, in any state).
+NON_TRANSITIONS: frozenset[type] = frozenset({XferDone, ScatterDone, Sent, PinsReleased, Refreshed, AlignRetry})
+
 
 # ---- actions: what the I/O loop must do -------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
