@@ -698,7 +698,7 @@ def test_one_decode_engine_cannot_take_more_than_its_share_of_staging():
 
             def a_waits():
                 with lock:
-                    return len(pre._parked) == 2 and pre.slots.group_bytes("dA") == 2 * one
+                    return len(pre.stager.parked) == 2 and pre.slots.group_bytes("dA") == 2 * one
             until(a_waits, 10, "dA to hold its share and wait for the rest")
             t0 = time.monotonic()
             for j in b_jobs:
@@ -714,7 +714,7 @@ def test_one_decode_engine_cannot_take_more_than_its_share_of_staging():
             for dec, js in ((da, a_jobs), (db, b_jobs)):
                 assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
                 assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
-            until(lambda: not pre.leases and not pre._parked, 10, "the prefill to free every lease")
+            until(lambda: not pre.leases and not pre.stager.parked, 10, "the prefill to free every lease")
             with lock:
                 assert pre.slots.bytes_used == 0 and not pre.slots.used
                 assert pre.metrics.stage_waits >= 2
@@ -735,17 +735,17 @@ def test_lowering_cache_is_bounded_per_peer_and_in_total():
         dl = layout("decode", 1, nblocks)
         return Stage("r", peer, (0, 0), engine_to_dict(dl), default_memory(dl, (0, 0)).to_wire(), 8, {}, {})
     try:
-        first = pre._lowering(stage("dA", 32))
+        first = pre.lowerings.get(stage("dA", 32))
         for n in range(33, 40):  # one peer, 8 distinct layouts
-            pre._lowering(stage("dA", n))
-        owners = [owner for _, owner in pre._lowered.values()]
-        assert owners.count("dA") == 3 and len(pre._lowered) == 3
+            pre.lowerings.get(stage("dA", n))
+        owners = [owner for _, owner in pre.lowerings.entries.values()]
+        assert owners.count("dA") == 3 and len(pre.lowerings.entries) == 3
         for i in range(8):  # eight other peers, each its own layout
-            pre._lowering(stage(f"d{i}", 40 + i))
-        assert len(pre._lowered) == 6
-        assert [owner for _, owner in pre._lowered.values()].count("dA") <= 3
-        again = pre._lowering(stage("dA", 32))  # evicted long ago: lowered again, the same plan
-        assert again is not first and again.decode_rank == first.decode_rank and len(pre._lowered) == 6
+            pre.lowerings.get(stage(f"d{i}", 40 + i))
+        assert len(pre.lowerings.entries) == 6
+        assert [owner for _, owner in pre.lowerings.entries.values()].count("dA") <= 3
+        again = pre.lowerings.get(stage("dA", 32))  # evicted long ago: lowered again, the same plan
+        assert again is not first and again.decode_rank == first.decode_rank and len(pre.lowerings.entries) == 6
         assert pre.stats()["lowered_cached"] == 6
     finally:
         pre.close()

@@ -332,10 +332,10 @@ def test_a_prefill_that_does_not_serve_the_push_probe_leaves_push_unmeasured(mon
     does) costs the handshake nothing but the probe's wait: the push path keeps the device READ's
     figures, not measured, and pushes still move byte-exact."""
     from kvbridge.runtime import probe
-    from kvbridge.runtime.prefill import PrefillRank as P
     from kvbridge.runtime.protocol import Code, PushProbed
+    from kvbridge.runtime.stager import Stager
     monkeypatch.setattr(probe, "PUSH_HELLO_S", 0.2)
-    monkeypatch.setattr(P, "_push_probe", (lambda self, msg, env: None) if how == "silent" else
+    monkeypatch.setattr(Stager, "push_probe", (lambda self, msg, env: None) if how == "silent" else
                         (lambda self, msg, env: PushProbed(False, Code.UNEXPECTED, "not served")))
 
     def test(t: PushPair):

@@ -228,7 +228,7 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
 
             def parked():
                 with lock:
-                    return [p.msg.req_id for p in pre._parked]
+                    return [p.msg.req_id for p in pre.stager.parked]
             assert until(parked, 10, "the second stage request to park") == [js[1].rid]
             dec.abort(js[1].rid)
             done, failed = dec.wait(20)
