@@ -178,6 +178,8 @@ def _mid_transfer(mode: str, fault: str):
             no_leaks(D, P, timeout=15)
 
 
+# (push: a read whose prefill rank died holds its decode staging slot until the pin bound, as a WRITE of a
+# rank not known dead may still land: tests/test_push.py checks that bound)
 @pytest.mark.parametrize("mode", ["direct", "staged", "host"])
 def test_prefill_rank_killed_mid_transfer(mode):
     _mid_transfer(mode, "kill")
@@ -191,7 +193,7 @@ def test_prefill_rank_frozen_mid_transfer(mode):
 # =================================================================================================
 # a decode engine dies mid-transfer
 # =================================================================================================
-@pytest.mark.parametrize("mode", ["direct", "staged", "host"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "host", "push"])
 def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
     """The decode rank is frozen (SIGSTOP, by itself, at a moment it reports reads in flight) and then
     killed (SIGKILL). The prefill hears nothing more: requests read before are freed by their Done,
