@@ -136,7 +136,8 @@ def test_inprocess_ranks_release_everything():
     dec = None
     try:
         with served(pre) as lock:
-            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="di")
+            # direct: one READ per request (auto may pick a staged path, or push, which posts none here)
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="di", transfer_mode="direct")
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pi", {(0, 0): f"127.0.0.1:{pre.port}"})
             probe_handles = dec.transport.stats.handles_created  # the link probe's reads, at handshake
