@@ -53,26 +53,26 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
         pre.close()
 
 
+def _room_for_one(engine_id: str, decode_tp: int, seed: int, slack: int, wait_s: float):
+    """A TP1 prefill whose staging buffer holds one 64-token request (plus ``slack`` bytes), and two such
+    requests: ``(pl, dl, jobs, js, pre, one)`` (``one``: the request's packed bytes)."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", decode_tp, 64)
+    jobs = Jobs(dl, seed=seed)
+    jobs.engine(engine_id, pl)
+    js = jobs.make(engine_id, 2, lengths=[64, 64], prefix_p=0.0)
+    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
+                                                                  js[0].req.decode_blocks)[0].total_bytes
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id=engine_id,
+                      staging_bytes=one + slack, stage_wait_s=wait_s, staging_peer_share=1.0)
+    return pl, dl, jobs, js, pre, one
+
+
 @pytest.mark.parametrize("wait_s", [2.0, 0.0])
 def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
     """The prefill's staging buffer holds one request: a second stage request waits until the first
     one's Done frees the slot (stage_wait_s > 0), or is refused at once and read directly
     (stage_wait_s = 0). Either way every byte arrives and nothing leaks."""
-    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
-    jobs = Jobs(dl, seed=11)
-    jobs.engine("ps", pl)
-    js = jobs.make("ps", 2, lengths=[64, 64], prefix_p=0.0)
-    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
-                                                                  js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(
-        pl,
-        (0, 0),
-        memory=default_memory(pl, (0, 0)),
-        engine_id="ps",
-        staging_bytes=one + 4096,
-        stage_wait_s=wait_s,
-        staging_peer_share=1.0,
-    )
+    pl, dl, jobs, js, pre, one = _room_for_one("ps", 1, 11, 4096, wait_s)
     dec = None
     try:
         with served(pre) as lock:
@@ -204,21 +204,7 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
     space whose decode rank aborts meanwhile must not be packed later: no slot is taken for it, its lease
     is freed (the aborting rank's pin released, no other pin held), and the other request's slot comes
     back."""
-    pl, dl = layout("prefill", 1, 64), layout("decode", 2, 64)
-    jobs = Jobs(dl, seed=15)
-    jobs.engine("pa", pl)
-    js = jobs.make("pa", 2, lengths=[64, 64], prefix_p=0.0)
-    one = LoweredPlan(plan_transfer(pl, dl), (0, 0)).descriptors(64, js[0].req.prefill_blocks,
-                                                                  js[0].req.decode_blocks)[0].total_bytes
-    pre = PrefillRank(
-        pl,
-        (0, 0),
-        memory=default_memory(pl, (0, 0)),
-        engine_id="pa",
-        staging_bytes=one + 256,
-        stage_wait_s=30.0,
-        staging_peer_share=1.0,
-    )
+    pl, dl, jobs, js, pre, _ = _room_for_one("pa", 2, 15, 256, 30.0)
     try:
         with served(pre) as lock, inproc_decode(dl, "da", transfer_mode="staged") as dec:
             dec.handshake("pa", {(0, 0): f"127.0.0.1:{pre.port}"})
