@@ -331,10 +331,8 @@ def test_a_prefill_that_does_not_serve_the_push_probe_leaves_push_unmeasured(mon
     """A prefill rank that never answers the push probe (or refuses it, as a rank that does not serve it
     does) costs the handshake nothing but the probe's wait: the push path keeps the device READ's
     figures, not measured, and pushes still move byte-exact."""
-    from kvbridge.runtime import probe
     from kvbridge.runtime.protocol import Code, PushProbed
     from kvbridge.runtime.stager import Stager
-    monkeypatch.setattr(probe, "PUSH_HELLO_S", 0.2)
     monkeypatch.setattr(Stager, "push_probe", (lambda self, msg, env: None) if how == "silent" else
                         (lambda self, msg, env: PushProbed(False, Code.UNEXPECTED, "not served")))
 

@@ -132,8 +132,8 @@ def _print_links(links: dict, as_json: bool) -> None:
             for i, (path, f) in enumerate((m, link["paths"][m]) for m in order):
                 t.add_row(str(d) if i == 0 else "", p if i == 0 else "", link["chosen"] if i == 0 else "", path,
                           f"{f['gbps']:.3g}", f"{f['us_per_desc']:.3g}", f"{f['copy_us_per_mb']:.3g}",
-                          "measured" if f["measured"] else "cost model",
-                          f"{link['probe_ms']:.1f} ms ({link['probe_wall_ms']:.0f} ms wall), "
+                          ("at most (timed out)" if f.get("bound") else "measured") if f["measured"] else "cost model",
+                          f"{link['probe_wall_ms']:.1f} ms (+{link['probe_connect_ms']:.0f} ms connecting), "
                           f"{link['probe_bytes'] / 2**20:.1f} MiB" if i == 0 else "")
             if link.get("warning"):
                 warnings.append(link["warning"])

@@ -107,6 +107,7 @@ class PathFigures:
     factor: float = 1.0
     observed: int = 0        # completed transfers folded into ``factor``
     last_gbps: float = 0.0   # the last completed transfer's effective GB/s (bytes / seconds)
+    bound: bool = False      # measured as a bound: a probe transfer did not end in time (at most this fast)
 
     def raw_us(self, descs: float, nbytes: float) -> float:
         """Predicted µs of moving ``nbytes`` in ``descs`` READ descriptors, before the correction."""
@@ -136,7 +137,7 @@ class PathFigures:
     def to_json(self) -> dict[str, float | bool | int]:
         return {"gbps": round(self.gbps, 4), "us_per_desc": round(self.per_desc_us, 3),
                 "copy_us_per_mb": round(self.copy_us_per_mb, 3), "copy_fixed_us": round(self.copy_fixed_us, 3),
-                "measured": self.measured,
+                "measured": self.measured, "bound": self.bound,
                 "factor": round(self.factor, 4), "observed": self.observed,
                 "last_gbps": round(self.last_gbps, 4)}
 
@@ -151,8 +152,9 @@ class LinkFigures:
     pin_s: float = math.inf
     min_read_rate: float = math.inf  # bytes per second: the pin also holds for the request's bytes at this rate
     source: str = "cost model"
-    probe_ms: float = 0.0     # measuring time of the probe (warm-up READs, which connect, not counted)
-    probe_wall_ms: float = 0.0  # the probe's wall time, warm-ups and local copy timing included
+    probe_ms: float = 0.0     # the measured kinds' time
+    probe_wall_ms: float = 0.0  # the measuring's wall time (within the probe_ms budget)
+    probe_connect_ms: float = 0.0  # the warm-up transfers before it (UCX connects lazily), not in the budget
     probe_bytes: int = 0
     gather_ns_per_run: float = GATHER_NS_PER_RUN
     warning: str = ""         # the degraded-link warning, once it went out (once per link)
@@ -182,6 +184,7 @@ class LinkFigures:
             "min_read_rate": self.min_read_rate if math.isfinite(self.min_read_rate) else None,
             "probe_ms": round(self.probe_ms, 3),
             "probe_wall_ms": round(self.probe_wall_ms, 3),
+            "probe_connect_ms": round(self.probe_connect_ms, 3),
             "probe_bytes": self.probe_bytes,
             "paths": {p.value: f.to_json() for p, f in self.paths.items()},
             "warning": self.warning,

@@ -122,9 +122,11 @@ class DecodeRank:
         # host -> device and scatter); pinned on a CUDA rank
         self.host_staging = new_host_buffer(self._kv, self.staging_bytes)
         self.host_staging_addr = self.transport.register(self.host_staging) if self.staging_bytes else 0
-        # measures each link at handshake (its own probe buffers; off the engine's step)
+        # measures each link at handshake (off the engine's step); its probe buffers are allocated and the
+        # local copies timed now, with the staging buffers
         self.prober = Prober(self.transport, self._kv, self.cost_model, cfg.probe_ms, cfg.probe_bytes,
                              metrics=self.metrics)
+        self.prober.prepare()
         self.slots = SlotAllocator(self.staging_bytes)
         # the reads in flight and their I/O; an acquire/stage request that finds no lease yet ("not
         # registered": the prefill engine registers a request when its step ends, the router may be

@@ -4,33 +4,38 @@ A decode rank's handshake thread (never the engine's step) READs from each prefi
 once per memory kind a path uses: the prefill's device memory (direct and device-staged READs move that
 kind) and its host staging buffer (host-staged READs), into probe buffers of the decode rank's own (the
 bytes land nowhere a read in flight could use). The device kind is READ from the prefill's staging buffer
-(on its KV memory's device, every page
-touched) where it has one, else from its KV memory. Per kind, in this order:
+(on its KV memory's device, every page touched) where it has one, else from its KV memory. Per kind, in
+this order:
 
-1. a warm-up READ of one small descriptor (UCX connects lazily; bounded by ``WARMUP_S``, not counted);
+1. a warm-up READ of one small descriptor (UCX connects lazily);
 2. the time of one small descriptor, best of three (``t1``: the fixed cost of a READ);
 3. ``SMALL_DESCS`` descriptors of ``SMALL_BYTES`` in one READ: ``per_desc_us = (t_n - t1) / (n - 1)``;
 4. single-descriptor READs from 256 KiB (less where the small READs show a slow link), four times
-   larger each while the next fits the time left,
-   the probe buffer and the byte budget, then up to ``BIG_REPS`` READs of the largest size:
-   ``gbps = bytes / (t - t1)`` of the fastest (on a busy machine noise only ever slows a READ down).
+   larger each while the next fits the time left, the probe buffer and the byte budget, then up to
+   ``BIG_REPS`` READs of the largest size: ``gbps = bytes / (t - t1)`` of the fastest (on a busy
+   machine noise only ever slows a READ down).
 
 The push path is measured the same way, with WRITEs the prefill posts (``PushProbe`` requests on the
-side channel, after the READs, its share of the same budget): the prefill WRITEs the descriptors asked
-for from its staging buffer into the decode's device probe buffer and answers once they completed; the
-decode times each round trip. A first empty probe (nothing written) checks the prefill serves them; the
-warm-up WRITE adds the decode's agent on the prefill and connects. The round trip's fixed part (the side
-channel, the prefill's serving turn) is in ``t1`` and drops out of both figures, as a READ's fixed
-cost does. A prefill that does not answer (or refuses) leaves the push path with the device READ's
+side channel, after the READs, its share of the same time): the prefill WRITEs the descriptors asked
+for from its staging buffer into the decode's device probe buffer, times the WRITE itself (from handing
+it to its transport to seeing it complete) and answers with that time once it completed, so neither the
+side channel's round trip nor either side's scheduling is in the figures. A first empty probe (nothing
+written) checks the prefill serves them; the warm-up WRITE adds the decode's agent on the prefill and
+connects. A prefill that does not answer (or refuses) leaves the push path with the device READ's
 figures, not measured.
 
-The whole probe of a prefill rank moves at most ``probe_bytes`` (default 64 MiB) in about ``probe_ms``
-(default 50 ms) of measuring: no step starts after the budget, a READ under way may finish within
-twice it, and the first large READ may take a whole budget of its own (a slow link or a busy machine is
-measured rather than skipped; at most about three budgets per memory kind); a kind whose READs do
-not end by then is not measured and keeps the machine-wide constants. Local copy rates (device to
-device, host to device) are timed once per decode rank on its probe buffers. The figures become a
-:class:`~kvbridge.cost.LinkFigures` per prefill rank; completed transfers keep them current
+**Bounds.** The probe of a prefill rank first connects: one small transfer per kind (UCX connects
+lazily, and the first request would pay it otherwise; the empty push probe too), each bounded by
+``WARMUP_S``, their time reported as ``probe_connect_ms``. The measuring then ends within ``probe_ms``
+(default 50 ms) of wall time and moves at most ``probe_bytes`` (default 64 MiB): each kind gets an equal
+share of the time left when it starts (a quick kind leaves the rest of its share to the next), every
+transfer's timeout is the end of its kind's share, and a transfer that has not ended by then is given up
+(its handle released once it ends, on a thread). A given-up transfer still says something: the kind is
+at most that fast (``bound``: its size over the time waited). A kind that fails, or that has no time
+left for a large transfer, keeps the cost model's constants until completed transfers measure it. The probe buffers are
+allocated, touched and registered, and the local copy rates (device to device, host to device) timed,
+once per decode rank when it is built (:meth:`Prober.prepare`), not inside a probe. The figures become
+a :class:`~kvbridge.cost.LinkFigures` per prefill rank; completed transfers keep them current
 (:meth:`~kvbridge.cost.PathFigures.observe`).
 
 :func:`link_warning` is the one warning per link when a device path runs far below the host path or
@@ -50,13 +55,14 @@ import numpy as np
 
 from ..cost import CostModel, LinkFigures, PathFigures, model_link
 from ..modes import TransferPath
+from ..transport.base import elapsed_s
 
 log = logging.getLogger(__name__)
 
 PROBE_MS = 50.0              # measuring time per prefill rank (all memory kinds together)
 PROBE_BYTES = 64 << 20       # bytes moved per prefill rank at most
 PROBE_BUFFER_BYTES = 16 << 20  # each local probe buffer (one per memory kind); the largest single READ
-WARMUP_S = 2.0               # a first READ (connection set-up) waits this long at most
+WARMUP_S = 2.0               # a first transfer of a kind (connection set-up) waits this long at most
 SMALL_DESCS = 128
 SMALL_BYTES = 256
 FIRST_BIG = 256 << 10
@@ -74,20 +80,20 @@ DEVICE_FLOOR_GBPS = 1.0
 # the paths whose transfer moves the prefill's device memory kind. The push path's WRITE is measured by
 # the push probe; where that fails its first estimate is the READ of the same kind (not measured)
 DEVICE_KIND = (TransferPath.DIRECT, TransferPath.STAGED, TransferPath.PUSH)
-# the empty push probe (does the prefill serve push probes?) waits this long for its answer at most
-PUSH_HELLO_S = 2.0
 # local copies per path: pack and scatter; host staging adds a bounce on each side
 COPIES = {TransferPath.DIRECT: 0, TransferPath.STAGED: 2, TransferPath.PUSH: 2, TransferPath.HOST: 4}
 
 
 @dataclass(frozen=True)
 class KindFigures:
-    """What one memory kind measured: per-descriptor µs, GB/s, bytes moved, seconds spent."""
+    """What one memory kind measured: per-descriptor µs, GB/s, bytes moved, seconds spent; ``bound``:
+    the GB/s is an upper bound (a large transfer did not end within the probe's time)."""
 
     per_desc_us: float
     gbps: float
     nbytes: int
     seconds: float
+    bound: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,11 @@ def _timed(transport: Any, agent: str, t: Target, offsets: np.ndarray, nbytes: n
     if ok is None:  # still running: its handle is released when it ends (a thread waits for it)
         threading.Thread(target=_release_later, args=(transport, x), daemon=True).start()
         return None
+    own = elapsed_s(x)  # the transport's own time (the post thread's queue and this thread's waits not in it)
     transport.release(x)
-    return dt if ok else None
+    if not ok:
+        return None
+    return own if own is not None and 0 < own <= dt else dt
 
 
 Timer = Callable[[np.ndarray, np.ndarray, float], "float | None"]  # (offsets, nbytes, timeout) -> seconds
@@ -142,7 +151,8 @@ class PushProber:
         return self.sock
 
     def ask(self, addr: int, device: str, descs: int, nbytes: int, stride: int, timeout_s: float) -> float | None:
-        """Seconds from sending the probe to its answer; None: refused, failed or no answer in time."""
+        """Seconds the prefill's WRITE took (its own clock, ``PushProbed.seconds``; for an empty probe the
+        round trip); None: refused, failed or no answer in time."""
         import zmq
 
         from .protocol import PushProbe, PushProbed, pack, unpack
@@ -164,7 +174,8 @@ class PushProber:
         if not isinstance(reply, PushProbed) or not reply.ok:
             log.debug("push probe refused: %s", getattr(reply, "message", type(reply).__name__))
             return None
-        return dt
+        # the WRITE's own time on the prefill (post to completion seen); the round trip for an empty probe
+        return float(reply.seconds) if descs and reply.seconds > 0 else dt
 
     def timer(self, t: Target) -> Timer:
         """A timer over the descriptors of :func:`measure_kind` (evenly spaced offsets into ``t``'s local
@@ -188,63 +199,59 @@ def _release_later(transport: Any, x: Any) -> None:
 
 @dataclass
 class _Run:
-    """One memory kind's measuring run: where it READs, its clock and the bytes it moved so far."""
+    """One memory kind's measuring run: where it READs, when it must end and the bytes it moved so far."""
 
     transport: Any
     agent: str
     t: Target
-    budget_s: float
-    t_start: float
-    moved: int = SMALL_BYTES  # the warm-up READ
+    end: float  # perf_counter time by which every transfer of this run has ended or been given up
+    moved: int = 0
     timer: Timer | None = None  # times one transfer (default: a READ of ``t``; the push probe: a WRITE)
 
-    @property
-    def deadline(self) -> float:
-        """No new step starts after this."""
-        return self.t_start + self.budget_s
+    def left(self) -> float:
+        """Seconds until :attr:`end` (0 past it): every transfer's timeout."""
+        return max(self.end - time.perf_counter(), 0.0)
 
-    @property
-    def hard(self) -> float:
-        """A READ under way may run until this (a slow link is still measured)."""
-        return self.t_start + 2 * self.budget_s
+    def over(self) -> bool:
+        return time.perf_counter() >= self.end
 
-    def wait(self) -> float:
-        return max(self.hard - time.perf_counter(), 0.0)
-
-    def past_deadline(self) -> bool:
-        return time.perf_counter() > self.deadline
-
-    def read(self, offsets: np.ndarray, nbytes: np.ndarray, timeout_s: float) -> float | None:
+    def read(self, offsets: np.ndarray, nbytes: np.ndarray) -> float | None:
+        """Seconds one transfer took; None: it failed or did not end by :attr:`end` (given up)."""
+        timeout = self.left()
+        if timeout <= 0:
+            return None
         if self.timer is not None:
-            return self.timer(offsets, nbytes, timeout_s)
-        return _timed(self.transport, self.agent, self.t, offsets, nbytes, timeout_s)
+            return self.timer(offsets, nbytes, timeout)
+        return _timed(self.transport, self.agent, self.t, offsets, nbytes, timeout)
 
 
 def _fixed_cost(run: _Run) -> float | None:
-    """``t1``: the time of one small descriptor, best of three; None when none ended in time."""
+    """``t1``: the time of one small descriptor, best of up to three (another only while it costs little
+    of the time left); None when none ended in time."""
     one = np.zeros(1, np.int64)
     small = np.full(1, SMALL_BYTES, np.int64)
     times: list[float] = []
     for _ in range(3):
-        dt = run.read(one, small, run.wait())
+        if times and run.left() < 10 * times[-1]:
+            break
+        dt = run.read(one, small)
         if dt is None:
             break
         times.append(dt)
         run.moved += SMALL_BYTES
-        if run.past_deadline():
-            break
     return min(times) if times else None
 
 
 def _many_small(run: _Run, span: int) -> float | None:
-    """The time of ``SMALL_DESCS`` small descriptors in one READ, best of two; None when none ended."""
+    """The time of ``SMALL_DESCS`` small descriptors in one READ, best of two (the second only while
+    enough time is left for it and a large READ); None when none ended."""
     stride = span // SMALL_DESCS // SMALL_BYTES * SMALL_BYTES
     offs = np.arange(SMALL_DESCS, dtype=np.int64) * stride
     tns: list[float] = []
     for _ in range(2):  # best of two: noise on a busy machine only ever slows a READ down
-        if run.past_deadline() and tns:
+        if tns and run.left() < 3 * tns[-1]:
             break
-        tn = run.read(offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64), run.wait())
+        tn = run.read(offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64))
         if tn is None:
             break
         tns.append(tn)
@@ -253,73 +260,99 @@ def _many_small(run: _Run, span: int) -> float | None:
 
 
 def _first_big_size(run: _Run, tn: float) -> int:
-    """The first large READ's size: about a quarter of the time left at a first guess of the bandwidth
-    (the small READs' bytes over their time), so a slow link is measured too."""
+    """The first large READ's size: at a first guess of the bandwidth (the small READs' bytes over their
+    time) about a quarter of the time left, so a slow link is measured too."""
     guess = SMALL_DESCS * SMALL_BYTES / max(tn, 1e-9)
-    left = run.deadline - time.perf_counter()
     size = FIRST_BIG
-    while size > MIN_BIG and size / guess > left / 4:
+    while size > MIN_BIG and size / guess > run.left() / 4:
         size //= 4
     return size
 
 
-def _largest(run: _Run, size: int, span: int, max_bytes: int) -> tuple[int, float] | None:
-    """Single-descriptor READs from ``size``, four times larger each while the next fits, then up to
-    ``BIG_REPS`` of the largest: (that size, its best time); None when no large READ ended."""
+def _largest(run: _Run, size: int, span: int, max_bytes: int) -> tuple[int, float, bool] | None:
+    """Single-descriptor READs from ``size``, four times larger each while the next fits the time and
+    bytes left, then up to ``BIG_REPS`` of the largest: (that size, its best time, False); None when no
+    large READ was tried. A first one that did not end by the run's end is given up: (its size, the time
+    it was waited for, True), a bound (the link is at most that fast)."""
     one = np.zeros(1, np.int64)
     best, fallback = math.inf, None
     limit = min(span, max_bytes // (BIG_REPS + 1))  # room for the growth and BIG_REPS READs of the largest
     reps = 0
     while size <= limit and run.moved + size <= max_bytes and reps < BIG_REPS:
-        if run.past_deadline() and (reps or fallback is not None):
+        if run.over():
             break
-        # the first large READ may take a whole budget of its own (on a busy machine the small ones can
-        # use up the time): a coarse figure from small READs alone is the last resort
-        first = reps == 0 and fallback is None
-        dt = run.read(one, np.full(1, size, np.int64), max(run.wait(), run.budget_s if first else 0.0))
+        t0 = time.perf_counter()
+        dt = run.read(one, np.full(1, size, np.int64))
         if dt is None:
+            if reps == 0 and fallback is None and run.over():  # the first large READ ran out of time
+                return size, time.perf_counter() - t0, True
             break
         run.moved += size
         nxt = size * 4
-        if (reps == 0 and nxt <= limit and run.moved + nxt <= max_bytes
-                and dt * 4 < (run.deadline - time.perf_counter()) / 3):
+        if reps == 0 and nxt <= limit and run.moved + nxt <= max_bytes and dt * 4 < run.left() / 3:
             fallback, size = (size, dt), nxt  # still growing (this size's time is used only if nothing larger fits)
             continue
         best, reps = min(best, dt), reps + 1  # the largest size that fits: best of up to BIG_REPS
+        if dt > run.left():  # another READ of this size would not end in time
+            break
     if not math.isfinite(best) and fallback is not None:
-        return fallback
-    return (size, best) if math.isfinite(best) else None
+        return fallback[0], fallback[1], False
+    return (size, best, False) if math.isfinite(best) else None
 
 
-def measure_kind(transport: Any, agent: str, t: Target, budget_s: float, max_bytes: int,
+def _warm_up(transport: Any, agent: str, t: Target, timer: Timer | None = None) -> bool:
+    """One small transfer of ``t`` (it connects), bounded by ``WARMUP_S``: True if it ended."""
+    if min(t.remote_nbytes, t.local_nbytes) < SMALL_DESCS * SMALL_BYTES * 2:
+        return False
+    run = _Run(transport, agent, t, time.perf_counter() + WARMUP_S, timer=timer)
+    if run.read(np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64)) is None:
+        log.debug("probe of %s: the warm-up transfer failed or did not end in %g s", agent, WARMUP_S)
+        return False
+    return True
+
+
+def measure_kind(transport: Any, agent: str, t: Target, end: float, max_bytes: int,
                  timer: Timer | None = None) -> KindFigures | None:
     """The per-descriptor cost and bandwidth of READs from ``t`` (see the module docstring), or of the
-    transfers ``timer`` times (the push probe's WRITEs); None when the warm-up fails or nothing could be
-    measured in time."""
+    transfers ``timer`` times (the push probe's WRITEs), every transfer ended or given up by ``end`` (a
+    ``perf_counter`` time), after a warm-up (:func:`_warm_up`). A transfer given up at ``end`` bounds the
+    figures (``bound``: the link is at most that fast); None when nothing could be measured (a failed
+    transfer, or no time for a large one)."""
     span = min(t.remote_nbytes, t.local_nbytes)
     if span < SMALL_DESCS * SMALL_BYTES * 2:
         return None
-    run = _Run(transport, agent, t, budget_s, time.perf_counter(), timer=timer)
-    if run.read(np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64), WARMUP_S) is None:
-        log.debug("probe of %s: the warm-up transfer failed or took over %g s", agent, WARMUP_S)
-        return None
-    run.t_start = time.perf_counter()
+    t0 = time.perf_counter()
+    run = _Run(transport, agent, t, end, timer=timer)
     t1 = _fixed_cost(run)
     if t1 is None:
-        log.debug("probe of %s: no one-descriptor READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
-        return None
+        waited = time.perf_counter() - t0
+        if not run.over():
+            log.debug("probe of %s: a one-descriptor transfer failed", agent)
+            return None
+        log.debug("probe of %s: a one-descriptor transfer did not end in %.1f ms", agent, waited * 1e3)
+        return KindFigures(waited * 1e6, SMALL_BYTES / max(waited, 1e-9) / 1e9, run.moved, waited, True)
+    t_small = time.perf_counter()
     tn = _many_small(run, span)
     if tn is None:
-        log.debug("probe of %s: the %d-descriptor READ did not end in time", agent, SMALL_DESCS)
-        return None
+        waited = time.perf_counter() - t_small
+        if not run.over():
+            log.debug("probe of %s: the %d-descriptor transfer failed", agent, SMALL_DESCS)
+            return None
+        log.debug("probe of %s: the %d-descriptor transfer did not end in %.1f ms", agent, SMALL_DESCS, waited * 1e3)
+        over = max(waited - t1, 1e-9)  # it would have taken longer: each figure is a bound
+        return KindFigures(over / (SMALL_DESCS - 1) * 1e6, SMALL_DESCS * SMALL_BYTES / over / 1e9, run.moved,
+                           time.perf_counter() - t0, True)
     per_desc = max((tn - t1) / (SMALL_DESCS - 1), 1e-8)
     big = _largest(run, _first_big_size(run, tn), span, max_bytes)
     if big is None:  # small READs alone say little of the bandwidth: not measured
-        log.debug("probe of %s: no large READ ended within %.1f ms", agent, 2 * budget_s * 1e3)
+        log.debug("probe of %s: no time for a large transfer (t1 %.2f ms, tn %.2f ms)", agent, t1 * 1e3, tn * 1e3)
         return None
-    size, best = big
+    size, best, bound = big
     gbps = size / max(best - t1, best * 0.05, 1e-9) / 1e9
-    return KindFigures(per_desc * 1e6, gbps, run.moved, time.perf_counter() - run.t_start)
+    if bound:
+        log.debug("probe of %s: a %d B transfer did not end in %.1f ms: at most %.3g GB/s", agent, size,
+                  best * 1e3, gbps)
+    return KindFigures(per_desc * 1e6, gbps, run.moved, time.perf_counter() - t0, bound)
 
 
 def copy_gbps(dst: Any, src: Any, nbytes: int, reps: int = 3) -> float:
@@ -372,12 +405,17 @@ class Prober:
         return self._bufs[kind]
 
     def prepare(self) -> None:
-        """Allocate and register the probe buffers now (before this rank's agent metadata goes to a prefill
-        rank that will WRITE into the device one: the push probe)."""
+        """Allocate, touch and register the probe buffers and time the local copies now: once per rank,
+        when it is built (as its staging buffers are), so that a handshake's probe only measures the link
+        (and the buffer the push probe WRITEs into is in the agent metadata the rank sends)."""
         if self.enabled:
             with self._lock:
-                for kind in ("device", "host"):
-                    self._buffer(kind)
+                self._prepare()
+
+    def _prepare(self) -> None:
+        for kind in ("device", "host"):
+            self._buffer(kind)
+        self.copy_rates()
 
     def copy_rates(self) -> tuple[float, float, float]:
         """(device->device GB/s, host->device GB/s, µs of one small host->device copy: the fixed cost of a
@@ -392,6 +430,22 @@ class Prober:
             fixed = SMALL_BYTES / copy_gbps(dev, host, SMALL_BYTES, reps=5) / 1e3
             self._copy = (d2d, h2d, fixed)
         return self._copy
+
+    def _target(self, kind: str, kv_region: tuple[int, int, str] | None, host_region: tuple[int, int] | None,
+                push: PushProber | None, push_bytes: int) -> tuple[Target, Timer | None]:
+        """Where ``kind`` ("device", "host", "push") is measured, and its timer (the push probe's WRITE)."""
+        _, addr = self._buffer("device" if kind == "push" else kind)
+        if kind == "push":
+            assert push is not None
+            from .protocol import PUSH_PROBE_MAX_BYTES
+            target = Target(0, min(push_bytes, PUSH_PROBE_MAX_BYTES), _device_of(self.kv), addr,
+                            self.buffer_bytes, None)
+            return target, push.timer(target)
+        if kind == "device":
+            assert kv_region is not None
+            return Target(kv_region[0], kv_region[1], kv_region[2], addr, self.buffer_bytes, None), None
+        assert host_region is not None
+        return Target(host_region[0], host_region[1], "cpu", addr, self.buffer_bytes, "cpu"), None
 
     def link(self, agent: str, kv_region: tuple[int, int, str] | None, host_region: tuple[int, int] | None,
              paths: list[TransferPath], pin_s: float = math.inf, min_read_rate: float = math.inf,
@@ -414,41 +468,42 @@ class Prober:
                 want.append("host")
             if push is not None and push_bytes and TransferPath.PUSH in paths:
                 want.append("push")
-            for kind in ("device", "host"):  # allocated and registered once, before anything is timed
-                self._buffer(kind)
+            self._prepare()  # (normally done already when the rank was built: not part of a probe's time)
+            d2d, h2d, fixed = self.copy_rates()
             t0 = time.perf_counter()
-            budget, left_bytes = self.probe_ms / 1e3, self.probe_bytes
-            kinds: dict[str, KindFigures] = {}
-            spent = 0.0  # measuring seconds (warm-ups not counted)
-            for i, kind in enumerate(want):
-                timer = None
-                buf, addr = self._buffer("device" if kind == "push" else kind)
+            # connect first: one small transfer per kind (UCX connects lazily; the first request would
+            # pay it otherwise), each bounded by WARMUP_S; a kind that cannot connect is not measured
+            ready: list[tuple[str, Target, Timer | None]] = []
+            for kind in want:
+                target, timer = self._target(kind, kv_region, host_region, push, push_bytes)
                 if kind == "push":
                     assert push is not None
-                    from .protocol import PUSH_PROBE_MAX_BYTES
-                    target = Target(0, min(push_bytes, PUSH_PROBE_MAX_BYTES), _device_of(self.kv), addr,
-                                    self.buffer_bytes, None)
-                    if push.ask(addr, target.remote_device, 0, 0, 0, PUSH_HELLO_S) is None:
-                        log.debug("probe of %s: the prefill does not serve push probes", agent)
+                    if push.ask(target.local_addr, target.remote_device, 0, 0, 0, WARMUP_S) is None:
+                        log.debug("probe of %s: the prefill does not serve push probes (or not in time)", agent)
                         continue
-                    timer = push.timer(target)
-                elif kind == "device":
-                    assert kv_region is not None
-                    target = Target(kv_region[0], kv_region[1], kv_region[2], addr, self.buffer_bytes, None)
-                else:
-                    assert host_region is not None
-                    target = Target(host_region[0], host_region[1], "cpu", addr, self.buffer_bytes, "cpu")
-                share = budget / len(want)  # an equal share each (a slow kind cannot starve the next)
-                got = measure_kind(self.transport, agent, target, max(share, 0.0), left_bytes // (len(want) - i),
-                                   timer)
+                if _warm_up(self.transport, agent, target, timer):
+                    ready.append((kind, target, timer))
+            t_measure = time.perf_counter()
+            deadline = t_measure + self.probe_ms / 1e3  # every measuring transfer ended or given up by then
+            left_bytes = self.probe_bytes - SMALL_BYTES * len(ready)  # (the warm-ups' bytes count)
+            kinds: dict[str, KindFigures] = {}
+            spent = 0.0
+            for i, (kind, target, timer) in enumerate(ready):
+                # an equal share of the time left each (a slow kind cannot starve the next; a quick one
+                # leaves its rest to them)
+                now = time.perf_counter()
+                end = now + max(deadline - now, 0.0) / (len(ready) - i)
+                got = measure_kind(self.transport, agent, target, end, left_bytes // (len(ready) - i), timer)
                 if got is not None:
                     kinds[kind] = got
                     left_bytes -= got.nbytes
                     spent += got.seconds
-            d2d, h2d, fixed = self.copy_rates() if kinds else (self.model.copy_gbps, self.model.copy_gbps, 0.0)
-            moved = sum(k.nbytes for k in kinds.values())
+            link.probe_connect_ms = (t_measure - t0) * 1e3
+            if not kinds:
+                d2d, h2d, fixed = self.model.copy_gbps, self.model.copy_gbps, 0.0
+            moved = sum(k.nbytes for k in kinds.values()) + SMALL_BYTES * len(ready)
             link.probe_ms, link.probe_bytes = spent * 1e3, moved
-            link.probe_wall_ms = (time.perf_counter() - t0) * 1e3
+            link.probe_wall_ms = (time.perf_counter() - t_measure) * 1e3
             for p in paths:
                 kind = {TransferPath.HOST: "host", TransferPath.PUSH: "push"}.get(p, "device")
                 k = kinds.get(kind)
@@ -461,7 +516,8 @@ class Prober:
                         TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
                 ncopies = COPIES[p]
                 link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=measured,
-                                            copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US))
+                                            copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US),
+                                            bound=k.bound and measured)
             if kinds:
                 link.source = "probe"
             return link

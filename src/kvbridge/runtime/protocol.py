@@ -32,7 +32,7 @@ import msgspec
 
 from ..errors import HandshakeError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAGIC = b"KVB1"
 
 
@@ -228,11 +228,14 @@ class PushProbe(msgspec.Struct, tag="push_probe"):
 
 class PushProbed(msgspec.Struct, tag="push_probed"):
     """Answer to :class:`PushProbe`: written (``ok``), or refused or failed (``code``: a :class:`Code`,
-    ``message`` says why)."""
+    ``message`` says why). ``seconds``: the WRITE's time on the prefill, from handing it to the transport
+    to seeing it complete (0 for an empty probe): the decode times the push path by it, without the side
+    channel's round trip and either side's scheduling in it."""
 
     ok: bool
     code: str = ""
     message: str = ""
+    seconds: float = 0.0
 
 
 class Done(msgspec.Struct, tag="done"):

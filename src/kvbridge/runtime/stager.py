@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import HandshakeError, KVBridgeError
 from ..lower import Descriptors
 from ..modes import TransferPath
-from ..transport.base import Transport
+from ..transport.base import Transport, elapsed_s
 from ..transport.nixl import metadata_digest
 from .lease import Lease, PinKey, Rank, Reader
 from .memhost import KVBytes, staging_nbytes
@@ -140,8 +140,9 @@ class Stager:
         self.push_meta: dict[Reader, tuple[str, bytes, str]] = {}
         self.push_peers: dict[Reader, str] = {}
         self.pushes: dict[SlotKey, Push] = {}  # slot key -> its push
-        # push probes being written (reader -> (envelope, WRITE handle)): one at a time per reader
-        self.probes: dict[Reader, tuple[list[bytes], Any]] = {}
+        # push probes being written (reader -> (envelope, WRITE handle, perf_counter when posted)): one at
+        # a time per reader
+        self.probes: dict[Reader, tuple[list[bytes], Any, float]] = {}
 
     # ---- stage requests ------------------------------------------------------------------------
     def stage(self, msg: Stage, d: Descriptors | None, lease: Lease, ttl: float,
@@ -437,21 +438,24 @@ class Stager:
         try:
             agent = self.push_agent(reader)
             offs = np.arange(descs, dtype=np.int64) * stride
+            t_post = time.perf_counter()
             h = self.transport.write(agent, self.staging_addr + offs, msg.addr + offs,
                                      np.full(descs, nbytes, np.int64), remote_device=msg.device or None)
         except Exception as e:  # noqa: BLE001 - a typed answer, never a dead rank
             text = str(e) if isinstance(e, KVBridgeError) else type(e).__name__
             return PushProbed(False, Code.INTERNAL, f"prefill rank {self.rank} could not WRITE the probe: {text}")
-        self.probes[reader] = (envelope, h)
+        self.probes[reader] = (envelope, h, t_post)
         return self.advance_probe(reader)
 
     def advance_probe(self, reader: Reader) -> PushProbed | None:
         """The answer of ``reader``'s probe if its WRITE ended (its handle released), else None."""
-        envelope, h = self.probes[reader]
+        envelope, h, t_post = self.probes[reader]
         try:
             if self.transport.check(h) != "DONE":
                 return None
-            answer = PushProbed(True)
+            # the transport's own time where it says (from the wire's start to completion), else as seen here
+            seconds = elapsed_s(h)
+            answer = PushProbed(True, seconds=seconds if seconds is not None else time.perf_counter() - t_post)
         except Exception as e:  # noqa: BLE001
             text = str(e) if isinstance(e, KVBridgeError) else type(e).__name__
             answer = PushProbed(False, Code.INTERNAL, f"the probe's WRITE failed on prefill rank {self.rank}: {text}")
@@ -477,7 +481,7 @@ class Stager:
                 if self.transport.settle(h, 1.0) is not None:
                     self.transport.release(h)
         self.pushes.clear()
-        for _, h in self.probes.values():
+        for _, h, _ in self.probes.values():
             if self.transport.settle(h, 1.0) is not None:
                 self.transport.release(h)
         self.probes.clear()

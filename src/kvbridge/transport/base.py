@@ -92,6 +92,15 @@ class XferHandle(Protocol):
     """Opaque per-transfer handle; released exactly once with :meth:`Transport.release`."""
 
 
+def elapsed_s(handle: object) -> float | None:
+    """The transport's own time of a completed transfer (seconds from the moment it was handed to the
+    wire, ``posted_ns``, to the moment it was first known complete, ``done_ns``, both ``perf_counter_ns``),
+    without the caller's queueing or scheduling in it; None where the handle does not say (a loopback
+    transfer, or one not yet seen complete)."""
+    posted, done = int(getattr(handle, "posted_ns", 0) or 0), int(getattr(handle, "done_ns", 0) or 0)
+    return (done - posted) / 1e9 if posted and done >= posted else None
+
+
 @runtime_checkable
 class Transport(Protocol):
     name: str
@@ -261,5 +270,5 @@ def check_cancel(cancel: Cancellable | None, peer: str) -> None:
         raise TransferError("read cancelled before it was posted", peer=peer)
 
 
-__all__ = ["Transport", "TransportStats", "TransportBookkeeping", "DirectRead", "XferHandle", "Cancellable",
+__all__ = ["elapsed_s", "Transport", "TransportStats", "TransportBookkeeping", "DirectRead", "XferHandle", "Cancellable",
            "check_cancel"]

@@ -73,10 +73,17 @@ def parse_delays(spec: str) -> list[LinkDelay]:
 class _Delayed:
     """A transfer handle of the inner transport, not done before ``ready_at``."""
 
-    __slots__ = ("inner", "ready_at")
+    __slots__ = ("inner", "ready_at", "ready_ns")
 
-    def __init__(self, inner: Any, ready_at: float):
-        self.inner, self.ready_at = inner, ready_at
+    def __init__(self, inner: Any, delay_s: float):
+        self.inner, self.ready_at = inner, time.monotonic() + delay_s
+        self.ready_ns = time.perf_counter_ns() + int(delay_s * 1e9)
+
+    @property
+    def done_ns(self) -> int:
+        """When it completed (:func:`~kvbridge.transport.base.elapsed_s`): not before its delay ended."""
+        inner = int(getattr(self.inner, "done_ns", 0) or 0)
+        return max(inner, self.ready_ns) if inner else 0
 
     def __getattr__(self, name: str) -> Any:  # posted_at and the like: the inner handle's
         return getattr(self.inner, name)
@@ -103,7 +110,7 @@ class DelayedTransport:
 
     def _delay(self, kind: str, nbytes: int, handle: Any, op: str = "read") -> Any:
         s = sum(d.seconds(nbytes) for d in self.delays if d.kind in (kind, "*") and d.op == op)
-        return _Delayed(handle, time.monotonic() + s) if s > 0 else handle
+        return _Delayed(handle, s) if s > 0 else handle
 
     def read(self, peer: str, remote: Any, local: Any, nbytes: Any, notif: bytes = b"", remote_device: Any = None,
              cancel: Any = None, local_device: str | None = None) -> Any:

@@ -95,6 +95,7 @@ class NixlXfer:
     tail_state: str = ""   # what transfer() answered for ``tail`` ("DONE": complete when it returned)
     complete: bool = False  # every part is known DONE (NIXL is not asked again)
     returned_ns: int = 0   # perf_counter_ns when its post call returned (on cma after the copy itself)
+    done_ns: int = 0       # perf_counter_ns when it was first known complete (returned_ns when transfer() said DONE)
 
 
 class NixlTransport(TransportBookkeeping):
@@ -398,6 +399,7 @@ class NixlTransport(TransportBookkeeping):
         if x.tail is not None and x.tail_state != "DONE":
             return False
         x.complete = True
+        x.done_ns = x.done_ns or x.returned_ns or time.perf_counter_ns()
         if x.tail is not None:
             self._both_done(x)
         return True
@@ -422,6 +424,8 @@ class NixlTransport(TransportBookkeeping):
         if x.tail is not None:
             self._both_done(x)
         x.complete = states[0] == "DONE"
+        if x.complete and not x.done_ns:
+            x.done_ns = time.perf_counter_ns()
         return states[0]
 
     def settle(self, x: NixlXfer, timeout_s: float = 5.0) -> bool | None:
@@ -450,6 +454,8 @@ class NixlTransport(TransportBookkeeping):
                 ok = posted and bool(states) and all(st == "DONE" for st in states)
                 if ok and x.tail is not None:
                     self._both_done(x)
+                if ok and not x.done_ns:
+                    x.done_ns = time.perf_counter_ns()
                 return ok
             if time.monotonic() > deadline:
                 return None
