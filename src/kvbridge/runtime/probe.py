@@ -469,58 +469,68 @@ class Prober:
             if push is not None and push_bytes and TransferPath.PUSH in paths:
                 want.append("push")
             self._prepare()  # (normally done already when the rank was built: not part of a probe's time)
-            d2d, h2d, fixed = self.copy_rates()
             t0 = time.perf_counter()
-            # connect first: one small transfer per kind (UCX connects lazily; the first request would
-            # pay it otherwise), each bounded by WARMUP_S; a kind that cannot connect is not measured
-            ready: list[tuple[str, Target, Timer | None]] = []
-            for kind in want:
-                target, timer = self._target(kind, kv_region, host_region, push, push_bytes)
-                if kind == "push":
-                    assert push is not None
-                    if push.ask(target.local_addr, target.remote_device, 0, 0, 0, WARMUP_S) is None:
-                        log.debug("probe of %s: the prefill does not serve push probes (or not in time)", agent)
-                        continue
-                if _warm_up(self.transport, agent, target, timer):
-                    ready.append((kind, target, timer))
+            ready = self._connect(agent, want, kv_region, host_region, push, push_bytes)
             t_measure = time.perf_counter()
-            deadline = t_measure + self.probe_ms / 1e3  # every measuring transfer ended or given up by then
-            left_bytes = self.probe_bytes - SMALL_BYTES * len(ready)  # (the warm-ups' bytes count)
-            kinds: dict[str, KindFigures] = {}
-            spent = 0.0
-            for i, (kind, target, timer) in enumerate(ready):
-                # an equal share of the time left each (a slow kind cannot starve the next; a quick one
-                # leaves its rest to them)
-                now = time.perf_counter()
-                end = now + max(deadline - now, 0.0) / (len(ready) - i)
-                got = measure_kind(self.transport, agent, target, end, left_bytes // (len(ready) - i), timer)
-                if got is not None:
-                    kinds[kind] = got
-                    left_bytes -= got.nbytes
-                    spent += got.seconds
+            kinds = self._measure(agent, ready)
             link.probe_connect_ms = (t_measure - t0) * 1e3
-            if not kinds:
-                d2d, h2d, fixed = self.model.copy_gbps, self.model.copy_gbps, 0.0
-            moved = sum(k.nbytes for k in kinds.values()) + SMALL_BYTES * len(ready)
-            link.probe_ms, link.probe_bytes = spent * 1e3, moved
             link.probe_wall_ms = (time.perf_counter() - t_measure) * 1e3
-            for p in paths:
-                kind = {TransferPath.HOST: "host", TransferPath.PUSH: "push"}.get(p, "device")
-                k = kinds.get(kind)
-                measured = k is not None
-                if k is None and p is TransferPath.PUSH:  # the push probe failed: the device READ's figures
-                    k = kinds.get("device")
-                if k is None:
-                    continue
-                copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d, TransferPath.PUSH: 2e3 / d2d,
-                        TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
-                ncopies = COPIES[p]
-                link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=measured,
-                                            copy_fixed_us=ncopies * max(fixed, COPY_FIXED_FLOOR_US),
-                                            bound=k.bound and measured)
-            if kinds:
-                link.source = "probe"
+            link.probe_ms = sum(k.seconds for k in kinds.values()) * 1e3
+            link.probe_bytes = sum(k.nbytes for k in kinds.values()) + SMALL_BYTES * len(ready)
+            self._figures(link, paths, kinds)
             return link
+
+    def _connect(self, agent: str, want: list[str], kv_region: tuple[int, int, str] | None,
+                 host_region: tuple[int, int] | None, push: PushProber | None,
+                 push_bytes: int) -> list[tuple[str, Target, Timer | None]]:
+        """One small transfer per kind (UCX connects lazily; the first request would pay it otherwise),
+        each bounded by ``WARMUP_S``: the kinds that connected, where they are measured, their timers."""
+        ready: list[tuple[str, Target, Timer | None]] = []
+        for kind in want:
+            target, timer = self._target(kind, kv_region, host_region, push, push_bytes)
+            if kind == "push":
+                assert push is not None
+                if push.ask(target.local_addr, target.remote_device, 0, 0, 0, WARMUP_S) is None:
+                    log.debug("probe of %s: the prefill does not serve push probes (or not in time)", agent)
+                    continue
+            if _warm_up(self.transport, agent, target, timer):
+                ready.append((kind, target, timer))
+        return ready
+
+    def _measure(self, agent: str, ready: list[tuple[str, Target, Timer | None]]) -> dict[str, KindFigures]:
+        """Each connected kind measured, all within ``probe_ms`` of wall time and ``probe_bytes``."""
+        deadline = time.perf_counter() + self.probe_ms / 1e3  # every transfer ended or given up by then
+        left_bytes = self.probe_bytes - SMALL_BYTES * len(ready)  # (the warm-ups' bytes count)
+        kinds: dict[str, KindFigures] = {}
+        for i, (kind, target, timer) in enumerate(ready):
+            # an equal share of the time left each (a slow kind cannot starve the next; a quick one leaves
+            # its rest to them)
+            now = time.perf_counter()
+            end = now + max(deadline - now, 0.0) / (len(ready) - i)
+            got = measure_kind(self.transport, agent, target, end, left_bytes // (len(ready) - i), timer)
+            if got is not None:
+                kinds[kind] = got
+                left_bytes -= got.nbytes
+        return kinds
+
+    def _figures(self, link: LinkFigures, paths: list[TransferPath], kinds: dict[str, KindFigures]) -> None:
+        """Each path's :class:`PathFigures` from its kind's measure and the local copy rates."""
+        d2d, h2d, fixed = self.copy_rates() if kinds else (self.model.copy_gbps, self.model.copy_gbps, 0.0)
+        for p in paths:
+            kind = {TransferPath.HOST: "host", TransferPath.PUSH: "push"}.get(p, "device")
+            k = kinds.get(kind)
+            measured = k is not None
+            if k is None and p is TransferPath.PUSH:  # the push probe failed: the device READ's figures
+                k = kinds.get("device")
+            if k is None:
+                continue
+            copy = {TransferPath.DIRECT: 0.0, TransferPath.STAGED: 2e3 / d2d, TransferPath.PUSH: 2e3 / d2d,
+                    TransferPath.HOST: 2e3 / d2d + 2e3 / h2d}[p]
+            link.paths[p] = PathFigures(k.per_desc_us, k.gbps, copy, measured=measured,
+                                        copy_fixed_us=COPIES[p] * max(fixed, COPY_FIXED_FLOOR_US),
+                                        bound=k.bound and measured)
+        if kinds:
+            link.source = "probe"
 
 
 def _device_of(kv: Any) -> str:

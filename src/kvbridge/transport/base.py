@@ -270,5 +270,5 @@ def check_cancel(cancel: Cancellable | None, peer: str) -> None:
         raise TransferError("read cancelled before it was posted", peer=peer)
 
 
-__all__ = ["elapsed_s", "Transport", "TransportStats", "TransportBookkeeping", "DirectRead", "XferHandle", "Cancellable",
-           "check_cancel"]
+__all__ = ["elapsed_s", "Transport", "TransportStats", "TransportBookkeeping", "DirectRead", "XferHandle",
+           "Cancellable", "check_cancel"]
