@@ -9,11 +9,13 @@ this order:
 
 1. a warm-up READ of one small descriptor (UCX connects lazily);
 2. the time of one small descriptor, best of three (``t1``: the fixed cost of a READ);
-3. ``SMALL_DESCS`` descriptors of ``SMALL_BYTES`` in one READ: ``per_desc_us = (t_n - t1) / (n - 1)``;
+3. ``SMALL_DESCS`` descriptors of ``SMALL_BYTES`` in one READ (``t_n``);
 4. single-descriptor READs from 256 KiB (less where the small READs show a slow link), four times
    larger each while the next fits the time left, the probe buffer and the byte budget, then up to
-   ``BIG_REPS`` READs of the largest size: ``gbps = bytes / (t - t1)`` of the fastest (on a busy
-   machine noise only ever slows a READ down).
+   ``BIG_REPS`` READs of the largest size (``t``, the fastest: on a busy machine noise only ever slows a
+   READ down). With ``t = fixed + descs * per_desc + bytes / bandwidth``:
+   ``gbps = (bytes - SMALL_BYTES) / (t - t1)`` and
+   ``per_desc_us = (t_n - t1) / (n - 1) - SMALL_BYTES / bandwidth``, exact on such a link.
 
 The push path is measured the same way, with WRITEs the prefill posts (``PushProbe`` requests on the
 side channel, after the READs, its share of the same time): the prefill WRITEs the descriptors asked
@@ -342,13 +344,15 @@ def measure_kind(transport: Any, agent: str, t: Target, end: float, max_bytes: i
         over = max(waited - t1, 1e-9)  # it would have taken longer: each figure is a bound
         return KindFigures(over / (SMALL_DESCS - 1) * 1e6, SMALL_DESCS * SMALL_BYTES / over / 1e9, run.moved,
                            time.perf_counter() - t0, True)
-    per_desc = max((tn - t1) / (SMALL_DESCS - 1), 1e-8)
     big = _largest(run, _first_big_size(run, tn), span, max_bytes)
     if big is None:  # small READs alone say little of the bandwidth: not measured
         log.debug("probe of %s: no time for a large transfer (t1 %.2f ms, tn %.2f ms)", agent, t1 * 1e3, tn * 1e3)
         return None
     size, best, bound = big
-    gbps = size / max(best - t1, best * 0.05, 1e-9) / 1e9
+    # t = fixed + descs * per_desc + bytes / bandwidth: exact on such a link (the one-descriptor READ's
+    # bytes taken out of both differences)
+    gbps = (size - SMALL_BYTES) / max(best - t1, best * 0.05, 1e-9) / 1e9
+    per_desc = max((tn - t1) / (SMALL_DESCS - 1) - SMALL_BYTES / (gbps * 1e9), 1e-8)
     if bound:
         log.debug("probe of %s: a %d B transfer did not end in %.1f ms: at most %.3g GB/s", agent, size,
                   best * 1e3, gbps)
