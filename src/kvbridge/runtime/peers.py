@@ -3,7 +3,7 @@
 :class:`PeerTable` owns the peers (the current one per engine id, CONNECTING or LIVE, and the old
 ones: LOST peers not reaped yet, retired ones whose background handshake still runs), the endpoints
 last given per engine id, and the background handshake pool. It moves peers through their lifecycle
-(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, retire, reap, drop,
+(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, mark lost, reap, drop,
 evict) and never touches a read: where a step concerns reads it returns a typed result
 (:class:`Ready`, :class:`Unreachable`) or asks the caller through an explicit callback (``in_use``,
 ``drop_reads``, ``forget``), so the decode rank decides what happens to them.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,7 +165,7 @@ class PeerTable:
     @property
     def waiting(self) -> int:
         """Reads queued behind a background handshake."""
-        return sum(len(p.pending) for p in self._connecting())
+        return sum(p.waiting for p in self._connecting())
 
     def take_todo(self) -> list[Peer]:
         """The peers with something to send (queued acquires or heartbeats, frames ZMQ could not take),
@@ -232,8 +232,7 @@ class PeerTable:
         peer.used = time.monotonic()
         self.evicted.discard(peer.engine_id)
         self.metrics.handshakes += 1
-        pending, peer.pending = peer.pending, []
-        return pending
+        return peer.take_pending()
 
     def replace(self, engine_id: str, why: str, forget: Callable[[str, str], None],
                 in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None]) -> list[ReadRequest]:
@@ -245,10 +244,41 @@ class PeerTable:
         if cur is not None and cur.live:
             forget(engine_id, why)
         elif cur is not None:
-            pending, cur.pending = cur.pending, []
+            pending = cur.take_pending()
             self.abandon(cur)
         self.reap(engine_id, in_use, drop_reads)
         return pending
+
+    def reconnect(self, engine_id: str, endpoints: dict[Rank, str], why: str, forget: Callable[[str, str], None],
+                  in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None],
+                  pending: Sequence[ReadRequest] = (), bound_s: float | None = None) -> Peer:
+        """:meth:`replace` the current peer of ``engine_id`` (same callbacks), then :meth:`begin` a new one
+        in the background: the reads a connecting one had queued wait on it first, then ``pending``."""
+        handed = self.replace(engine_id, why, forget, in_use, drop_reads)
+        return self.begin(engine_id, endpoints, handed + list(pending), bound_s)
+
+    def requeue(self, old: Peer, reqs: Sequence[ReadRequest], event: PeerEvent, why: str,
+                forget: Callable[[str, str], None], in_use: Callable[[Peer], bool],
+                drop_reads: Callable[[Peer], None]) -> Peer:
+        """Queue ``reqs`` (reads of ``old`` the caller took out of flight, none queued yet) behind a background
+        re-handshake of ``old``'s engine after it restarted or disconnected (``event``), and return the peer
+        they wait on: the engine id's connecting peer if there is one; otherwise ``old`` is lost now and a
+        new peer begun (:meth:`reconnect`) to the endpoints last given, bounded by ``rehandshake_timeout_s``
+        (a restarted engine answers at once, a dead one must fail fast), ``why`` kept for its failures.
+        The caller fails ``old``'s other reads first (``old``'s reaping would drop them)."""
+        eid = old.engine_id
+        endpoints = self.endpoints.get(eid, old.endpoints)
+        cur = self.current.get(eid)
+        if cur is None or not cur.connecting:
+            self.mark_lost(old, event)
+            # reaps the old peer; a re-handshake is bounded by rehandshake_timeout_s
+            cur = self.reconnect(eid, endpoints, why, forget, in_use, drop_reads,
+                                 bound_s=min(self.connect_timeout_s, self.rehandshake_timeout_s))
+            cur.why = why
+        for req in reqs:
+            queued = cur.queue_pending(req)
+            assert queued, f"read {req.key!r} queued twice"  # (keys in flight are never queued)
+        return cur
 
     def begin(self, engine_id: str, endpoints: dict[Rank, str], pending: list[ReadRequest],
               bound_s: float | None = None) -> Peer:
@@ -286,7 +316,7 @@ class PeerTable:
             del self.current[engine_id]
             peer.close(self.transport, self.live_agents())
 
-    def retire(self, peer: Peer, event: PeerEvent, grace_s: float = 0.5) -> None:
+    def mark_lost(self, peer: Peer, event: PeerEvent, grace_s: float = 0.5) -> None:
         """LIVE/LOST -> LOST: no new reads; closed by :meth:`reap` once nothing references it."""
         if peer.state is PeerState.RETIRED:
             return
@@ -336,7 +366,7 @@ class PeerTable:
         peer.lose(event, now, why)
         self.metrics.failed_handshakes += 1
         before = f"{peer.why}; re-handshake failed: " if peer.why else ""
-        pending, peer.pending = peer.pending, []
+        pending = peer.take_pending()
         failures = [(req, HandshakeFailed(
             f"request {req.req_id!r}: {before}cannot reach prefill engine {peer.engine_id!r}: {why}",
             req_id=req.req_id, engine_id=peer.engine_id)) for req in pending]
