@@ -313,3 +313,16 @@ def test_idle_and_surplus_peers_are_released_least_recently_used_first():
     assert table.evict_idle(50.5, lambda p: False) == []  # looked again too soon
     # idle past peer_idle_s (100 s): released whatever the count
     assert table.evict_idle(131.0, lambda p: False) == ["busy", "b"] and not table.current
+
+
+def test_reads_waiting_for_the_handshake_change_only_through_the_peer():
+    """Peer.pending is a read-only view: queue_pending refuses a second read of the same key, take_pending
+    hands them all over in order and leaves none; close drops what is left."""
+    peer = Peer("p", {(0, 0): "h:0"})
+    a, b = SimpleNamespace(key="a"), SimpleNamespace(key="b")
+    assert peer.queue_pending(a) and peer.queue_pending(b) and not peer.queue_pending(SimpleNamespace(key="a"))
+    assert peer.pending == (a, b) and isinstance(peer.pending, tuple) and peer.waiting == 2
+    assert peer.take_pending() == [a, b] and peer.pending == () and peer.waiting == 0
+    assert peer.queue_pending(a)
+    peer.close(FakeTransport())
+    assert peer.pending == ()
