@@ -326,3 +326,38 @@ def test_reads_waiting_for_the_handshake_change_only_through_the_peer():
     assert peer.queue_pending(a)
     peer.close(FakeTransport())
     assert peer.pending == ()
+
+
+def test_requeue_waits_on_the_connecting_peer_or_begins_one_within_the_rehandshake_bound():
+    """PeerTable.requeue: a connecting peer of the engine id takes the reads (the old peer untouched);
+    otherwise the old peer is lost, the engine id replaced (its lost peers reaped) and a new peer begun to
+    the endpoints last given, bounded by min(connect_timeout_s, rehandshake_timeout_s), keeping why."""
+    from threading import Event
+
+    from kvbridge.runtime.metrics import Metrics
+    from kvbridge.runtime.peers import PeerTable
+    gate = Event()
+    t = FakeTransport()
+    table = PeerTable(zmq.Context.instance(), t, Metrics(),
+                      lambda: SimpleNamespace(background=lambda *a: gate.wait(5)), "d", 5.0, 1.0, 3600.0, 16)
+    forgotten, dropped = [], []
+
+    def forget(eid, why):
+        forgotten.append((eid, why))
+        table.drop_live(eid)
+    try:
+        old, _ = live_peer()
+        table.current["p"] = old
+        table.endpoints["p"] = {(0, 0): "h:9"}
+        a, b = SimpleNamespace(key="a"), SimpleNamespace(key="b")
+        cur = table.requeue(old, [a], E.RESTARTED, "restarted", forget, lambda p: False, dropped.append)
+        assert cur is table.current["p"] and cur.connecting and cur.pending == (a,) and cur.why == "restarted"
+        assert cur.bound_s == 1.0 and cur.endpoints == {(0, 0): "h:9"}
+        assert old.state is S.RETIRED and dropped == [old] and not forgotten  # lost, then reaped (forced)
+        assert table.requeue(old, [b], E.DISCONNECTED, "gone", forget, lambda p: False, dropped.append) is cur
+        assert cur.pending == (a, b) and cur.why == "restarted"
+    finally:
+        gate.set()
+        table.close_old()
+        if table.pool is not None:
+            table.pool.shutdown(wait=True)
