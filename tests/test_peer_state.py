@@ -335,7 +335,7 @@ def test_requeue_waits_on_the_connecting_peer_or_begins_one_within_the_rehandsha
     from threading import Event
 
     from kvbridge.runtime.metrics import Metrics
-    from kvbridge.runtime.peers import PeerTable
+    from kvbridge.runtime.peers import REHANDSHAKE, PeerTable
     gate = Event()
     t = FakeTransport()
     table = PeerTable(zmq.Context.instance(), t, Metrics(),
@@ -356,6 +356,15 @@ def test_requeue_waits_on_the_connecting_peer_or_begins_one_within_the_rehandsha
         assert old.state is S.RETIRED and dropped == [old] and not forgotten  # lost, then reaped (forced)
         assert table.requeue(old, [b], E.DISCONNECTED, "gone", forget, lambda p: False, dropped.append) is cur
         assert cur.pending == (a, b) and cur.why == "restarted"
+        # a live current peer of the engine id, not the old one: forgotten (its reads fail) for the re-handshake
+        old_q, _ = live_peer()
+        old_q.engine_id = "q"
+        live_q, _ = live_peer()
+        live_q.engine_id = "q"
+        table.current["q"] = live_q
+        cur_q = table.requeue(old_q, [a], E.DISCONNECTED, "gone", forget, lambda p: False, dropped.append)
+        assert forgotten == [("q", REHANDSHAKE)] and live_q.state is S.RETIRED and old_q.state is S.RETIRED
+        assert cur_q.connecting and cur_q.pending == (a,) and cur_q.why == "gone"
     finally:
         gate.set()
         table.close_old()

@@ -57,7 +57,7 @@ from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, tra
 from .metrics import Metrics
 from .paths import new_host_buffer
 from .peer import Peer, PeerEvent, PeerState
-from .peers import PeerTable, Ready
+from .peers import REHANDSHAKE, PeerTable, Ready
 from .probe import Prober
 from .readloop import ReadLoop, queue_read
 from .request import InFlight, ReadRequest
@@ -252,8 +252,7 @@ class DecodeRank:
             return  # live, or connecting to the same endpoints
         self._connect(engine_id, endpoints, why="the prefill engine's endpoints changed (connect)")
 
-    def _connect(self, engine_id: str, endpoints: dict[Rank, str], why: str = "the prefill engine is handshaken again"
-                 ) -> Peer:
+    def _connect(self, engine_id: str, endpoints: dict[Rank, str], why: str = REHANDSHAKE) -> Peer:
         return self.peers.reconnect(engine_id, endpoints, why, self.forget, self._in_use, self._drop_reads)
 
     def _advance_peers(self, now: float) -> None:
@@ -339,7 +338,7 @@ class DecodeRank:
     def _in_use(self, peer: Peer) -> bool:
         return any(f.peer is peer for f in self.inflight.values())
 
-    def _drop_reads(self, peer: Peer, why: str = "the prefill engine is handshaken again") -> None:
+    def _drop_reads(self, peer: Peer, why: str = REHANDSHAKE) -> None:
         self.reads.fail_all(lambda f: f.peer is peer, lambda _rid, f: self.reads.failure(Aborted, f, None, why),
                             notify=False)
 

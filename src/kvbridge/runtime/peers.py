@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 HANDSHAKE_THREADS = 4  # background handshakes at once (the CPU part holds the GIL; the rest waits on the network)
 QUEUE_BOUNDS = 4       # a queued handshake waits at most this many connect_timeout_s for a thread
 FD_RESERVE = 256       # file descriptors left for everything else (NIXL, the engine) when opening a side channel
+REHANDSHAKE = "the prefill engine is handshaken again"  # why a live peer is forgotten for a re-handshake
 
 
 def fd_budget() -> tuple[int, int] | None:
@@ -272,7 +273,7 @@ class PeerTable:
         if cur is None or not cur.connecting:
             self.mark_lost(old, event)
             # reaps the old peer; a re-handshake is bounded by rehandshake_timeout_s
-            cur = self.reconnect(eid, endpoints, why, forget, in_use, drop_reads,
+            cur = self.reconnect(eid, endpoints, REHANDSHAKE, forget, in_use, drop_reads,
                                  bound_s=min(self.connect_timeout_s, self.rehandshake_timeout_s))
             cur.why = why
         for req in reqs:
