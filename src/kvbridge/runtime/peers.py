@@ -20,6 +20,11 @@ endpoints, a re-handshake after a restart or a disconnect) is decided in one pla
     (then)           the engine id's LOST peers are reaped now (their reads fail), so its agents go
                      before they are added again
 
+:meth:`PeerTable.reconnect` is that step followed by a background handshake; :meth:`PeerTable.requeue`
+decides where reads re-queued after a restart or a disconnect wait (the engine id's connecting peer, or
+the old peer marked lost and a new one begun within ``rehandshake_timeout_s``). Which reads are re-queued
+(those holding nothing yet, once per read) is the decode rank's call: it looks at the reads.
+
 Idle peers (no read or connect asked for them for ``idle_s``; none of their reads in flight) are
 released (sockets, NIXL agents, prepared lists) and handshaken again on their next read; past
 ``max_peers`` live peers the least recently used idle ones go first (both set by
