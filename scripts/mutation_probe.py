@@ -676,8 +676,8 @@ MUTANTS: list[Mutant] = [
     M(
         "P14",
         P,
-        "        self.outbox, self.heartbeats, self.unsent, self.pending = {}, {}, [], []",
-        "        self.outbox, self.unsent, self.pending = {}, [], []",
+        "        self.outbox, self.heartbeats, self.unsent, self._pending = {}, {}, [], []",
+        "        self.outbox, self.unsent, self._pending = {}, [], []",
         "close keeps queued heartbeats",
     ),
     # ---- staging: the allocator and the packed stream -----------------------------------------------------

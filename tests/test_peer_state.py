@@ -313,3 +313,60 @@ def test_idle_and_surplus_peers_are_released_least_recently_used_first():
     assert table.evict_idle(50.5, lambda p: False) == []  # looked again too soon
     # idle past peer_idle_s (100 s): released whatever the count
     assert table.evict_idle(131.0, lambda p: False) == ["busy", "b"] and not table.current
+
+
+def test_reads_waiting_for_the_handshake_change_only_through_the_peer():
+    """Peer.pending is a read-only view: queue_pending refuses a second read of the same key, take_pending
+    hands them all over in order and leaves none; close drops what is left."""
+    peer = Peer("p", {(0, 0): "h:0"})
+    a, b = SimpleNamespace(key="a"), SimpleNamespace(key="b")
+    assert peer.queue_pending(a) and peer.queue_pending(b) and not peer.queue_pending(SimpleNamespace(key="a"))
+    assert peer.pending == (a, b) and isinstance(peer.pending, tuple) and peer.waiting == 2
+    assert peer.take_pending() == [a, b] and peer.pending == () and peer.waiting == 0
+    assert peer.queue_pending(a)
+    peer.close(FakeTransport())
+    assert peer.pending == ()
+
+
+def test_requeue_waits_on_the_connecting_peer_or_begins_one_within_the_rehandshake_bound():
+    """PeerTable.requeue: a connecting peer of the engine id takes the reads (the old peer untouched);
+    otherwise the old peer is lost, the engine id replaced (its lost peers reaped) and a new peer begun to
+    the endpoints last given, bounded by min(connect_timeout_s, rehandshake_timeout_s), keeping why."""
+    from threading import Event
+
+    from kvbridge.runtime.metrics import Metrics
+    from kvbridge.runtime.peers import REHANDSHAKE, PeerTable
+    gate = Event()
+    t = FakeTransport()
+    table = PeerTable(zmq.Context.instance(), t, Metrics(),
+                      lambda: SimpleNamespace(background=lambda *a: gate.wait(5)), "d", 5.0, 1.0, 3600.0, 16)
+    forgotten, dropped = [], []
+
+    def forget(eid, why):
+        forgotten.append((eid, why))
+        table.drop_live(eid)
+    try:
+        old, _ = live_peer()
+        table.current["p"] = old
+        table.endpoints["p"] = {(0, 0): "h:9"}
+        a, b = SimpleNamespace(key="a"), SimpleNamespace(key="b")
+        cur = table.requeue(old, [a], E.RESTARTED, "restarted", forget, lambda p: False, dropped.append)
+        assert cur is table.current["p"] and cur.connecting and cur.pending == (a,) and cur.why == "restarted"
+        assert cur.bound_s == 1.0 and cur.endpoints == {(0, 0): "h:9"}
+        assert old.state is S.RETIRED and dropped == [old] and not forgotten  # lost, then reaped (forced)
+        assert table.requeue(old, [b], E.DISCONNECTED, "gone", forget, lambda p: False, dropped.append) is cur
+        assert cur.pending == (a, b) and cur.why == "restarted"
+        # a live current peer of the engine id, not the old one: forgotten (its reads fail) for the re-handshake
+        old_q, _ = live_peer()
+        old_q.engine_id = "q"
+        live_q, _ = live_peer()
+        live_q.engine_id = "q"
+        table.current["q"] = live_q
+        cur_q = table.requeue(old_q, [a], E.DISCONNECTED, "gone", forget, lambda p: False, dropped.append)
+        assert forgotten == [("q", REHANDSHAKE)] and live_q.state is S.RETIRED and old_q.state is S.RETIRED
+        assert cur_q.connecting and cur_q.pending == (a,) and cur_q.why == "gone"
+    finally:
+        gate.set()
+        table.close_old()
+        if table.pool is not None:
+            table.pool.shutdown(wait=True)

@@ -409,6 +409,10 @@ def _event(o, rr: RankRead, now: float, segs: list, d):
     return Tick(peer_progress=now + o[3], queued_locally=o[2], posted_latest=now + o[4])
 
 
+# events whose apply() result the read loop ignores (it assumes they fail nothing)
+DROPPED_RESULT = (Sent, Refreshed, PinsReleased, AlignRetry, Abort)
+
+
 def _expect_tick(rr: RankRead, m: Model, ev: Tick, now: float, c: ReadContext):
     """The documented outcome of a tick of a live read with no retry pending: (state, failure kind or None)."""
     finished = all(t.finished for t in rr.reads)
@@ -511,6 +515,13 @@ def test_read_machine_properties(ops, is_staged, lengths, segment_bytes, stage_s
         else:
             assert not fl, (prev, ev, acts)
         assert m.failed <= 1
+        # the read loop drops apply()'s result for these events (readloop.py: flush, _on_acquired, abort_ranks,
+        # notify_failed, _complete, _run_retry): by construction none of them fails the read
+        if isinstance(ev, DROPPED_RESULT):
+            assert not fl, (prev, ev, acts)
+        # ReadLoop.disconnect (decode's dead agent) relies on it: a live read always fails, Fail its last action
+        if isinstance(ev, Failed):
+            assert rr.state is S.FAILED and acts and acts[-1] is fl[0], (prev, ev, acts)
         # DONE only under a pin, every transfer finished, within the pin
         if rr.state is S.DONE and prev is not S.DONE:
             assert m.pinned_once and all(t.finished for t in rr.reads)

@@ -6,7 +6,7 @@ interfaces. Its parts:
 * ``peer.py``: one :class:`~kvbridge.runtime.peer.Peer` per prefill engine owns what its handshake made
   (agents, prepared lists, sockets, outbox), with a lifecycle table of its own;
 * ``peers.py``: :class:`~kvbridge.runtime.peers.PeerTable`, the peers by engine id and the steps of
-  their lifecycle (connect in the background, install, abandon, retire, reap); it never touches a read
+  their lifecycle (connect in the background, install, abandon, mark lost, reap); it never touches a read
   and returns typed results (``Ready``/``Unreachable``) for the reads that waited;
 * ``handshake.py``: the handshake (metadata, checks, plan, agents, prepared lists);
 * ``readstate.py`` / ``readmachine.py``: each (request, prefill rank) read is a sans-IO
@@ -57,10 +57,9 @@ from .memhost import KVBytes, check_memory, register_memory, staging_nbytes, tra
 from .metrics import Metrics
 from .paths import new_host_buffer
 from .peer import Peer, PeerEvent, PeerState
-from .peers import PeerTable, Ready
+from .peers import REHANDSHAKE, PeerTable, Ready
 from .probe import Prober
 from .readloop import ReadLoop, queue_read
-from .readstate import Failed, ReadEvent
 from .request import InFlight, ReadRequest
 from .slots import SlotAllocator
 
@@ -137,7 +136,7 @@ class DecodeRank:
             layout_dict=engine_to_dict(engine), mem_wire=self.mem.to_wire(),
             stage_segment_bytes=cfg.stage_segment_bytes, stage_timeout_s=cfg.stage_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
-            restarted=self._requeue_restarted, retire=self.peers.retire, died=self._peer_died,
+            restarted=self._requeue_restarted, mark_lost=self.peers.mark_lost, died=self._peer_died,
             host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
             staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads)
 
@@ -235,8 +234,7 @@ class DecodeRank:
             try:
                 self.start(req)
             except KVBridgeError as e:
-                self.reads.count_failed(req)
-                self.failed[req.key] = HandshakeFailed(str(e), req_id=req.req_id, engine_id=peer.engine_id)
+                self.reads.fail_queued(req, HandshakeFailed(str(e), req_id=req.req_id, engine_id=peer.engine_id))
 
     def connect(self, engine_id: str, endpoints: dict[Rank, str]) -> None:
         """Make sure prefill engine ``engine_id`` is (or becomes) live, without blocking: returns at once.
@@ -252,12 +250,10 @@ class DecodeRank:
         cur = self.peers.get(engine_id)
         if cur is not None and cur.endpoints == endpoints:
             return  # live, or connecting to the same endpoints
-        self._connect(engine_id, endpoints, [], why="the prefill engine's endpoints changed (connect)")
+        self._connect(engine_id, endpoints, why="the prefill engine's endpoints changed (connect)")
 
-    def _connect(self, engine_id: str, endpoints: dict[Rank, str], pending: list[Any], bound_s: float | None = None,
-                 why: str = "the prefill engine is handshaken again") -> Peer:
-        pending = self.peers.replace(engine_id, why, self.forget, self._in_use, self._drop_reads) + pending
-        return self.peers.begin(engine_id, endpoints, pending, bound_s)
+    def _connect(self, engine_id: str, endpoints: dict[Rank, str], why: str = REHANDSHAKE) -> Peer:
+        return self.peers.reconnect(engine_id, endpoints, why, self.forget, self._in_use, self._drop_reads)
 
     def _advance_peers(self, now: float) -> None:
         """Install engines whose background handshake finished and start their queued reads; fail the
@@ -267,8 +263,7 @@ class DecodeRank:
                 self._start_queued(r.peer, r.pending)
                 continue
             for req, failure in r.failures:
-                self.reads.count_failed(req)
-                self.failed[req.key] = failure
+                self.reads.fail_queued(req, failure)
 
     def _can_requeue(self, f: InFlight) -> bool:
         return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
@@ -287,48 +282,31 @@ class DecodeRank:
         :class:`HandshakeFailed` (a :class:`PeerDisconnected`) if the engine cannot be reached. The
         engine's other reads that hold nothing yet go with it (the old peer is lost)."""
         old = f.peer
-        eid = old.engine_id
-        endpoints = self.peers.endpoints.get(eid, old.endpoints)
-        cur = self.peers.get(eid)
+        cur = self.peers.get(old.engine_id)
         connecting = cur is not None and cur.connecting
         group = [f]
         if not connecting:
             group += [g for g in self.inflight.values() if g.peer is old and g is not f and self._can_requeue(g)]
         for g in group:
-            self.inflight.pop(g.req.key, None)
-            self.reads.abort_ranks(g)
-            self.reads.release_reads(g)
-            self.reads.notify_failed(g)  # a request still out on a live rank may have pinned there: let it go
-            self.metrics.restart_requeues += 1
+            self.reads.withdraw(g)
             self._requeued.add(g.req.key)
         if len(self._requeued) > 4096:
             self._requeued.clear()
-        if not connecting:
-            for rid, g in list(self.inflight.items()):  # the old engine's reads that hold something: failed
-                if g.peer is old:
-                    self.reads.fail(
-                        rid,
-                        g,
-                        self.reads.failure(PeerDisconnected, g, None, f"{why}; its reads in progress cannot continue"),
-                    )
-            self.peers.retire(old, event)
-            # reaps the old peer (its reads that held pins fail); a re-handshake is bounded by
-            # rehandshake_timeout_s: a restarted engine answers at once, a dead one must fail fast
-            cur = self._connect(eid, endpoints, [], min(self.connect_timeout_s, self.rehandshake_timeout_s))
-            cur.why = why
-        assert cur is not None
-        cur.pending += [g.req for g in group]
+        if not connecting:  # the old engine's reads that hold something: failed (the old peer is lost)
+            text = f"{why}; its reads in progress cannot continue"
+            self.reads.fail_all(lambda g: g.peer is old,
+                                lambda _rid, g: self.reads.failure(PeerDisconnected, g, None, text))
+        # where they wait (the engine id's connecting peer, or a new one) is the table's policy
+        self.peers.requeue(old, [g.req for g in group], event, why, self.forget, self._in_use, self._drop_reads)
 
     def forget(self, engine_id: str, reason: str = "the prefill engine was forgotten (re-handshake)",
                dead: bool = False) -> None:
         """Drop a remote engine (dead or gone): fail its requests in flight, close its peer (agents,
         sockets, prepared lists); a later handshake starts fresh."""
-        for rid, f in list(self.inflight.items()):
-            if f.peer.engine_id == engine_id:
-                cls = PeerDisconnected if dead else Aborted
-                self.reads.fail(
-                    rid, f, cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id), notify=not dead
-                )
+        cls = PeerDisconnected if dead else Aborted
+        self.reads.fail_all(lambda f: f.peer.engine_id == engine_id,
+                            lambda rid, _f: cls(f"request {rid!r}: {reason}", req_id=rid, engine_id=engine_id),
+                            notify=not dead)
         self.peers.drop_live(engine_id)
 
     def _peer_died(self, peer: Peer, prank: Rank, detail: str) -> None:
@@ -343,12 +321,10 @@ class DecodeRank:
                 if not rr.terminal and f.peer.remote is not None and f.peer.agents.get(p) == agent:
                     if self._can_requeue(f):  # nothing pinned or read yet: the engine may be back (restart)
                         requeue.append(f)
-                    else:
-                        self.reads.apply(f, rr, rr.handle(Failed(
-                            ReadEvent.DISCONNECT, PeerDisconnected,
-                            f"disconnected: prefill agent {agent!r} went away ({detail})"), time.monotonic()))
+                    else:  # (fails f, always: ReadLoop.disconnect)
+                        self.reads.disconnect(f, rr, f"disconnected: prefill agent {agent!r} went away ({detail})")
                     break
-        self.peers.retire(peer, PeerEvent.DISCONNECTED)
+        self.peers.mark_lost(peer, PeerEvent.DISCONNECTED)
         peer.remove_agent(prank, self.transport)
         for f in requeue:
             if self.inflight.get(f.req.key) is f:  # (an earlier one may have taken it along)
@@ -362,10 +338,9 @@ class DecodeRank:
     def _in_use(self, peer: Peer) -> bool:
         return any(f.peer is peer for f in self.inflight.values())
 
-    def _drop_reads(self, peer: Peer, why: str = "the prefill engine is handshaken again") -> None:
-        for rid, f in list(self.inflight.items()):
-            if f.peer is peer:
-                self.reads.fail(rid, f, self.reads.failure(Aborted, f, None, why), notify=False)
+    def _drop_reads(self, peer: Peer, why: str = REHANDSHAKE) -> None:
+        self.reads.fail_all(lambda f: f.peer is peer, lambda _rid, f: self.reads.failure(Aborted, f, None, why),
+                            notify=False)
 
     # ---- requests ------------------------------------------------------------------------------
     def start(self, req: ReadRequest) -> None:
@@ -378,12 +353,11 @@ class DecodeRank:
                                "one prefill request its own ReadRequest.read_id")
         peer = self.peers.get(req.engine_id)
         if peer is None and req.engine_id in self.peers.evicted:  # released idle: handshaken again
-            peer = self._connect(req.engine_id, self.peers.endpoints[req.engine_id], [])
+            peer = self._connect(req.engine_id, self.peers.endpoints[req.engine_id])
         if peer is None or not peer.live:
             if peer is not None and peer.connecting:  # started once the engine is live
-                if any(p.key == key for p in peer.pending):
+                if not peer.queue_pending(req):
                     raise RequestError(f"read {key!r} is already queued on decode rank {self.rank}")
-                peer.pending.append(req)
                 return
             raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call connect() or "
                                  "handshake() first")

@@ -247,7 +247,7 @@ class Peer:
         self.started, self.bound_s, self.why = started, bound_s, why
         self.future = future            # background handshake -> (RemoteEngine, prepared lists)
         self.phase = phase if phase is not None else ["queued"]  # the step that handshake is at (its thread writes)
-        self.pending: list[Any] = list(pending)  # ReadRequests started while connecting
+        self._pending: list[Any] = list(pending)  # ReadRequests started while connecting (only its methods change it)
         self.error = ""                 # why the handshake failed (LOST from CONNECTING)
         self.remote: RemoteEngine | None = None
         self.prepped: dict[Rank, Any] = {}
@@ -304,6 +304,31 @@ class Peer:
         if why:
             self.error = why
 
+    # ---- the reads waiting for its handshake (only these methods change them) ---------------------
+    @property
+    def pending(self) -> tuple[Any, ...]:
+        """The reads queued behind its handshake, in order (read-only: :meth:`queue_pending`,
+        :meth:`take_pending`)."""
+        return tuple(self._pending)
+
+    @property
+    def waiting(self) -> int:
+        """How many reads are queued behind its handshake."""
+        return len(self._pending)
+
+    def queue_pending(self, req: Any) -> bool:
+        """Queue ``req`` (a :class:`~kvbridge.runtime.request.ReadRequest`) until the handshake is done;
+        False, and nothing queued, if a read of the same key waits already."""
+        if any(p.key == req.key for p in self._pending):
+            return False
+        self._pending.append(req)
+        return True
+
+    def take_pending(self) -> list[Any]:
+        """The queued reads, in order, leaving none queued (the caller starts, hands over or fails them)."""
+        out, self._pending = self._pending, []
+        return out
+
     @property
     def settled(self) -> bool:
         """No background handshake is still running for it (a late result would need releasing)."""
@@ -331,7 +356,7 @@ class Peer:
             self._removed.update(left)
             for agent in sorted(set(left.values())):
                 transport.remove_peer(agent)
-        self.outbox, self.heartbeats, self.unsent, self.pending = {}, {}, [], []
+        self.outbox, self.heartbeats, self.unsent, self._pending = {}, {}, [], []
         if self.todo is not None:
             self.todo.pop(self, None)
 

@@ -3,7 +3,7 @@
 :class:`PeerTable` owns the peers (the current one per engine id, CONNECTING or LIVE, and the old
 ones: LOST peers not reaped yet, retired ones whose background handshake still runs), the endpoints
 last given per engine id, and the background handshake pool. It moves peers through their lifecycle
-(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, retire, reap, drop,
+(:mod:`~kvbridge.runtime.peer`: connect in the background, install, abandon, mark lost, reap, drop,
 evict) and never touches a read: where a step concerns reads it returns a typed result
 (:class:`Ready`, :class:`Unreachable`) or asks the caller through an explicit callback (``in_use``,
 ``drop_reads``, ``forget``), so the decode rank decides what happens to them.
@@ -19,6 +19,11 @@ endpoints, a re-handshake after a restart or a disconnect) is decided in one pla
                      its queued reads are handed to the new peer
     (then)           the engine id's LOST peers are reaped now (their reads fail), so its agents go
                      before they are added again
+
+:meth:`PeerTable.reconnect` is that step followed by a background handshake; :meth:`PeerTable.requeue`
+decides where reads re-queued after a restart or a disconnect wait (the engine id's connecting peer, or
+the old peer marked lost and a new one begun within ``rehandshake_timeout_s``). Which reads are re-queued
+(those holding nothing yet, once per read) is the decode rank's call: it looks at the reads.
 
 Idle peers (no read or connect asked for them for ``idle_s``; none of their reads in flight) are
 released (sockets, NIXL agents, prepared lists) and handshaken again on their next read; past
@@ -43,7 +48,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,6 +69,7 @@ if TYPE_CHECKING:
 HANDSHAKE_THREADS = 4  # background handshakes at once (the CPU part holds the GIL; the rest waits on the network)
 QUEUE_BOUNDS = 4       # a queued handshake waits at most this many connect_timeout_s for a thread
 FD_RESERVE = 256       # file descriptors left for everything else (NIXL, the engine) when opening a side channel
+REHANDSHAKE = "the prefill engine is handshaken again"  # why a live peer is forgotten for a re-handshake
 
 
 def fd_budget() -> tuple[int, int] | None:
@@ -165,7 +171,7 @@ class PeerTable:
     @property
     def waiting(self) -> int:
         """Reads queued behind a background handshake."""
-        return sum(len(p.pending) for p in self._connecting())
+        return sum(p.waiting for p in self._connecting())
 
     def take_todo(self) -> list[Peer]:
         """The peers with something to send (queued acquires or heartbeats, frames ZMQ could not take),
@@ -232,8 +238,7 @@ class PeerTable:
         peer.used = time.monotonic()
         self.evicted.discard(peer.engine_id)
         self.metrics.handshakes += 1
-        pending, peer.pending = peer.pending, []
-        return pending
+        return peer.take_pending()
 
     def replace(self, engine_id: str, why: str, forget: Callable[[str, str], None],
                 in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None]) -> list[ReadRequest]:
@@ -245,10 +250,41 @@ class PeerTable:
         if cur is not None and cur.live:
             forget(engine_id, why)
         elif cur is not None:
-            pending, cur.pending = cur.pending, []
+            pending = cur.take_pending()
             self.abandon(cur)
         self.reap(engine_id, in_use, drop_reads)
         return pending
+
+    def reconnect(self, engine_id: str, endpoints: dict[Rank, str], why: str, forget: Callable[[str, str], None],
+                  in_use: Callable[[Peer], bool], drop_reads: Callable[[Peer], None],
+                  pending: Sequence[ReadRequest] = (), bound_s: float | None = None) -> Peer:
+        """:meth:`replace` the current peer of ``engine_id`` (same callbacks), then :meth:`begin` a new one
+        in the background: the reads a connecting one had queued wait on it first, then ``pending``."""
+        handed = self.replace(engine_id, why, forget, in_use, drop_reads)
+        return self.begin(engine_id, endpoints, handed + list(pending), bound_s)
+
+    def requeue(self, old: Peer, reqs: Sequence[ReadRequest], event: PeerEvent, why: str,
+                forget: Callable[[str, str], None], in_use: Callable[[Peer], bool],
+                drop_reads: Callable[[Peer], None]) -> Peer:
+        """Queue ``reqs`` (reads of ``old`` the caller took out of flight, none queued yet) behind a background
+        re-handshake of ``old``'s engine after it restarted or disconnected (``event``), and return the peer
+        they wait on: the engine id's connecting peer if there is one; otherwise ``old`` is lost now and a
+        new peer begun (:meth:`reconnect`) to the endpoints last given, bounded by ``rehandshake_timeout_s``
+        (a restarted engine answers at once, a dead one must fail fast), ``why`` kept for its failures.
+        The caller fails ``old``'s other reads first (``old``'s reaping would drop them)."""
+        eid = old.engine_id
+        endpoints = self.endpoints.get(eid, old.endpoints)
+        cur = self.current.get(eid)
+        if cur is None or not cur.connecting:
+            self.mark_lost(old, event)
+            # reaps the old peer; a re-handshake is bounded by rehandshake_timeout_s
+            cur = self.reconnect(eid, endpoints, REHANDSHAKE, forget, in_use, drop_reads,
+                                 bound_s=min(self.connect_timeout_s, self.rehandshake_timeout_s))
+            cur.why = why
+        for req in reqs:
+            queued = cur.queue_pending(req)
+            assert queued, f"read {req.key!r} queued twice"  # (keys in flight are never queued)
+        return cur
 
     def begin(self, engine_id: str, endpoints: dict[Rank, str], pending: list[ReadRequest],
               bound_s: float | None = None) -> Peer:
@@ -286,7 +322,7 @@ class PeerTable:
             del self.current[engine_id]
             peer.close(self.transport, self.live_agents())
 
-    def retire(self, peer: Peer, event: PeerEvent, grace_s: float = 0.5) -> None:
+    def mark_lost(self, peer: Peer, event: PeerEvent, grace_s: float = 0.5) -> None:
         """LIVE/LOST -> LOST: no new reads; closed by :meth:`reap` once nothing references it."""
         if peer.state is PeerState.RETIRED:
             return
@@ -336,7 +372,7 @@ class PeerTable:
         peer.lose(event, now, why)
         self.metrics.failed_handshakes += 1
         before = f"{peer.why}; re-handshake failed: " if peer.why else ""
-        pending, peer.pending = peer.pending, []
+        pending = peer.take_pending()
         failures = [(req, HandshakeFailed(
             f"request {req.req_id!r}: {before}cannot reach prefill engine {peer.engine_id!r}: {why}",
             req_id=req.req_id, engine_id=peer.engine_id)) for req in pending]

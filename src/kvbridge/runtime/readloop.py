@@ -8,7 +8,7 @@ read machines: it turns side-channel replies (:meth:`ReadLoop.drain`) and NIXL t
 (:meth:`ReadLoop.advance`) into their events and runs the actions they return (:meth:`ReadLoop.apply`).
 
 It never changes a peer's lifecycle itself: a prefill rank that answered "restarted", or whose side
-channel or NIXL agent went away, is handed to the caller's callbacks (``restarted``, ``retire``,
+channel or NIXL agent went away, is handed to the caller's callbacks (``restarted``, ``mark_lost``,
 ``died``); the peers it reads from are passed in (:meth:`ReadLoop.flush`: those with something to send;
 :meth:`ReadLoop.drain`: those whose side channel the poller found readable), so a poll costs the work
 there is, not the number of peers.
@@ -26,7 +26,15 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
-from ..errors import HandshakeError, LeaseExpired, PeerGoneError, PeerRestarted, ReadFailure, TransferError
+from ..errors import (
+    HandshakeError,
+    LeaseExpired,
+    PeerDisconnected,
+    PeerGoneError,
+    PeerRestarted,
+    ReadFailure,
+    TransferError,
+)
 from ..lower import Descriptors
 from ..modes import TransferPath
 from ..plan import Rank
@@ -111,7 +119,7 @@ class ReadLoop:
     """The reads in flight of one decode rank and their I/O (see the module docstring).
 
     ``restarted(f)``: a prefill rank of ``f`` answered "restarted"; True if the caller re-queued ``f``
-    (it left ``inflight``). ``retire(peer, event)``: the peer is lost (no new reads). ``died(peer,
+    (it left ``inflight``). ``mark_lost(peer, event)``: the peer is lost (no new reads). ``died(peer,
     prank, detail)``: the prefill rank's side channel or NIXL agent went away (the caller fails or
     re-queues the reads that use it)."""
 
@@ -119,7 +127,7 @@ class ReadLoop:
                  staging: Any, staging_addr: int, slots: SlotAllocator, layout_dict: dict[str, Any],
                  mem_wire: Any, stage_segment_bytes: int, stage_timeout_s: float, transfer_timeout_s: float,
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
-                 retire: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
+                 mark_lost: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
                  host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu",
                  optimistic: bool = False):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
@@ -132,7 +140,7 @@ class ReadLoop:
         self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
         self.register_grace_s = register_grace_s
         self.optimistic = optimistic  # DecodeConfig.optimistic_reads: direct READs posted beside the acquire
-        self.restarted, self.retire, self.died = restarted, retire, died
+        self.restarted, self.mark_lost, self.died = restarted, mark_lost, died
         self.inflight: dict[str, InFlight] = {}
         self.finished: list[str] = []
         self.failed: dict[str, ReadFailure] = {}
@@ -162,11 +170,10 @@ class ReadLoop:
         missing = [p for p in peer.agents if not req.attempt_for(p) and (
             p in staged or _prepped_hook.reads_something(descs.get(p)))]
         if missing:  # nothing to present to the prefill: it would refuse; do not even ask
-            self.count_failed(req)
-            self.failed[key] = LeaseExpired(
+            self.fail_queued(req, LeaseExpired(
                 f"request {req.req_id!r} carries no lease attempt for prefill ranks {sorted(missing)} of "
                 f"{req.engine_id!r}; pass the attempt add_request returned (ReadRequest.attempt)",
-                req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0])
+                req_id=req.req_id, engine_id=req.engine_id, prefill_rank=missing[0]))
             return
         f = InFlight(req, peer, {}, t0)
         f.marks[M_START] = int(t0 * 1e9)
@@ -462,7 +469,7 @@ class ReadLoop:
         if self.restarted(f):
             return True
         failed = self.apply(f, rr, rr.handle(Failed(ReadEvent.REFUSED, PeerRestarted, a.text), time.monotonic()))
-        self.retire(f.peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
+        self.mark_lost(f.peer, PeerEvent.RESTARTED)  # a later handshake() reaches the new process
         return failed
 
     def _run_fail(self, f: InFlight, rr: RankRead, a: Fail, ids: tuple[str, int, str] | None) -> bool:
@@ -745,6 +752,35 @@ class ReadLoop:
         self.count_failed(f.req)
         if notify:
             self.notify_failed(f)
+
+    def fail_queued(self, req: ReadRequest, failure: ReadFailure) -> None:
+        """Fail a read that is not in flight (queued behind a handshake that failed, or refused as it
+        started): counted once per read and attempt (:meth:`count_failed`), reported by :meth:`take`."""
+        self.count_failed(req)
+        self.failed[req.key] = failure
+
+    def fail_all(self, match: Callable[[InFlight], bool], failure: Callable[[str, InFlight], ReadFailure],
+                 notify: bool = True) -> None:
+        """:meth:`fail` every read in flight that ``match`` accepts, with ``failure(read key, read)``."""
+        for rid, f in list(self.inflight.items()):
+            if match(f):
+                self.fail(rid, f, failure(rid, f), notify=notify)
+
+    def withdraw(self, f: InFlight) -> None:
+        """Take ``f`` out of flight without failing it, to start it again behind a re-handshake (counted
+        in ``restart_requeues``): its reads are cancelled, what ended released (the rest parked), and a
+        pin it may hold is let go (Done, failed)."""
+        self.inflight.pop(f.req.key, None)
+        self.abort_ranks(f)
+        self.release_reads(f)
+        self.notify_failed(f)  # a request still out on a live rank may have pinned there: let it go
+        self.metrics.restart_requeues += 1
+
+    def disconnect(self, f: InFlight, rr: RankRead, text: str) -> bool:
+        """The NIXL agent of ``rr``'s prefill rank went away: its machine fails (``PeerDisconnected``), and
+        with it ``f``. True by construction for a read not ended (``Failed`` takes any live state to FAILED,
+        ``Fail`` its last action: tests/test_read_properties.py), so callers need not look."""
+        return self.apply(f, rr, rr.handle(Failed(ReadEvent.DISCONNECT, PeerDisconnected, text), time.monotonic()))
 
     def abort_ranks(self, f: InFlight) -> None:
         now = time.monotonic()
