@@ -61,6 +61,7 @@ from kvbridge.runtime.slots import SlotAllocator
 S, E = ReadState, ReadEvent
 P = (0, 1)
 WORK = SimpleNamespace(count=3, total_bytes=300)  # a direct rank's work item (opaque to the machine)
+FALLBACK = SimpleNamespace(count=3, total_bytes=300, nonempty=True)  # a staged rank's direct read, staging full
 TTL = 10.0
 
 
@@ -73,14 +74,16 @@ def ctx(staging=1 << 20):
                        slots=SlotAllocator(staging), staging_addr=1 << 30)
 
 
-def machine(state, c=None, lower=None):
-    """A fresh read driven into ``state`` through handle() alone."""
+def machine(state, c=None, lower=None, direct=None):
+    """A fresh read driven into ``state`` through handle() alone (``direct``: a staged rank's direct read
+    should its staging be full; default :data:`FALLBACK`)."""
     c = c or ctx()
     if state is S.ACQUIRING:
         rr = RankRead(P, S.ACQUIRING, 0.0, c, work=WORK)
         rr.handle(Sent(), 0.0)
     elif state is S.STAGE_REQUESTED:
-        rr = RankRead(P, S.STAGE_REQUESTED, 0.0, c, lower=lower or lowered, request="stage-msg", slot_key=("k", P))
+        rr = RankRead(P, S.STAGE_REQUESTED, 0.0, c, lower=lower or lowered, request="stage-msg", slot_key=("k", P),
+                      direct=direct or (lambda: FALLBACK))
     elif state is S.POSTED:
         rr = machine(S.ACQUIRING, c)
         assert isinstance(rr.handle(Granted(TTL), 0.1)[0], Post)
@@ -155,8 +158,9 @@ def test_every_live_cell_through_handle(state, event):
         assert not fails
     if event is E.GRANTED:
         assert [type(a) for a in actions] == [Post] and actions[0].transfer.work is WORK and rr.pinned
-    if event is E.STAGE_FULL:  # read directly, under the pin, what the staged path lowered
-        assert any(isinstance(a, Post) for a in actions) and rr.pinned and rr.pin_deadline == pytest.approx(TTL)
+    if event is E.STAGE_FULL:  # read directly, under the pin, through the prepared lists
+        posts = [a for a in actions if isinstance(a, Post)]
+        assert posts and posts[0].transfer.work is FALLBACK and rr.pinned and rr.pin_deadline == pytest.approx(TTL)
     if event in (E.STAGE_SEGMENT, E.STAGE_LAST) and state is S.STAGE_REQUESTED:
         seg = [a for a in actions if isinstance(a, PostSegment)]
         assert len(seg) == 1 and seg[0].local == (1 << 30) + rr.staging.slot and rr.notify_at_end
@@ -281,19 +285,31 @@ def test_local_queue_stops_the_clock_peer_progress_restarts_it():
     assert a.kind is TransferTimeout and "transfer_timeout_s=2" in a.text
 
 
-def test_staging_full_falls_back_on_the_same_lowering():
-    calls = []
+def test_staging_full_falls_back_to_a_direct_read_through_the_prepared_lists():
+    """Our staging has no room for the first segment: this rank's part is read directly, under the pin,
+    as a direct rank's work item (its DirectRead over the prepared lists, made only now); nothing is
+    lowered for it. A rank with nothing to read directly posts nothing and reports at the end."""
+    calls, made = [], []
 
     def lower():
         calls.append(1)
         return lowered()
 
-    rr = machine(S.STAGE_REQUESTED, ctx(staging=0), lower=lower)  # our staging has no room
+    def direct():
+        made.append(1)
+        return FALLBACK
+
+    rr = machine(S.STAGE_REQUESTED, ctx(staging=0), lower=lower, direct=direct)  # our staging has no room
     acts = rr.handle(Segment(300, 0, 100, 7000, False, TTL), 0.1)
-    assert Count("staging_fallbacks") in acts and rr.state is S.POSTED
+    assert Count("staging_fallbacks") in acts and rr.state is S.POSTED and rr.path == "direct"
     (post,) = [a for a in acts if isinstance(a, Post)]
-    assert post.transfer.work.total_bytes == 300 and len(calls) == 1  # lowered once, for both decisions
+    assert post.transfer.work is FALLBACK and made == [1]
+    assert len(calls) == 1  # (the segment's size was checked against the one lowering)
     assert rr.handle(Segment(300, 100, 200, 7100, True, TTL), 0.2) == []  # further segments: ignored
+    empty = machine(S.STAGE_REQUESTED, ctx(staging=0),
+                    direct=lambda: SimpleNamespace(count=0, total_bytes=0, nonempty=False))
+    acts = empty.handle(Segment(300, 0, 100, 7000, False, TTL), 0.1)
+    assert not [a for a in acts if isinstance(a, Post)] and empty.notify_at_end
 
 
 def test_empty_stage_completes_and_notifies_at_end():

@@ -35,10 +35,9 @@ from ..errors import (
     ReadFailure,
     TransferError,
 )
-from ..lower import Descriptors
 from ..modes import TransferPath
 from ..plan import Rank
-from ..transport.base import Transport
+from ..transport.base import DirectRead, Transport
 from . import prepped_hook as _prepped_hook
 from .lease import MIN_READ_RATE
 from .memhost import KVBytes
@@ -203,7 +202,7 @@ class ReadLoop:
                     peer.digests.get(prank, ""), key, self.transport.agent_name, str(path),
                     push_addr=0 if push_slot is None else self.staging_addr + push_slot,
                     push_device=self.staging_device if push_slot is not None else "")
-                # lowered at most once, when the first segment is announced (or on a fallback to direct)
+                # lowered at most once, when the first segment is announced
                 f.ranks[prank] = RankRead(
                     prank,
                     ReadState.STAGE_REQUESTED,
@@ -213,6 +212,7 @@ class ReadLoop:
                     slot_key=(key, prank),
                     lower=lower,
                     push_slot=push_slot,
+                    direct=partial(self._fallback_read, peer, req, prank),
                 )
                 peer.send(prank, pack(msg))
             f.stage_sent = time.perf_counter()
@@ -223,6 +223,12 @@ class ReadLoop:
             self.metrics.finished_requests += 1
             return
         self.inflight[key] = f
+
+    @staticmethod
+    def _fallback_read(peer: Peer, req: ReadRequest, prank: Rank) -> DirectRead | None:
+        """A staged rank's direct read through its prepared lists (its staging was full); None: nothing to
+        read from it."""
+        return _prepped_hook.direct_reads(peer.prepped, peer, req, [prank]).get(prank)
 
     def _push_slot(self, key: str, prank: Rank, lower: Callable[[], Any]) -> tuple[TransferPath, int | None, Any]:
         """The push path's slot for ``prank``'s part of read ``key``: (path, slot offset, lowering). Lowered
@@ -383,12 +389,8 @@ class ReadLoop:
         prank, peer = rr.prefill, f.peer
         w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
         done = self.done_msg(f.req, peer, prank) if a.notify else b""
-        if isinstance(w, Descriptors):  # a staged rank read directly (its staging was full)
-            a.transfer.xfer = self.transport.read(agent, w.src, w.dst, w.nbytes, done, remote_device=dev,
-                                                  cancel=a.transfer)
-        else:
-            assert w is not None, "a Post carries its work"
-            a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
+        assert w is not None, "a Post carries its work"
+        a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
         # sizes of a direct read are worked out on the post thread: counted when the request completes
         self.metrics.transfers += 1
         return False

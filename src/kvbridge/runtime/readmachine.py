@@ -93,10 +93,12 @@ class RankRead:
 
     ``work``: the lowered work item of a direct rank (None: nothing to read, pin and release);
     ``lower``: returns this rank's lowered descriptors, called at most once (a staged rank's first
-    segment and a fallback to direct reads use the same lowering); ``request``: the stage request the
+    segment); ``request``: the stage request the
     loop re-sends on a "not registered" refusal; ``slot_key``: its key in the staging allocator;
     ``push_slot``: the push path's staging slot, allocated before the stage request named it (the
-    prefill WRITEs the packed stream there).
+    prefill WRITEs the packed stream there); ``direct``: a staged rank's direct read (a
+    :class:`~kvbridge.transport.base.DirectRead` through the prepared lists, or None: nothing to read),
+    made only if its staging is full, and posted as a direct rank's work is.
 
     **Optimistic reads** (``ctx.optimistic``, ``DecodeConfig.optimistic_reads``; direct ranks only): when
     the first acquire goes out (:class:`Sent`) the READ is posted at once, beside it, before any pin (the
@@ -122,13 +124,15 @@ class RankRead:
 
     def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
                  work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
-                 slot_key: Hashable = None, push_slot: int | None = None):
+                 slot_key: Hashable = None, push_slot: int | None = None,
+                 direct: Callable[[], Any] | None = None):
         self.prefill, self.ctx = prefill, ctx
         self.sm = ReadMachine(state)
         self.sent_at = now               # when the acquire/stage request was made: the pin counts from here
         self.progress_at = now           # last progress from this rank (its own deadline re-arms only on it)
         self.first_sent = now            # the first request (not-registered retries count from here)
         self.work = work                 # direct: posted once the pin is granted
+        self._direct = direct            # staged: this rank's direct read, should its staging be full
         self._lower, self._lowered = lower, None
         self.request, self.slot_key = request, slot_key
         # the path this rank's bytes take: a stage request names it (device or host staging), else direct
@@ -431,9 +435,9 @@ class RankRead:
         self.sm.fire(ReadEvent.STAGE_FULL)
         self.path = TransferPath.DIRECT
         out: list[Action] = [Count("staging_fallbacks")]
-        d = self.lowered()  # the lowering the staged path made (or makes now), not a second one
-        if d.count:
-            t = Transfer(work=d)
+        w = self._direct() if self._direct is not None else None  # through the prepared lists, as a direct rank
+        if w is not None and w.nonempty:
+            t = Transfer(work=w)
             self.reads.append(t)
             out.append(Post(t))
         else:

@@ -36,7 +36,6 @@ from .machine import step as step  # the transition helper of every machine here
 from .machine import terminal_states
 
 if TYPE_CHECKING:
-    from ..lower import Descriptors
     from ..transport.base import DirectRead
 
 
@@ -332,7 +331,7 @@ class Transfer:
 
     ``cancelled`` is checked on the post thread before anything is handed to the transport's library."""
 
-    work: DirectRead | Descriptors | None = None  # direct: what to post; sizes counted at completion
+    work: DirectRead | None = None  # direct: what to post; sizes counted at completion
     nbytes: int | None = None  # staged: the segment's bytes
     slot: int | None = None    # staged: our staging offset of the segment
     runs: tuple[Any, Any] | None = None  # staged: (dst, nbytes) of the runs this segment scatters to
