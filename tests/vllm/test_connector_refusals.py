@@ -122,6 +122,11 @@ def test_transfer_params_round_trip_and_refuse_bad_values():
     assert p.endpoints() == {(0, 0): "10.0.0.2:7002", (0, 1): "10.0.0.2:7003"}
     with pytest.raises(RequestError, match="remote_block_ids"):
         TransferParams.from_dict({**d, "remote_block_ids": "1,2"})
+    with pytest.raises(RequestError, match="remote_tp_size"):  # the error names the bad key
+        TransferParams.from_dict({**d, "remote_tp_size": None})
+    # vLLM's flags, as a router sends them: truthiness (null is false)
+    assert TransferParams.from_dict({"do_remote_decode": 1, "do_remote_prefill": None}) == TransferParams(
+        do_remote_decode=True)
 
 
 def _build_in_child(extra, role, model=None, side=None):

@@ -214,6 +214,10 @@ class ConnectorConfig:
         return dataclasses.replace(self.prefill, host=host, port=port)
 
 
+#: vLLM's flags in kv_transfer_params (truthiness, as vLLM's own connectors read them: null is false)
+_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})
+
+
 class TransferParams(msgspec.Struct, kw_only=True):
     """A prefill's ``kv_transfer_params`` (all JSON), as the decode receives them: which engine and ranks
     hold the request's KV, and under which lease. Built on the prefill by the scheduler
@@ -239,10 +243,12 @@ class TransferParams(msgspec.Struct, kw_only=True):
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> TransferParams:
-        """Parse ``kv_transfer_params`` (unknown keys, and the connector's private ``_`` keys, are ignored);
-        a value of the wrong type raises :class:`~kvbridge.errors.RequestError` naming it."""
+        """Parse ``kv_transfer_params`` (unknown keys, and the connector's private ``_`` keys, are ignored; a
+        null ``do_remote_prefill`` / ``do_remote_decode`` is false, as vLLM reads them); a value of the wrong
+        type raises :class:`~kvbridge.errors.RequestError` naming its key."""
+        d = {k: v for k, v in params.items() if v is not None or k not in _FLAGS}
         try:
-            return msgspec.convert(dict(params), cls, strict=False)
+            return msgspec.convert(d, cls, strict=False)
         except msgspec.ValidationError as e:
             raise RequestError(f"kv_transfer_params: {e}") from None
 
