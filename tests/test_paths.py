@@ -376,3 +376,20 @@ def test_plan_probe_endpoints_are_checked(capsys):
     from kvbridge.cli import main
     assert main(["plan", "--model", "tiny-dense", "--endpoints", "0,0=nowhere"]) == 2
     assert "expected PP,TP=HOST:PORT" in capsys.readouterr().err
+
+
+def test_chosen_paths_are_transfer_path_members():
+    """The cost model's choices are :class:`TransferPath` members (each ``==`` its string), never bare strings."""
+    from kvbridge.cost import CostModel, PairShape, model_link, pick, request_modes
+
+    m = CostModel.load()
+    shapes = {(0, 0): PairShape(64.0, 0.0, float(1 << 20), 0.0, 0.0), (0, 1): PairShape(1.0, 0.0, 64.0, 0.0, 0.0)}
+    picked = pick(m, 64.0, float(1 << 20))
+    assert type(picked) is TransferPath and picked in PATHS_OF_PICK
+    for links in (None, {p: model_link(m) for p in shapes}):
+        got = request_modes(m, shapes, 4.0, 0.0, lambda p: p == (0, 0), links)
+        assert got[(0, 1)] is TransferPath.DIRECT  # no staging on that pair
+        assert all(type(v) is TransferPath for v in got.values()), got
+
+
+PATHS_OF_PICK = (TransferPath.DIRECT, TransferPath.STAGED)

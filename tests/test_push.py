@@ -111,7 +111,7 @@ def push_pair(test, pin_s: float = 60.0, **decode_kw):
                              transport=LoopbackTransport(f"dg{k}", reg), **decode_kw)
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pg", {(0, 0): f"127.0.0.1:{pre.port}"})
-            assert dec.remotes["pg"].modes[(0, 0)] == "push"
+            assert dec.remotes["pg"].modes[(0, 0)] is TransferPath.PUSH  # a member (== "push"), not a bare str
             with lock:
                 assert not pre.stats()["push_probes"]
                 pre.transport.writes = 0  # (the handshake's push probe WRITEs are not the test's to number)

@@ -88,3 +88,28 @@ def test_optimistic_reads_flag_rejects_other_values():
         DecodeConfig.from_mapping({"optimistic_reads": "maybe"})
     with pytest.raises(ConfigError, match="optimistic_reads must be bool"):
         DecodeConfig.from_mapping({"optimistic_reads": 2})
+
+
+def test_prefill_server_polls_at_its_endpoints_poll_s():
+    """``PrefillConfig.poll_s`` is the one default of the serving thread's poll period: a
+    :class:`~kvbridge.PrefillServer` takes it from its endpoint's config unless given one."""
+    from _helpers import layout
+
+    from kvbridge.runtime.server import PrefillServer
+    from kvbridge.testing.engine import default_memory
+    from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
+
+    assert PrefillConfig.from_mapping({"poll_s": "0.01"}).poll_s == 0.01
+    with pytest.raises(ConfigError, match="poll_s must be > 0"):
+        PrefillConfig(poll_s=0)
+    assert inspect.signature(PrefillServer.__init__).parameters["poll_s"].default is None  # no default of its own
+    reg, lay = LoopbackRegistry(), layout("cfg", 1, 16)
+    for given, want in ((None, 0.05), (0.5, 0.5)):  # (a server closes its endpoint: one rank each)
+        p = PrefillRank(lay, (0, 0), f"ps{want}", memory=default_memory(lay, (0, 0)), staging_bytes=0, poll_s=0.05,
+                        transport=LoopbackTransport(f"ps{want}", reg))
+        s = PrefillServer(p) if given is None else PrefillServer(p, poll_s=given)
+        try:
+            assert s.poll_s == want
+        finally:
+            s.close()
+    assert PrefillConfig().poll_s == 0.002  # (the default, written once: in PrefillConfig)

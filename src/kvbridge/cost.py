@@ -240,7 +240,7 @@ class ModeChoice:
     prefill: Rank
     runs_per_block: float
     bytes_per_run: int
-    mode: str
+    mode: TransferPath
     why: str
 
 
@@ -309,14 +309,14 @@ def request_chunks(groups, decode_blocks: dict, prefill_blocks: dict, decode_blo
 
 
 def request_modes(model: "CostModel", shapes: dict, chunks: float, frac: float, can_stage,
-                  links: dict | None = None, paths_of=None) -> dict:
+                  links: dict | None = None, paths_of=None) -> dict[Rank, TransferPath]:
     """Auto mode, per request: the path of each prefill rank in ``shapes``. ``can_stage(p)``: the pair has
     a staging path; ``links``: measured :class:`LinkFigures` per prefill rank (else ``model``'s constants);
     ``paths_of(p)``: the paths the pair offers (default direct and device staging)."""
-    out = {}
+    out: dict[Rank, TransferPath] = {}
     for p, shape in shapes.items():
         if not can_stage(p):
-            out[p] = TransferPath.DIRECT.value
+            out[p] = TransferPath.DIRECT
             continue
         runs, nbytes = shape.runs(chunks, frac), shape.nbytes(chunks)
         link = (links or {}).get(p)
@@ -324,12 +324,13 @@ def request_modes(model: "CostModel", shapes: dict, chunks: float, frac: float, 
             out[p] = pick(model, runs, nbytes)
             continue
         allowed = paths_of(p) if paths_of is not None else None
-        out[p] = choose_path(link, runs, nbytes, allowed)[0].value
+        out[p] = choose_path(link, runs, nbytes, allowed)[0]
     return out
 
 
-def pick(model: CostModel, runs: float, nbytes: float) -> str:
-    return "staged" if model.staged_us(runs, nbytes) < model.direct_us(runs, nbytes) else "direct"
+def pick(model: CostModel, runs: float, nbytes: float) -> TransferPath:
+    staged = model.staged_us(runs, nbytes) < model.direct_us(runs, nbytes)
+    return TransferPath.STAGED if staged else TransferPath.DIRECT
 
 
 def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: bool = True,
@@ -355,8 +356,7 @@ def choose_modes(plan: TransferPlan, model: CostModel | None = None, shuffled: b
                 continue
             link = (links or {}).get(p)
             if link is not None:  # measured figures of this pair
-                path, pred = choose_path(link, runs, nbytes)
-                mode = path.value
+                mode, pred = choose_path(link, runs, nbytes)
                 why = (f"per block ({link.source}): " + ", ".join(
                     f"{q.value} {t:.1f} us" for q, t in sorted(pred.items(), key=lambda qt: qt[1])))
                 out.append(ModeChoice(d, p, runs, int(nbytes / runs), mode, why))

@@ -95,6 +95,19 @@ def test_endpoint_options_from_the_extra_config_are_typed_and_checked():
             ConnectorConfig.from_vllm(_cfg(extra), environ={})
 
 
+def test_each_option_default_is_written_once():
+    """The endpoint options' defaults are their config classes' but for the one vLLM override table; an alias
+    names its option (no default of its own); the prefill server's poll period is a PrefillConfig option."""
+    from kvbridge import DecodeConfig, PrefillConfig
+    from kvbridge.integrations.vllm.config import OPTION_ALIASES, VLLM_DECODE_DEFAULTS, endpoint_configs
+    p, d = endpoint_configs({})
+    assert p == PrefillConfig() and d == DecodeConfig(**VLLM_DECODE_DEFAULTS)
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode == d
+    assert all(name in DecodeConfig.__dataclass_fields__ for name in OPTION_ALIASES.values())
+    assert endpoint_configs({"lease_grace_s": "0.5"})[1].register_grace_s == 0.5
+    assert endpoint_configs({"poll_s": "0.01"})[0].poll_s == 0.01
+
+
 def test_transfer_params_round_trip_and_refuse_bad_values():
     from kvbridge.errors import RequestError
     from kvbridge.integrations.vllm.config import TransferParams
@@ -109,6 +122,11 @@ def test_transfer_params_round_trip_and_refuse_bad_values():
     assert p.endpoints() == {(0, 0): "10.0.0.2:7002", (0, 1): "10.0.0.2:7003"}
     with pytest.raises(RequestError, match="remote_block_ids"):
         TransferParams.from_dict({**d, "remote_block_ids": "1,2"})
+    with pytest.raises(RequestError, match="remote_tp_size"):  # the error names the bad key
+        TransferParams.from_dict({**d, "remote_tp_size": None})
+    # vLLM's flags, as a router sends them: truthiness (null is false)
+    assert TransferParams.from_dict({"do_remote_decode": 1, "do_remote_prefill": None}) == TransferParams(
+        do_remote_decode=True)
 
 
 def _build_in_child(extra, role, model=None, side=None):

@@ -116,10 +116,13 @@ class PrefillConfig(_Config):
     """A reader without a live pin or message for this long may be forgotten."""
     min_read_rate: float = MIN_READ_RATE
     """Slowest read (bytes per second) accepted: a pin's bound grows by the request's bytes at this rate."""
+    poll_s: float = 0.002
+    """How often a :class:`~kvbridge.PrefillServer` checks NIXL notifications (Done) while pins are held
+    (side-channel messages and hand-overs wake its thread at once)."""
 
     def __post_init__(self) -> None:
         self._positive("lease_s", "pin_s", "pin_idle_s", "min_read_rate", "lowered_cache", "lowered_per_peer",
-                       "max_readers", "reader_idle_s", "staging_bytes", "stage_wait_s", "port",
+                       "max_readers", "reader_idle_s", "staging_bytes", "stage_wait_s", "port", "poll_s",
                        zero_ok=("staging_bytes", "stage_wait_s", "port"))
         if not 0 < self.staging_peer_share <= 1:
             raise ConfigError(f"PrefillConfig.staging_peer_share must be in (0, 1], got {self.staging_peer_share!r}")

@@ -46,7 +46,7 @@ from ..errors import (
 )
 from ..layout import EngineLayout, engine_to_dict
 from ..memory import KVMemory
-from ..modes import TransferMode, TransferPath, parse_mode
+from ..modes import AUTO, TransferMode, TransferPath, parse_mode
 from ..plan import Rank
 from ..transport.base import Transport
 from ..transport.delayed import wrap_from_env
@@ -93,7 +93,7 @@ class DecodeRank:
         register_memory(self.transport, self.mem)
         # staged reads scatter on the KV memory's own device (torch ops for torch tensors, CPU or CUDA)
         self._kv = KVBytes(self.mem)
-        if not self._kv.usable and transfer_mode != "direct":
+        if not self._kv.usable and transfer_mode != TransferPath.DIRECT:
             log.warning("decode rank %s: KV memory on %s given by address and torch is not loaded: no staged "
                         "reads (direct only); describe the memory with torch tensors to stage on the device",
                         self.rank, self.mem.device)
@@ -362,7 +362,7 @@ class DecodeRank:
             raise HandshakeError(f"no handshake with prefill engine {req.engine_id!r} yet; call connect() or "
                                  "handshake() first")
         t0 = time.perf_counter()
-        modes = self._request_modes(peer, req) if self.transfer_mode == "auto" else peer.modes
+        modes = self._request_modes(peer, req) if self.transfer_mode == AUTO else peer.modes
         self.reads.start(peer, req, modes, t0)
 
     def heartbeat(self, reqs: Iterable[ReadRequest]) -> None:
@@ -405,7 +405,7 @@ class DecodeRank:
             return
         self.reads.decline(peer, req)
 
-    def _request_modes(self, remote: Peer, req: ReadRequest) -> dict[Rank, str]:
+    def _request_modes(self, remote: Peer, req: ReadRequest) -> dict[Rank, TransferPath]:
         """Auto mode, per request: runs merge across consecutive block ids, so a request whose blocks are
         mostly consecutive (on both sides) may be cheaper direct than the handshake-time choice says."""
         from ..cost import request_chunks, request_modes
@@ -415,7 +415,7 @@ class DecodeRank:
         links = getattr(remote.remote, "links", None) or {}
         staged = request_modes(self.cost_model, {p: s for p, s in shapes.items() if s is not None}, chunks, frac,
                                lambda p: p in remote.can_stage, links)
-        return {p: staged.get(p, "direct") for p in remote.modes}
+        return {p: staged.get(p, TransferPath.DIRECT) for p in remote.modes}
 
     def abort(self, req_id: str, engine_id: str | None = None, readers_of: ReadRequest | None = None) -> None:
         """Abort a request: tell its prefill ranks to free the blocks (never waits for a read).
@@ -526,7 +526,7 @@ class DecodeRank:
             if remote is None:
                 continue
             for p, link in (getattr(remote, "links", None) or {}).items():
-                out.setdefault(eid, {})[str(tuple(p))] = {"chosen": str(remote.modes.get(p, "direct")),
+                out.setdefault(eid, {})[str(tuple(p))] = {"chosen": remote.modes.get(p, TransferPath.DIRECT).value,
                                                           **link.to_json()}
         return out
 

@@ -17,10 +17,12 @@ from typing import Any
 
 import zmq
 
+from ..cost import LinkFigures, PairShape
 from ..errors import HandshakeError, IncompatibleLayoutsError, LayoutError
 from ..layout import EngineLayout, engine_from_dict
 from ..lower import LoweredPlan
 from ..memory import KVMemory
+from ..modes import AUTO, TransferMode, TransferPath
 from ..plan import Rank, TransferPlan, plan_transfer
 from ..transport.base import Transport
 from . import prepped_hook as _prepped_hook
@@ -49,7 +51,7 @@ class LinkCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(endpoint: str, meta: RankMeta, mem: KVMemory | None, mode: str, staging: int,
+    def key(endpoint: str, meta: RankMeta, mem: KVMemory | None, mode: TransferMode, staging: int,
             host_staging: int) -> tuple[Any, ...]:
         allocs = list(getattr(mem, "allocations", ()) or ())
         device = str(max(allocs, key=lambda a: a.nbytes).device) if allocs else "cpu"
@@ -98,26 +100,26 @@ class RemoteEngine:
     layout: EngineLayout
     plan: TransferPlan
     lowered: LoweredPlan
-    agents: dict[Any, Any]          # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
-    readers: dict[Any, Any]         # prefill rank -> number of decode ranks reading it (for the notification)
-    endpoints: dict[Any, Any]       # prefill rank -> "host:port" of its side channel
+    agents: dict[Rank, str]         # prefill rank -> NIXL agent name (only the ranks this decode rank reads)
+    readers: dict[Rank, int]        # prefill rank -> number of decode ranks reading it (for the notification)
+    endpoints: dict[Rank, str]      # prefill rank -> "host:port" of its side channel
     digest0: str          # sha256 of the first rank's NIXL metadata (first_rank): a restarted engine has a new one
-    modes: dict[Any, Any]           # prefill rank -> "direct" | "staged" (cost model for shuffled blocks, or forced)
-    shapes: dict[Any, Any]          # prefill rank -> cost.PairShape (auto mode re-decides per request from it)
-    digests: dict[Any, Any] = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restart check)
+    modes: dict[Rank, TransferPath]  # prefill rank -> its path (cost model for shuffled blocks, or forced)
+    shapes: dict[Rank, PairShape]   # prefill rank -> its descriptor shape (auto mode re-decides per request from it)
+    digests: dict[Rank, str] = field(default_factory=dict)  # prefill rank -> sha256 of its NIXL metadata (restarts)
     can_stage: frozenset[Rank] = frozenset()           # prefill ranks that can stage
     # acquire (direct), stage and heartbeat requests go to every prefill rank this rank notifies (a rank
     # with nothing to read here is acquired and released too: only a pin holder's Done counts)
     side_ranks: tuple[Rank, ...] = ()
-    # prefill rank -> cost.LinkFigures: measured per path at handshake, kept current by completed reads
-    links: dict[Any, Any] = field(default_factory=dict)
+    # prefill rank -> its figures: measured per path at handshake, kept current by completed reads
+    links: dict[Rank, LinkFigures] = field(default_factory=dict)
 
-    def summary(self) -> dict[Any, Any]:
+    def summary(self) -> dict[str, Any]:
         """Plain-data view (what a handshake RPC returns)."""
         return {
             "engine_id": self.engine_id,
             "prefill": str(self.layout),
-            "modes": {str(p): m for p, m in self.modes.items()},
+            "modes": {str(p): m.value for p, m in self.modes.items()},
             "agents": {str(p): a for p, a in self.agents.items()},
         }
 
@@ -157,7 +159,7 @@ class Handshaker:
     engine_id: str                 # the decode engine's id
     timeout_s: float               # per metadata fetch
     staging_bytes: int
-    transfer_mode: str
+    transfer_mode: TransferMode
     cost_model: Any
     prober: Any = None             # probe.Prober: measures each link at handshake (None: the cost model's constants)
     host_staging_bytes: int = 0
@@ -172,7 +174,7 @@ class Handshaker:
         md = self.transport.metadata()
         return GetMeta(self.engine_id, self.rank, prank, self.transport.agent_name, md, metadata_digest(md))
 
-    def same_agents(self, remote: RemoteEngine, endpoints: dict[Any, Any]) -> bool:
+    def same_agents(self, remote: RemoteEngine, endpoints: dict[Rank, str]) -> bool:
         """Every rank this rank handshook with still has the NIXL agent (metadata) it had then."""
         digests = remote.digests or {self.first_rank(endpoints): remote.digest0}
         for prank, digest in digests.items():
@@ -184,7 +186,7 @@ class Handshaker:
                 return False
         return True
 
-    def first_rank(self, endpoints: dict[Any, Any]) -> Rank:
+    def first_rank(self, endpoints: dict[Rank, str]) -> Rank:
         """The prefill rank asked first (for the engine's layout): the one this decode rank most likely
         reads, guessed from the ranks given (``(pp, tp)`` keys) as the plan pairs ranks (same position in
         the stage, the stage holding the same layers); (0, 0) when the guess is not among them. A wrong
@@ -195,7 +197,7 @@ class Handshaker:
         guess = (self.rank[0] * p_pp // d_pp, self.rank[1] * p_rps // d_rps)
         return guess if guess in endpoints else (0, 0)
 
-    def probe(self, engine_id: str, endpoints: dict[Any, Any], step: Step = _no_step,
+    def probe(self, engine_id: str, endpoints: dict[Rank, str], step: Step = _no_step,
               ranks: Sequence[Rank] | None = None) -> None:
         """A plain TCP connect to each endpoint of ``ranks`` (default: all given): a dead process's closed
         port answers at once (refused), where ZMQ would wait out ``timeout_s``."""
@@ -211,7 +213,7 @@ class Handshaker:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
 
-    def background(self, engine_id: str, endpoints: dict[Any, Any],
+    def background(self, engine_id: str, endpoints: dict[Rank, str],
                    phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Any, Any]]:
         """The whole handshake (a background thread): handshake (each rank it asks probed first),
         prepared lists. ``phase[0]`` names the step it is at (a handshake that runs past its bound says
@@ -233,7 +235,7 @@ class Handshaker:
                 f"{what} {b - a:.2f} s" for (what, _), a, b in zip(times[1:], marks[1:], marks[2:])))
         return out
 
-    def run(self, engine_id: str, endpoints: dict[Any, Any], step: Step = _no_step,
+    def run(self, engine_id: str, endpoints: dict[Rank, str], step: Step = _no_step,
             probe: bool = False) -> tuple[RemoteEngine, dict[Any, Any]]:
         """Handshake and prepare the lists; on failure nothing it added stays (agents removed).
         ``probe``: TCP-connect to each rank before asking it (:meth:`probe`)."""
@@ -247,7 +249,7 @@ class Handshaker:
             raise
         return remote, prepped
 
-    def _get(self, engine_id: str, endpoints: dict[Any, Any], prank: Rank, step: Step = _no_step,
+    def _get(self, engine_id: str, endpoints: dict[Rank, str], prank: Rank, step: Step = _no_step,
              probe: bool = False) -> RankMeta:
         if prank not in endpoints:
             raise HandshakeError(f"no endpoint given for prefill rank {prank} of engine {engine_id!r}; "
@@ -286,8 +288,8 @@ class Handshaker:
         for prank in needed:
             if prank not in metas:
                 metas[prank] = self._get(engine_id, endpoints, prank, step, probe)
-        agents: dict[Any, Any] = {}
-        bases: dict[Any, Any] = {}
+        agents: dict[Rank, str] = {}
+        bases: dict[Rank, KVMemory] = {}
         step("NIXL add_remote_agent")
         try:
             self._add_agents(engine_id, layout, first, metas, needed, agents, bases)
@@ -302,7 +304,7 @@ class Handshaker:
         readers = {p: len(plan.notifiers_of(p)) for p in needed}
         modes = self._modes(plan, {p: metas[p].staging_bytes for p in needed}, links)
         can_stage = {p for p in plan.prefill_ranks_for(self.rank)
-                     if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != "direct"}
+                     if metas[p].staging_bytes and self.staging_bytes and self.transfer_mode != TransferPath.DIRECT}
         side = tuple(sorted(set(needed) | set(plan.prefill_ranks_for(self.rank))))
         missing = [p for p in side if p not in endpoints]
         if missing:
@@ -316,10 +318,10 @@ class Handshaker:
                             can_stage=frozenset(can_stage), side_ranks=side, links=links)
 
     def _links(self, engine_id: str, endpoints: dict[Rank, str], reads: Sequence[Rank], metas: dict[Rank, RankMeta],
-               mems: dict[Rank, KVMemory], agents: dict[Rank, str]) -> dict[Rank, Any]:
+               mems: dict[Rank, KVMemory], agents: dict[Rank, str]) -> dict[Rank, LinkFigures]:
         """Link figures of each prefill rank read: measured once per link (:data:`LINKS`), the constants
         without a prober."""
-        out: dict[Rank, Any] = {}
+        out: dict[Rank, LinkFigures] = {}
         cache = links_of(self.transport) if self.prober is not None else None
         keys = {p: LinkCache.key(endpoints[p], metas[p], mems.get(p), self.transfer_mode, self.staging_bytes,
                                  self.host_staging_bytes) for p in reads}
@@ -360,21 +362,21 @@ class Handshaker:
             agents[prank] = self.transport.add_peer(m.agent_metadata, m.metadata_sha256)
             bases[prank] = p_mem
 
-    def _modes(self, plan: TransferPlan, prefill_staging: dict[Any, Any],
-               links: dict[Any, Any] | None = None) -> dict[Any, Any]:
+    def _modes(self, plan: TransferPlan, prefill_staging: dict[Rank, int],
+               links: dict[Rank, LinkFigures] | None = None) -> dict[Rank, TransferPath]:
         """The path per prefill rank this rank reads: forced (where the pair offers it, else direct), or
         chosen from the pair's measured link figures (the cost model's constants where none)."""
         from ..cost import choose_modes
-        from ..modes import AUTO, TransferPath
         reads = plan.prefill_ranks_for(self.rank)
-        if self.transfer_mode == TransferPath.DIRECT or not self.staging_bytes:
-            return {p: TransferPath.DIRECT.value for p in reads}
+        direct = TransferPath.DIRECT
+        if self.transfer_mode == direct or not self.staging_bytes:
+            return {p: direct for p in reads}
+        chosen: dict[Rank, TransferPath]
         if self.transfer_mode != AUTO:
             forced = TransferPath(self.transfer_mode)
-            offered = {p: (links[p].paths if links and p in links else (TransferPath.DIRECT, TransferPath.STAGED))
-                       for p in reads}
-            chosen = {p: (forced.value if forced in offered[p] else TransferPath.DIRECT.value) for p in reads}
+            offered = {p: (links[p].paths if links and p in links else (direct, TransferPath.STAGED)) for p in reads}
+            chosen = {p: (forced if forced in offered[p] else direct) for p in reads}
         else:
-            chosen = {m.prefill: m.mode for m in choose_modes(plan, self.cost_model, decode_ranks=[self.rank],
-                                                              links=links)}
-        return {p: (chosen.get(p, "direct") if prefill_staging.get(p) else "direct") for p in reads}
+            chosen = {m.prefill: TransferPath(m.mode) for m in choose_modes(plan, self.cost_model,
+                                                                            decode_ranks=[self.rank], links=links)}
+        return {p: (chosen.get(p, direct) if prefill_staging.get(p) else direct) for p in reads}

@@ -42,6 +42,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import HandshakeError, IllegalTransition
+from ..modes import TransferPath
 from ..transport.base import Transport
 from .machine import step
 
@@ -393,7 +394,7 @@ class Peer:
         return self._r().digests
 
     @property
-    def modes(self) -> dict[Rank, str]:
+    def modes(self) -> dict[Rank, TransferPath]:
         return self._r().modes
 
     @property

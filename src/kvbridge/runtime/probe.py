@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ..cost import CostModel, LinkFigures, PathFigures, model_link
-from ..modes import TransferPath
+from ..modes import TransferMode, TransferPath
 from ..transport.base import elapsed_s
 
 log = logging.getLogger(__name__)
@@ -586,7 +586,7 @@ def check_link(link: LinkFigures, where: str) -> str | None:
     return text
 
 
-def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> list[TransferPath]:
+def pair_paths(mode: TransferMode, decode_staging: int, decode_host: int, meta: Any) -> list[TransferPath]:
     """The paths a (decode rank, prefill rank) pair offers: direct always; device staging when both sides
     have a staging buffer; host staging when both have host staging (``meta``: the prefill's RankMeta);
     push when both have a staging buffer and the prefill said it will WRITE into ours (``meta.push``);
@@ -602,7 +602,7 @@ def pair_paths(mode: str, decode_staging: int, decode_host: int, meta: Any) -> l
     return out
 
 
-def measure_links(prober: "Prober | None", model: CostModel, mode: str, decode_staging: int, decode_host: int,
+def measure_links(prober: "Prober | None", model: CostModel, mode: TransferMode, decode_staging: int, decode_host: int,
                   reads: Sequence[Any], metas: dict[Any, Any], mems: dict[Any, Any], agents: dict[Any, str],
                   where: str = "", push: Callable[[Any], PushProber | None] | None = None) -> dict[Any, LinkFigures]:
     """The :class:`LinkFigures` of each prefill rank in ``reads`` (measured by ``prober`` when given, else

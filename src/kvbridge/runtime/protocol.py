@@ -128,7 +128,9 @@ class Stage(msgspec.Struct, tag="stage"):
     incarnation: str = ""   # sha256 of the prefill rank's metadata this decode rank handshook with
     read_id: str = ""       # the decode's id of this read (its pin); "" means req_id
     decode_agent: str = ""  # the decode rank's NIXL agent (must be the one bound at handshake)
-    path: str = "staged"    # cost.TransferPath: "staged" (device staging), "host" (host staging) or "push"
+    # a modes.TransferPath value: "staged" (device staging), "host" (host staging) or "push"; a str on the wire,
+    # so a path the prefill does not stage over is answered (StageError bad_request), not an undecodable message
+    path: str = "staged"
     # push: the decode's staging slot the prefill WRITEs the packed stream into (byte 0 of the stream at
     # push_addr), on push_device ("cpu" or "cuda:N"); the slot holds the whole stream
     push_addr: int = 0

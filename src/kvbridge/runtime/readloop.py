@@ -158,7 +158,7 @@ class ReadLoop:
         self.finished, self.failed = [], {}
         return out, failed
 
-    def start(self, peer: Peer, req: ReadRequest, modes: dict[Rank, str], t0: float) -> None:
+    def start(self, peer: Peer, req: ReadRequest, modes: dict[Rank, TransferPath], t0: float) -> None:
         """Start ``req`` on live ``peer`` with these transfer modes per prefill rank: ask its prefill ranks
         to pin the lease (direct reads are posted when the pin is granted; staged ranks pack on the stage
         request, which pins too; a rank with nothing to read is pinned and released at once)."""

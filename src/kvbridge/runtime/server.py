@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .config import PrefillConfig
 from .wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -50,9 +51,12 @@ class PrefillServer:
     blocks may be given back to the engine with :meth:`take_finished` (freed by every reader's Done, or
     expired)."""
 
-    def __init__(self, endpoint: PrefillRank, poll_s: float = 0.002) -> None:
-        # poll_s: how often NIXL notifications (Done) are checked while pins are held; side-channel
-        # messages and hand-overs wake the thread at once
+    def __init__(self, endpoint: PrefillRank, poll_s: float | None = None) -> None:
+        # poll_s: how often NIXL notifications (Done) are checked while pins are held (None: the
+        # endpoint's PrefillConfig.poll_s); side-channel messages and hand-overs wake the thread at once
+        if poll_s is None:
+            cfg = getattr(endpoint, "config", None)
+            poll_s = cfg.poll_s if isinstance(cfg, PrefillConfig) else PrefillConfig().poll_s
         self.ep, self.poll_s = endpoint, poll_s
         self._new: queue.SimpleQueue[tuple[str, dict[str, GroupBlocks] | None, int, int]] = queue.SimpleQueue()
         self._serve = threading.Lock()

@@ -40,8 +40,8 @@ log = logging.getLogger("kvbridge.runtime.prefill")
 SlotKey = tuple[str, str, tuple[int, ...], str]  # (request, decode engine, decode rank, read id)
 Reply = Staged | StageError
 
-# the paths a stage request may name (cost.TransferPath values that stage on this rank)
-STAGE_PATHS = frozenset({TransferPath.STAGED.value, TransferPath.HOST.value, TransferPath.PUSH.value})
+# the paths a stage request may name (those that stage on this rank); a str enum: ``"push" in STAGE_PATHS``
+STAGE_PATHS: frozenset[TransferPath] = frozenset({TransferPath.STAGED, TransferPath.HOST, TransferPath.PUSH})
 
 
 def as_rank(rank: Sequence[int]) -> Rank:

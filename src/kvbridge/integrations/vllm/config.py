@@ -28,9 +28,10 @@ extra-config ``side_channel_host`` (``"auto"``: this node's address as vLLM disc
 **Endpoint options.** The extra config's keys that name an option of
 :class:`~kvbridge.runtime.config.PrefillConfig` (but ``host`` / ``port``, set by the rules above) or of
 :class:`~kvbridge.runtime.config.DecodeConfig` configure this engine's endpoints (``staging_bytes`` names
-both); their defaults are those classes', except :data:`VLLM_DECODE_DEFAULTS`. ``lease_grace_s`` is another
-name of ``register_grace_s``. Other keys are the connector's own (:data:`CONNECTOR_KEYS`) or left to a
-subclass.
+both); their defaults are those classes' (written there once), except :data:`VLLM_DECODE_DEFAULTS`, the one
+table of the options whose default differs under vLLM. :data:`OPTION_ALIASES` maps other names of options onto
+them (``lease_grace_s`` is ``register_grace_s``; giving both is an error). Other keys are the connector's own
+(:data:`CONNECTOR_KEYS`) or left to a subclass.
 
 **Transfer params.** A prefill's answer carries :class:`TransferParams` (``kv_transfer_params``, all
 JSON) to the decode: built by the prefill's scheduler, parsed by the decode's workers.
@@ -55,10 +56,12 @@ HOST_ENV = "KVBRIDGE_SIDE_CHANNEL_HOST"
 VLLM_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_BACKENDS = ("UCX",)
 #: extra-config keys the connector reads itself (not endpoint options)
-CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content",
-                            "lease_grace_s"})
-#: decode options whose default differs under vLLM: its prefill registers a request's lease when the step
-#: that finished it returns to the scheduler, and the router may hand the request to the decode before that
+CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content"})
+#: other names of endpoint options, alias -> the option (an alias has no default of its own: it is the option)
+OPTION_ALIASES: dict[str, str] = {"lease_grace_s": "register_grace_s"}
+#: decode options whose default differs under vLLM (the only place the vLLM default is written): its prefill
+#: registers a request's lease when the step that finished it returns to the scheduler, and the router may hand
+#: the request to the decode before that
 VLLM_DECODE_DEFAULTS: dict[str, Any] = {"register_grace_s": 5.0}
 
 
@@ -127,17 +130,25 @@ class ContextParallelUnsupported(VLLMConfigError):
     """A context-parallel setting kvbridge cannot move (the message names it and what to change)."""
 
 
+def _unalias(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` with each alias (:data:`OPTION_ALIASES`) renamed to its option; both given is an error."""
+    out = dict(extra)
+    for alias, name in OPTION_ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise VLLMConfigError(f"kv_connector_extra_config sets both {alias} and {name} (two names of one "
+                                      "option): keep one")
+            out[name] = out.pop(alias)
+    return out
+
+
 def endpoint_configs(extra: Mapping[str, Any]) -> tuple[PrefillConfig, DecodeConfig]:
     """This engine's prefill and decode endpoint options from ``kv_connector_extra_config`` (module
     docstring); a bad value raises :class:`~kvbridge.integrations.vllm.translate.VLLMConfigError` naming it."""
+    extra = _unalias(extra)
     p_keys = {f.name for f in fields(PrefillConfig)} - {"host", "port"}
     d_keys = {f.name for f in fields(DecodeConfig)}
     d_opts = dict(VLLM_DECODE_DEFAULTS)
-    if "lease_grace_s" in extra:
-        if "register_grace_s" in extra:
-            raise VLLMConfigError("kv_connector_extra_config sets both lease_grace_s and register_grace_s (two names "
-                                  "of one option): keep one")
-        d_opts["register_grace_s"] = extra["lease_grace_s"]
     d_opts.update((k, v) for k, v in extra.items() if k in d_keys)
     try:
         return (PrefillConfig.from_mapping({k: v for k, v in extra.items() if k in p_keys}),
@@ -203,6 +214,10 @@ class ConnectorConfig:
         return dataclasses.replace(self.prefill, host=host, port=port)
 
 
+#: vLLM's flags in kv_transfer_params (truthiness, as vLLM's own connectors read them: null is false)
+_FLAGS = frozenset({"do_remote_prefill", "do_remote_decode"})
+
+
 class TransferParams(msgspec.Struct, kw_only=True):
     """A prefill's ``kv_transfer_params`` (all JSON), as the decode receives them: which engine and ranks
     hold the request's KV, and under which lease. Built on the prefill by the scheduler
@@ -228,10 +243,12 @@ class TransferParams(msgspec.Struct, kw_only=True):
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> TransferParams:
-        """Parse ``kv_transfer_params`` (unknown keys, and the connector's private ``_`` keys, are ignored);
-        a value of the wrong type raises :class:`~kvbridge.errors.RequestError` naming it."""
+        """Parse ``kv_transfer_params`` (unknown keys, and the connector's private ``_`` keys, are ignored; a
+        null ``do_remote_prefill`` / ``do_remote_decode`` is false, as vLLM reads them); a value of the wrong
+        type raises :class:`~kvbridge.errors.RequestError` naming its key."""
+        d = {k: v for k, v in params.items() if v is not None or k not in _FLAGS}
         try:
-            return msgspec.convert(dict(params), cls, strict=False)
+            return msgspec.convert(d, cls, strict=False)
         except msgspec.ValidationError as e:
             raise RequestError(f"kv_transfer_params: {e}") from None
 

@@ -56,11 +56,13 @@ class RecvReq:
     req_id: str
     local_block_ids: list[list[int]]  # per group: the blocks to fill (tail after the prefix hit)
     local_first_block: list[int]       # per group: number of locally cached (hit) blocks before them
-    remote: dict[str, Any]             # the prefill's kv_transfer_params
+    remote: dict[str, Any]             # the prefill's kv_transfer_params (TransferParams.to_dict)
 
 
 # a prefill's kv_transfer_params as a dict (the wire form of config.TransferParams)
 Params = dict[str, Any]
+#: the connector's own mark in a prefill request's kv_transfer_params: its prompt was cut short (Mamba backoff)
+TRUNCATED = "_kvbridge_truncated"
 
 
 @dataclass
@@ -136,14 +138,15 @@ class ConnectorScheduler:
         same values, but a Mamba state would take the token twice. So the prefill stops one token short and
         its final state is the one the decode's recompute starts from."""
         p = request.kv_transfer_params
-        if p and p.get("do_remote_prefill") and _readable(p):
+        t = _params(p)
+        if t is not None and t.do_remote_prefill and t.readable:
             # decode: the prefill's lease must not run out while the request waits here (heartbeats, as vLLM's
             # NixlConnector tracks them from on_new_request; get_num_new_matched_tokens has no side effects)
-            self._queued[request.request_id] = _remote(p)
+            self._queued[request.request_id] = t.to_dict()
             # the workers start the handshake with its prefill engine now (in the background)
-            self._pending_connect[str(p["remote_engine_id"])] = self._queued[request.request_id]
+            self._pending_connect[str(t.remote_engine_id)] = self._queued[request.request_id]
         b = self.backoff
-        if (not b or not p or not p.get("do_remote_decode") or p.get("_kvbridge_truncated")
+        if (not b or t is None or not t.do_remote_decode or p.get(TRUNCATED)
                 or request.num_prompt_tokens <= b or request.prompt_token_ids is None):
             return
         if hasattr(request, "get_skip_reading_prefix_cache") and request.get_skip_reading_prefix_cache():
@@ -152,14 +155,14 @@ class ConnectorScheduler:
         del request._all_token_ids[-b:]
         request.num_prompt_tokens -= b
         request.max_tokens = 1
-        p["_kvbridge_truncated"] = True
+        p[TRUNCATED] = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        p = request.kv_transfer_params
-        if p and p.get("do_remote_prefill") and p.get("remote_block_ids") is not None:
+        t = _params(request.kv_transfer_params)
+        if t is not None and t.do_remote_prefill and t.remote_block_ids is not None:
             want = self.remote_token_count(len(request.prompt_token_ids or []))
-            remote = p.get("remote_num_tokens")
-            if self.backoff and remote is not None and int(remote) != want:
+            remote = t.remote_num_tokens
+            if self.backoff and remote is not None and remote != want:
                 # a Mamba state (or MTP draft KV) after more or fewer tokens than the decode resumes from
                 # would be wrong
                 log.warning("kvbridge: %s: the prefill computed %s prompt tokens, this decode resumes after %d "
@@ -189,13 +192,14 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
+        t = _params(p)
+        if t is None or not t.do_remote_prefill:
             return
         self._queued.pop(request.request_id, None)
-        if num_external_tokens <= 0 and _readable(p):
+        if num_external_tokens <= 0 and t.readable:
             # nothing to read (the local prefix cache holds it all, or the params do not fit this engine):
             # the prefill may free its blocks now
-            self._pending_release[request.request_id] = _remote(p)
+            self._pending_release[request.request_id] = t.to_dict()
         if num_external_tokens > 0:
             local, first = [], []
             for g, group in enumerate(blocks.blocks):
@@ -206,7 +210,7 @@ class ConnectorScheduler:
                 hit = sum(1 for b in group if b.block_hash is not None and not b.is_null)
                 first.append(hit)
                 local.append([b.block_id for b in group[hit:]])
-            self._pending_recv[request.request_id] = RecvReq(request.request_id, local, first, _remote(p))
+            self._pending_recv[request.request_id] = RecvReq(request.request_id, local, first, t.to_dict())
         # only one read per request
         p["do_remote_prefill"] = False
 
@@ -227,14 +231,15 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         p = request.kv_transfer_params
+        t = _params(p)
         self._queued.pop(request.request_id, None)
-        if p and p.get("do_remote_prefill") and _readable(p):
+        if t is not None and t.do_remote_prefill and t.readable:
             # a decode request that finished (aborted, rejected, errored, any status) before its read was
             # set up: tell the prefill at once instead of holding its blocks for the lease
-            self._pending_release[request.request_id] = _remote(p)
+            self._pending_release[request.request_id] = t.to_dict()
             p["do_remote_prefill"] = False
             return False, None
-        if not p or not p.get("do_remote_decode"):
+        if t is None or not t.do_remote_decode:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted/errored prefill: free now
@@ -295,15 +300,14 @@ def _prompt_key(request: Any) -> tuple[Any, ...]:
             getattr(lora, "lora_name", None), getattr(request, "cache_salt", None), mm)
 
 
-def _remote(p: Params) -> Params:
-    """The prefill's kv_transfer_params as the workers get them (without the connector's own ``_`` keys)."""
-    return {k: v for k, v in p.items() if not k.startswith("_")}
-
-
-def _readable(p: Params) -> bool:
-    """Whether the params name an engine and blocks to read (params that do not parse are not: logged)."""
+def _params(p: Params | None) -> TransferParams | None:
+    """A request's ``kv_transfer_params`` parsed (:meth:`TransferParams.from_dict`: the connector's own ``_``
+    keys and vLLM's other keys ignored); None without params, or for params that do not parse (logged: the
+    request is not the connector's, as for params naming no engine or blocks)."""
+    if not p:
+        return None
     try:
-        return TransferParams.from_dict(p).readable
+        return TransferParams.from_dict(p)
     except RequestError as e:
         log.warning("kvbridge: ignoring kv_transfer_params that do not parse: %s", e)
-        return False
+        return None
