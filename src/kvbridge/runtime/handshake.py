@@ -13,7 +13,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -28,6 +28,9 @@ from ..transport.base import Transport
 from . import prepped_hook as _prepped_hook
 from . import probe as _probe
 from .protocol import ErrorReply, GetMeta, RankMeta, pack, unpack
+
+if TYPE_CHECKING:
+    from ..prepped import Prepared
 
 log = logging.getLogger(__name__)
 Step = Callable[[str], None]  # names the step a handshake is at (diagnostics of a slow handshake)
@@ -214,7 +217,7 @@ class Handshaker:
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
 
     def background(self, engine_id: str, endpoints: dict[Rank, str],
-                   phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Any, Any]]:
+                   phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Rank, Prepared]]:
         """The whole handshake (a background thread): handshake (each rank it asks probed first),
         prepared lists. ``phase[0]`` names the step it is at (a handshake that runs past its bound says
         where it was stuck); one that takes more than 2 s logs how long each step took."""
@@ -236,7 +239,7 @@ class Handshaker:
         return out
 
     def run(self, engine_id: str, endpoints: dict[Rank, str], step: Step = _no_step,
-            probe: bool = False) -> tuple[RemoteEngine, dict[Any, Any]]:
+            probe: bool = False) -> tuple[RemoteEngine, dict[Rank, Prepared]]:
         """Handshake and prepare the lists; on failure nothing it added stays (agents removed).
         ``probe``: TCP-connect to each rank before asking it (:meth:`probe`)."""
         remote = self.handshake(engine_id, endpoints, step, probe)

@@ -47,6 +47,8 @@ from ..transport.base import Transport
 from .machine import step
 
 if TYPE_CHECKING:
+    from ..cost import PairShape
+    from ..prepped import Prepared
     from .handshake import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -251,9 +253,9 @@ class Peer:
         self._pending: list[Any] = list(pending)  # ReadRequests started while connecting (only its methods change it)
         self.error = ""                 # why the handshake failed (LOST from CONNECTING)
         self.remote: RemoteEngine | None = None
-        self.prepped: dict[Rank, Any] = {}
+        self.prepped: dict[Rank, Prepared] = {}
         self.channel: Any = None              # the side channel (SideChannel), while open
-        self.socks: dict[Rank, Any] = {}      # prefill rank -> its end of the side channel (RankSocket)
+        self.socks: dict[Rank, RankSocket] = {}  # prefill rank -> its end of the side channel (RankSocket)
         self.outbox: dict[Rank, list[tuple[str, int, str]]] = {}      # acquires (req_id, attempt, key)
         self.heartbeats: dict[Rank, list[tuple[str, int, str]]] = {}  # heartbeats, the same
         self.unsent: list[tuple[Rank, list[bytes]]] = []  # frames ZMQ could not queue yet
@@ -281,12 +283,12 @@ class Peer:
     def connecting(self) -> bool:
         return self.state is PeerState.CONNECTING
 
-    def adopt(self, remote: RemoteEngine, prepped: dict[Rank, Any] | None) -> None:
+    def adopt(self, remote: RemoteEngine, prepped: dict[Rank, Prepared] | None) -> None:
         """Take ownership of a handshake's result (its agents were added to the transport, its lists
         prepared): from now on :meth:`close` releases them."""
         self.remote, self.prepped = remote, dict(prepped or {})
 
-    def connected(self, remote: RemoteEngine, prepped: dict[Rank, Any] | None,
+    def connected(self, remote: RemoteEngine, prepped: dict[Rank, Prepared] | None,
                   open_channel: Callable[[dict[Rank, str]], Any]) -> None:
         """CONNECTING -> LIVE: own the handshake's result and open the side channel
         (``open_channel({prefill rank: endpoint})``) to the prefill ranks this decode rank asks."""
@@ -398,7 +400,7 @@ class Peer:
         return self._r().modes
 
     @property
-    def shapes(self) -> dict[Rank, Any]:
+    def shapes(self) -> dict[Rank, PairShape]:
         return self._r().shapes
 
     @property
@@ -418,7 +420,7 @@ class Peer:
         return self._r().plan
 
     @property
-    def stage_socks(self) -> dict[Rank, Any]:
+    def stage_socks(self) -> dict[Rank, RankSocket]:
         """prefill rank -> DEALER (the sockets this peer owns)."""
         return self.socks
 

@@ -62,6 +62,7 @@ from .peer import Peer, PeerEvent, PeerState, Rank, SideChannel
 from .poller import ChannelPoller, PollWork
 
 if TYPE_CHECKING:
+    from ..prepped import Prepared
     from .handshake import Handshaker, RemoteEngine
     from .request import ReadRequest
 
@@ -217,7 +218,7 @@ class PeerTable:
         ch.close = closed  # type: ignore[method-assign]
         return ch
 
-    def install(self, peer: Peer, remote: RemoteEngine, prepped: dict[Rank, Any] | None) -> list[ReadRequest]:
+    def install(self, peer: Peer, remote: RemoteEngine, prepped: dict[Rank, Prepared] | None) -> list[ReadRequest]:
         """CONNECTING -> LIVE: the peer owns the handshake's result and opens its side channel (on this
         thread). Returns its queued reads (the caller starts them). Raises :class:`HandshakeError`,
         before the peer changes and with the handshake's agents and lists released, if the channel does not
@@ -297,7 +298,7 @@ class PeerTable:
                     bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
         handshaker = self.handshaker()
 
-        def run() -> tuple[RemoteEngine, dict[Rank, Any]]:
+        def run() -> tuple[RemoteEngine, dict[Rank, Prepared]]:
             peer.running = time.monotonic()  # the bound counts from here, not from the queue
             return handshaker.background(engine_id, endpoints, phase)
         peer.future = self.pool.submit(run)
