@@ -45,7 +45,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
 from kvbridge.testing.engine import default_memory
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import NixlTransport, nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -264,7 +264,7 @@ def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
                 dec.start(j.read())
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in new} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in new])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in new])["mismatched_bytes"] == 0
             wait_freed(P, {j.rid for j in new})
             assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
         for st in P.call_all("stats").values():
@@ -328,7 +328,7 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
             d, f = dec.wait(30)
             done.update(d)
             assert not f and done >= a_ids | b_ids, f
-            assert _verify(dec, [(j.num, j.read()) for j in js["pA"] + js["pB"]])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js["pA"] + js["pB"]])["mismatched_bytes"] == 0
             for p in P.values():
                 wait_freed(p, {j.rid for j in js[p.engine_id]})
             s = dec.stats()
@@ -428,7 +428,7 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             dec.start(j.read(new))
             done, failed = dec.wait(20)
             assert done == [j.rid] and not failed, failed
-            assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
             until(lambda: not pre.leases, 10, "the real Done to free the lease")
             print(f"forged/stale: {pre.metrics.forged_messages} forged, {pre.metrics.stale_messages} stale ignored; "
                   f"read {time.monotonic() - t0:.3f} s")
@@ -714,7 +714,7 @@ def test_one_decode_engine_cannot_take_more_than_its_share_of_staging():
             done, failed = da.wait(20)
             assert sorted(done) == sorted(j.rid for j in a_jobs) and not failed, failed
             for dec, js in ((da, a_jobs), (db, b_jobs)):
-                assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+                assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
                 assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
             until(lambda: not pre.leases and not pre.stager.parked, 10, "the prefill to free every lease")
             with lock:

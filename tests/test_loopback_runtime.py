@@ -11,7 +11,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 
 _n = itertools.count()
@@ -111,7 +111,7 @@ def _loopback_read(mode, torch=None, model=None, pools=None):
                 dec.start(j.read(e))
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             freed = {0: set(), 1: set()}
 
             def all_freed():
