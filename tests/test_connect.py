@@ -52,8 +52,8 @@ def test_start_for_a_frozen_new_engine_returns_and_reads_once_it_answers():
                 for _ in range(50):
                     assert dec.poll() == ([], {})
                     time.sleep(0.002)
-                assert dec._peers["pC"].state is PeerState.CONNECTING and "pC" not in dec.remotes
-                assert len(dec._peers["pC"].pending) == len(js) and not dec.inflight
+                assert dec.peers.current["pC"].state is PeerState.CONNECTING and "pC" not in dec.remotes
+                assert len(dec.peers.current["pC"].pending) == len(js) and not dec.inflight
             finally:
                 for w in P.workers.values():
                     os.kill(w.proc.pid, signal.SIGCONT)
@@ -90,7 +90,7 @@ def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
             assert all(isinstance(f, HandshakeFailed) and f.engine_id == "pD" for f in failed.values())
             assert verify_rank(dec, [(j.num, j.read()) for j in live])["mismatched_bytes"] == 0
             assert dec.metrics.failed_handshakes == 1 and dec.metrics.failed_requests == 2
-            assert "pD" not in dec._peers and "pD" not in dec.remotes and not dec.busy
+            assert "pD" not in dec.peers.current and "pD" not in dec.remotes and not dec.busy
 
 
 def test_restarted_prefill_is_rehandshaken_without_failing_the_read():

@@ -294,7 +294,7 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
             # the post thread is held until pA is frozen: pA's reads are posted (queued there) before the
             # freeze by construction, not by timing (a completed read is never asked about again)
             gate = threading.Event()
-            dec.transport._pool.submit(gate.wait, 60)
+            dec.transport._pool.submit(gate.wait, 60)  # fault injection: NixlTransport's post pool
             for e in ("pA", "pB"):
                 for j in js[e]:
                     dec.start(j.read())
@@ -412,18 +412,27 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             for d in forged:
                 stranger.send_notif(agent, encode_notif(d))
             real_agent = dec.remotes["pX"].agents[(0, 0)]
-            dec._notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
+            dec.reads.notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
             m = pre.metrics
             until(lambda: m.forged_messages + m.stale_messages + m.ignored_notifications >= 4, 10, "messages counted")
             with lock:
                 assert j.rid in pre.leases and pre.leases[j.rid].attempt == new and not pre.leases[j.rid].pins
                 # another agent claiming dX: forged; a guessed or old attempt: stale; dEvil holds no pin: ignored
                 assert m.stale_messages >= 2 and m.forged_messages >= 1 and m.ignored_notifications >= 1
-                # a stage request naming a made-up decode engine gets no slot
-                replies = list(pre._stage(Stage(j.rid, "made-up", (0, 0), dec._layout_dict, 40, {}, {}, 4096, new, 1),
-                                          []))
-                assert len(replies) == 1 and isinstance(replies[0], StageError)
-                assert replies[0].code == "unknown_reader" and pre.slots.bytes_used == 0
+            # a stage request naming a made-up decode engine gets no slot (sent over the side channel)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{ep}")
+            try:
+                sock.send_multipart(protocol.pack(Stage(j.rid, "made-up", (0, 0), dec.reads.layout_dict,
+                                                        dec.reads.mem_wire, 40, {}, {}, 4096, new, 1)))
+                assert sock.poll(5000), "no answer to the stage request"
+                reply = protocol.unpack(sock.recv_multipart())
+            finally:
+                sock.close()
+            assert isinstance(reply, StageError) and reply.code == "unknown_reader", reply
+            with lock:
+                assert pre.slots.bytes_used == 0
             t0 = time.monotonic()
             dec.start(j.read(new))
             done, failed = dec.wait(20)
@@ -452,7 +461,7 @@ def _fuzz_frames(rng, n: int, stage: Stage, acquire: protocol.Acquire) -> list[t
     bit-flipped msgspec payloads, messages of the wrong kind, wrongly typed fields, and well-formed
     stage/acquire/get_meta requests with garbage content (none of them may be served)."""
     import msgspec
-    enc = protocol._enc
+    enc = msgspec.msgpack.Encoder()  # the side channel's encoding (protocol.pack's last frame)
     ver = protocol.PROTOCOL_VERSION.to_bytes(2, "big")
     good = [enc.encode(m) for m in (stage, acquire, protocol.GetMeta("fuzzer", (0, 0), (0, 0), "fuzz-agent"))]
     wrong_kind = [protocol.Done("fz", "fuzzer", (0, 0), 1), protocol.Staged("fz", 0, 64),

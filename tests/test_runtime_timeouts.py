@@ -45,7 +45,7 @@ def test_a_long_local_post_queue_does_not_fail_healthy_requests():
         with inproc_decode(dl, "dT", transfer_timeout_s=2.0, stage_timeout_s=30.0) as dec:
             dec.handshake("pT", P.endpoints())
             gate = threading.Event()
-            dec.transport._pool.submit(gate.wait, 30)  # the (single) post thread is taken
+            dec.transport._pool.submit(gate.wait, 30)  # fault injection: the (single) post thread is taken
             try:
                 for j in js:
                     dec.start(j.read())

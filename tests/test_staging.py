@@ -42,7 +42,7 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
             dec.handshake("pw", {(0, 0): f"127.0.0.1:{pre.port}"})
             (j,) = jobs.make("pw", 1, lengths=[40])
             e = hold(pre, lock, j)
-            with lock:
+            with lock:  # fault injection: the prefill's stage handler (PrefillRank._stage) answers a wrong stream
                 pre._stage = lambda msg, envelope: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
             dec.start(j.read(e))
             done, failed = dec.wait(5)
