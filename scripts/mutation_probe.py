@@ -18,6 +18,7 @@ the ``src/`` beside it first on ``sys.path``), ``pytest -x``: the first failure 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -51,6 +52,13 @@ FIRST = {
     RT + "peer.py": ["tests/test_peer_state.py", "tests/test_peer_properties.py"],
     RT + "slots.py": ["tests/test_slots.py", "tests/test_staging_segments.py"],
     "kvbridge/staging.py": ["tests/test_staging_segments.py"],
+    # not sans-IO: the decode's read loop over a side channel and NIXL agents in this process, and the vLLM
+    # adapter's scheduler side next to vLLM's own Scheduler (pytest node ids: only the tests aimed at them)
+    RT + "readloop.py": ["tests/test_faults.py::test_the_decode_ignores_answers_naming_another_attempt"],
+    "kvbridge/integrations/vllm/scheduler.py": [
+        "tests/vllm/test_connector_scheduler.py::test_n_gt_1_siblings_share_a_lease_only_with_the_same_prompt",
+        "tests/vllm/test_connector_n2.py",
+    ],
 }
 
 
@@ -62,11 +70,14 @@ class Mutant:
     new: str
     what: str
     equivalent: str = ""  # why the mutant preserves behaviour (left out of the rate), or ""
+    needs: str = ""  # packages its tests need ("a|b": either); none installed: the mutant is skipped, not counted
 
 
 M = Mutant
 L, RM, RS, P = RT + "lease.py", RT + "readmachine.py", RT + "readstate.py", RT + "peer.py"
 SL, ST = RT + "slots.py", "kvbridge/staging.py"
+RL, VS = RT + "readloop.py", "kvbridge/integrations/vllm/scheduler.py"
+NIXL = "nixl_cu12|nixl_cu13|nixl"  # the wheels kvbridge.transport.nixl loads
 MUTANTS: list[Mutant] = [
     # ---- the lease machine: attempts, settled ranks, counts ------------------------------------------------
     M(
@@ -777,6 +788,60 @@ MUTANTS: list[Mutant] = [
         "    seg = (offsets(nbytes) + nbytes) // max(1, int(segment_bytes))",
         "segments cut by run ends, not starts",
     ),
+    # ---- the decode's read loop: an answer is taken only by the read of its attempt (tests/test_faults.py) --
+    M(
+        "RL1",
+        RL,
+        "                or (attempt is not None and attempt != f.req.attempt_for(prank))):",
+        "                ):",
+        "an answer naming another attempt is taken by the read (attempt check dropped)",
+        needs=NIXL,
+    ),
+    M(
+        "RL2",
+        RL,
+        "f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)",
+        "f, rr = self._rank_read(peer, prank, msg.req_id, None, msg.read_id)",
+        "a packed segment (Staged) looked up without its attempt",
+        needs=NIXL,
+    ),
+    M(
+        "RL3",
+        RL,
+        "        for rid, attempt, read_id, ttl_s in msg.granted:\n"
+        "            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)\n            if f is None",
+        "        for rid, attempt, read_id, ttl_s in msg.granted:\n"
+        "            f, rr = self._rank_read(peer, prank, rid, None, read_id)\n            if f is None",
+        "a grant (Acquired) looked up without its attempt",
+        needs=NIXL,
+    ),
+    # ---- the vLLM adapter's n > 1 linking (tests/vllm: needs vLLM) -----------------------------------------
+    M("V1", VS, "            sib.reads += 1\n", "", "a linked sibling does not raise the lease's expected reads",
+      needs="vllm"),
+    M(
+        "V2",
+        VS,
+        "and sib.lease_id in self._held and sib.prompt == key",
+        "and sib.lease_id in self._held",
+        "siblings with other prompts linked to one lease",
+        needs="vllm",
+    ),
+    M(
+        "V3",
+        VS,
+        "                and int(child.group(1)) not in sib.indices):",
+        "                ):",
+        "a second finish of the same child index linked again (one read expected too many)",
+        needs="vllm",
+    ),
+    M(
+        "V4",
+        VS,
+        "self._siblings = {k: v for k, v in self._siblings.items() if v.lease_id not in done}",
+        "pass",
+        "a sibling linked to a lease already freed",
+        needs="vllm",
+    ),
 ]
 
 
@@ -801,7 +866,13 @@ _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 def tests_for(m: Mutant | None) -> list[str]:
     first = FIRST.get(m.file, []) if m is not None else []
     present = [t for t in FAST_TESTS if (ROOT / t).exists()]
-    return [t for t in first if t in present] + [t for t in present if t not in first]
+    first = [t for t in first if (ROOT / t.split("::")[0]).exists()]  # files or pytest node ids
+    return first + [t for t in present if t not in first]
+
+
+def missing(needs: str) -> bool:
+    """``needs``: top-level packages, ``|`` between alternatives; True when none is installed (nothing imported)."""
+    return bool(needs) and all(importlib.util.find_spec(name) is None for name in needs.split("|"))
 
 
 def run_one(m: Mutant | None, timeout: float) -> Result | str:
@@ -809,8 +880,12 @@ def run_one(m: Mutant | None, timeout: float) -> Result | str:
     with tempfile.TemporaryDirectory(prefix="kvb-mut-") as tmp:
         tmp_p = Path(tmp)
         shutil.copytree(ROOT / "src", tmp_p / "src", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(ROOT / "tests", tmp_p / "tests", ignore=shutil.ignore_patterns("__pycache__", "vllm", "data"))
+        skip = ["__pycache__", "data"] + ([] if m is not None and m.file.startswith("kvbridge/integrations/vllm/")
+                                          else ["vllm"])
+        shutil.copytree(ROOT / "tests", tmp_p / "tests", ignore=shutil.ignore_patterns(*skip))
         shutil.copy(ROOT / "pyproject.toml", tmp_p / "pyproject.toml")
+        if m is not None and missing(m.needs):
+            return Result(m, "skipped", f"needs {m.needs} (not installed)")
         if m is not None:
             target = tmp_p / "src" / m.file
             new = apply(target.read_text(), m) if target.exists() else None

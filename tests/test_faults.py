@@ -10,6 +10,7 @@ handles, parked reads and staging, prefill leases and staging slots.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import re
 import signal
@@ -444,6 +445,89 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             assert dec.stats()["live_handles"] == 0 and pre.slots.bytes_used == 0
     finally:
         stranger.close()
+        pre.close()
+
+
+@contextlib.contextmanager
+def _rewriting_proxy(target: str, rewrite):
+    """A side channel between one decode rank and the prefill rank at ``target``: requests pass as sent,
+    each reply is passed through ``rewrite(msg) -> msg`` (a prefill, or a network, answering with other
+    content); yields the proxy's endpoint."""
+    import zmq
+    ctx = zmq.Context.instance()
+    front = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    port = front.bind_to_random_port("tcp://127.0.0.1")
+    stop, backs = threading.Event(), {}  # one socket to the prefill per decode socket (identity)
+
+    def loop():
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        while not stop.is_set():
+            for sock, _ in poller.poll(20):
+                fr = sock.recv_multipart()
+                if sock is front:  # [decode identity, (b"",) body...]
+                    if fr[0] not in backs:
+                        back = backs[fr[0]] = ctx.socket(zmq.DEALER)
+                        back.setsockopt(zmq.LINGER, 0)
+                        back.connect(f"tcp://{target}")
+                        poller.register(back, zmq.POLLIN)
+                    backs[fr[0]].send_multipart(fr[1:])
+                else:  # [(b"",) body...]: the reply, in the request's envelope
+                    ident = next(i for i, b in backs.items() if b is sock)
+                    delim = fr[:1] if fr[0] == b"" else []
+                    body = protocol.pack(rewrite(protocol.unpack(fr[len(delim):])))
+                    front.send_multipart([ident, *delim, *body])
+
+    t = threading.Thread(target=loop, daemon=True, name="rewriting-proxy")
+    t.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop.set()
+        t.join(5)
+        for sock in (front, *backs.values()):
+            sock.close(0)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_the_decode_ignores_answers_naming_another_attempt(mode):
+    """Every grant (``Acquired``) and every packed segment (``Staged``) the prefill sends names another
+    attempt of the request than the decode's read (a late answer to an earlier attempt of a re-registered
+    request id): the decode's read takes none of them (it reads nothing on a pin of another attempt, and
+    lets that pin go); it times out waiting for an answer of its own attempt, nothing leaks."""
+    import msgspec
+
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=26)
+    jobs.engine("pW", pl)
+    (j,) = jobs.make("pW", 1, lengths=[40], prefix_p=0.0)
+    pre = PrefillRank(pl, (0, 0), "pW", memory=default_memory(pl, (0, 0)))
+    rewritten = []
+
+    def other_attempt(msg):
+        if isinstance(msg, protocol.Acquired) and not msg.heartbeat and msg.granted:
+            rewritten.append(msg)
+            return msgspec.structs.replace(msg, granted=[(r, a ^ 1, i, t) for r, a, i, t in msg.granted])
+        if isinstance(msg, protocol.Staged) and msg.attempt:
+            rewritten.append(msg)
+            return msgspec.structs.replace(msg, attempt=msg.attempt ^ 1)
+        return msg
+
+    try:
+        with served(pre) as lock, _rewriting_proxy(f"127.0.0.1:{pre.port}", other_attempt) as ep, \
+                inproc_decode(dl, "dW", transfer_mode=mode, stage_timeout_s=1.0) as dec:
+            dec.handshake("pW", {(0, 0): ep})
+            e = hold(pre, lock, j)
+            t0 = time.monotonic()
+            dec.start(j.read(e))
+            done, failed = dec.wait(15)
+            print(f"{mode}: {len(rewritten)} answers rewritten; failed {failed} after {time.monotonic() - t0:.2f} s")
+            assert rewritten, "the prefill answered nothing the proxy could rewrite"
+            assert not done and set(failed) == {j.rid}, (done, failed)
+            assert dec.metrics.transfers == 0  # nothing was read on another attempt's pin
+            until(lambda: not dec.busy and dec.stats()["live_handles"] == 0, 10, "the decode to settle")
+    finally:
         pre.close()
 
 
