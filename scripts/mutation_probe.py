@@ -3,7 +3,10 @@
 Each mutant replaces one exact piece of text (usually one line) in a copy of ``src/`` (the lease machine, the
 read machine and its vocabulary, the peer, the staging allocator and the packed-stream helpers, the ``n > 1``
 ``expect``/``reads`` logic), runs the fast in-process tests against that copy and reports the first test that
-failed, or MISSED. Anchors are exact text, so the probe survives unrelated edits of the sources; a mutant whose
+failed, or MISSED. Two groups are not sans-IO: the decode read loop's attempt check (``RL*``) and the vLLM
+adapter's ``n > 1`` sibling linking (``V*``) run the tests aimed at them first (``FIRST``, pytest node ids), and
+are skipped, not counted, where the packages those tests need are not installed (``Mutant.needs``).
+Anchors are exact text, so the probe survives unrelated edits of the sources; a mutant whose
 anchor is not found (or is ambiguous) is reported as skipped, never silently applied elsewhere. Mutants judged
 behaviour-preserving are listed with the reason (``equivalent``) and left out of the catch rate.
 
@@ -330,15 +333,15 @@ MUTANTS: list[Mutant] = [
     M(
         "R04",
         RM,
-        "self.pin_deadline = max(self.pin_deadline, self.refresh_sent + ev.ttl_s)",
+        "self.pin_deadline = max(self.pin_deadline, base + ev.ttl_s)",
         "self.pin_deadline = max(self.pin_deadline, now + ev.ttl_s)",
         "refreshed pin counted from the answer",
     ),
     M(
         "R05",
         RM,
-        "            if self.state is not ReadState.ACQUIRING or self.retry_at is not None:\n                return []",
-        "            if self.state is not ReadState.ACQUIRING:\n                return []",
+        "        if self.state is not ReadState.ACQUIRING or self.retry_at is not None:\n            return []",
+        "        if self.state is not ReadState.ACQUIRING:\n            return []",
         "a refusal racing a scheduled retry is taken",
     ),
     M(
@@ -372,8 +375,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R10",
         RM,
-        "            self.pin_deadline = self.sent_at + ev.ttl_s\n            off = ",
-        "            self.pin_deadline = now + ev.ttl_s\n            off = ",
+        "        self.pin_deadline = self.sent_at + ev.ttl_s\n        if self.staging is None:",
+        "        self.pin_deadline = now + ev.ttl_s\n        if self.staging is None:",
         "staged pin counted from the answer",
     ),
     M(
@@ -409,22 +412,22 @@ MUTANTS: list[Mutant] = [
     M(
         "R17",
         RM,
-        "                self.notify_at_end = True  # nothing to read",
-        "                pass  # nothing to read",
+        "            self.notify_at_end = True  # nothing to read",
+        "            pass  # nothing to read",
         "an empty stage never sends its Done",
     ),
     M(
         "R18",
         RM,
-        "            if d.total_bytes != ev.total:",
-        "            if False:",
+        "        if d.total_bytes != ev.total:",
+        "        if False:",
         "packed size not checked against our lowering",
     ),
     M(
         "R19",
         RM,
-        '            if ev.ttl_s <= 0:\n                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
-        '            if ev.ttl_s < 0:\n                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
+        '        if ev.ttl_s <= 0:\n            return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
+        '        if ev.ttl_s < 0:\n            return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
         "staged with no pin time left is used",
     ),
     M(
@@ -493,15 +496,15 @@ MUTANTS: list[Mutant] = [
     M(
         "R29",
         RM,
-        "            t.done, self.progress_at = True, now",
-        "            t.done = True",
+        "        t.done, self.progress_at = True, now",
+        "        t.done = True",
         "a completed transfer is not progress",
     ),
     M(
         "R30",
         RM,
-        "            self.pinned = self.asked = False",
-        "            self.pinned = False",
+        "        self.pinned = self.asked = False",
+        "        self.pinned = False",
         "released pins leave `asked`",
     ),
     M(
@@ -514,8 +517,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R32",
         RM,
-        "                self.retry_at = min(self.retry_at, ev.at)",
-        "                self.retry_at = max(self.retry_at, ev.at)",
+        "            self.retry_at = min(self.retry_at, ev.at)",
+        "            self.retry_at = max(self.retry_at, ev.at)",
         "aligned retry goes later",
     ),
     M(
@@ -570,8 +573,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R40",
         RM,
-        "            if not self.terminal:\n                self.asked = True",
-        "            if True:\n                self.asked = True",
+        "        if not self.terminal:\n            self.asked = True",
+        "        if True:\n            self.asked = True",
         "a terminal read marked asked",
     ),
     # ---- the read's vocabulary -----------------------------------------------------------------------------
@@ -772,7 +775,7 @@ MUTANTS: list[Mutant] = [
         "if now - x.last_seen >= self.idle_s",
         "a full reader table evicts a reader holding a pin",
     ),
-    M("X04", RM, "            self.sm.fire(ReadEvent.ABORT)\n", "", "an abort leaves the read live"),
+    M("X04", RM, "        self.sm.fire(ReadEvent.ABORT)\n", "", "an abort leaves the read live"),
     M(
         "X05",
         RM,
