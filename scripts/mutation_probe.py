@@ -3,7 +3,10 @@
 Each mutant replaces one exact piece of text (usually one line) in a copy of ``src/`` (the lease machine, the
 read machine and its vocabulary, the peer, the staging allocator and the packed-stream helpers, the ``n > 1``
 ``expect``/``reads`` logic), runs the fast in-process tests against that copy and reports the first test that
-failed, or MISSED. Anchors are exact text, so the probe survives unrelated edits of the sources; a mutant whose
+failed, or MISSED. Two groups are not sans-IO: the decode read loop's attempt check (``RL*``) and the vLLM
+adapter's ``n > 1`` sibling linking (``V*``) run the tests aimed at them first (``FIRST``, pytest node ids), and
+are skipped, not counted, where the packages those tests need are not installed (``Mutant.needs``).
+Anchors are exact text, so the probe survives unrelated edits of the sources; a mutant whose
 anchor is not found (or is ambiguous) is reported as skipped, never silently applied elsewhere. Mutants judged
 behaviour-preserving are listed with the reason (``equivalent``) and left out of the catch rate.
 
@@ -18,6 +21,7 @@ the ``src/`` beside it first on ``sys.path``), ``pytest -x``: the first failure 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -51,6 +55,13 @@ FIRST = {
     RT + "peer.py": ["tests/test_peer_state.py", "tests/test_peer_properties.py"],
     RT + "slots.py": ["tests/test_slots.py", "tests/test_staging_segments.py"],
     "kvbridge/staging.py": ["tests/test_staging_segments.py"],
+    # not sans-IO: the decode's read loop over a side channel and NIXL agents in this process, and the vLLM
+    # adapter's scheduler side next to vLLM's own Scheduler (pytest node ids: only the tests aimed at them)
+    RT + "readloop.py": ["tests/test_faults.py::test_the_decode_ignores_answers_naming_another_attempt"],
+    "kvbridge/integrations/vllm/scheduler.py": [
+        "tests/vllm/test_connector_scheduler.py::test_n_gt_1_siblings_share_a_lease_only_with_the_same_prompt",
+        "tests/vllm/test_connector_n2.py",
+    ],
 }
 
 
@@ -62,11 +73,14 @@ class Mutant:
     new: str
     what: str
     equivalent: str = ""  # why the mutant preserves behaviour (left out of the rate), or ""
+    needs: str = ""  # packages its tests need ("a|b": either); none installed: the mutant is skipped, not counted
 
 
 M = Mutant
 L, RM, RS, P = RT + "lease.py", RT + "readmachine.py", RT + "readstate.py", RT + "peer.py"
 SL, ST = RT + "slots.py", "kvbridge/staging.py"
+RL, VS = RT + "readloop.py", "kvbridge/integrations/vllm/scheduler.py"
+NIXL = "nixl_cu12|nixl_cu13|nixl"  # the wheels kvbridge.transport.nixl loads
 MUTANTS: list[Mutant] = [
     # ---- the lease machine: attempts, settled ranks, counts ------------------------------------------------
     M(
@@ -319,15 +333,15 @@ MUTANTS: list[Mutant] = [
     M(
         "R04",
         RM,
-        "self.pin_deadline = max(self.pin_deadline, self.refresh_sent + ev.ttl_s)",
+        "self.pin_deadline = max(self.pin_deadline, base + ev.ttl_s)",
         "self.pin_deadline = max(self.pin_deadline, now + ev.ttl_s)",
         "refreshed pin counted from the answer",
     ),
     M(
         "R05",
         RM,
-        "            if self.state is not ReadState.ACQUIRING or self.retry_at is not None:\n                return []",
-        "            if self.state is not ReadState.ACQUIRING:\n                return []",
+        "        if self.state is not ReadState.ACQUIRING or self.retry_at is not None:\n            return []",
+        "        if self.state is not ReadState.ACQUIRING:\n            return []",
         "a refusal racing a scheduled retry is taken",
     ),
     M(
@@ -361,8 +375,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R10",
         RM,
-        "            self.pin_deadline = self.sent_at + ev.ttl_s\n            off = ",
-        "            self.pin_deadline = now + ev.ttl_s\n            off = ",
+        "        self.pin_deadline = self.sent_at + ev.ttl_s\n        if self.staging is None:",
+        "        self.pin_deadline = now + ev.ttl_s\n        if self.staging is None:",
         "staged pin counted from the answer",
     ),
     M(
@@ -398,22 +412,22 @@ MUTANTS: list[Mutant] = [
     M(
         "R17",
         RM,
-        "                self.notify_at_end = True  # nothing to read",
-        "                pass  # nothing to read",
+        "            self.notify_at_end = True  # nothing to read",
+        "            pass  # nothing to read",
         "an empty stage never sends its Done",
     ),
     M(
         "R18",
         RM,
-        "            if d.total_bytes != ev.total:",
-        "            if False:",
+        "        if d.total_bytes != ev.total:",
+        "        if False:",
         "packed size not checked against our lowering",
     ),
     M(
         "R19",
         RM,
-        '            if ev.ttl_s <= 0:\n                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
-        '            if ev.ttl_s < 0:\n                return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
+        '        if ev.ttl_s <= 0:\n            return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
+        '        if ev.ttl_s < 0:\n            return self._fail(ReadEvent.REFUSED, LeaseExpired, "staged',
         "staged with no pin time left is used",
     ),
     M(
@@ -482,15 +496,15 @@ MUTANTS: list[Mutant] = [
     M(
         "R29",
         RM,
-        "            t.done, self.progress_at = True, now",
-        "            t.done = True",
+        "        t.done, self.progress_at = True, now",
+        "        t.done = True",
         "a completed transfer is not progress",
     ),
     M(
         "R30",
         RM,
-        "            self.pinned = self.asked = False",
-        "            self.pinned = False",
+        "        self.pinned = self.asked = False",
+        "        self.pinned = False",
         "released pins leave `asked`",
     ),
     M(
@@ -503,8 +517,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R32",
         RM,
-        "                self.retry_at = min(self.retry_at, ev.at)",
-        "                self.retry_at = max(self.retry_at, ev.at)",
+        "            self.retry_at = min(self.retry_at, ev.at)",
+        "            self.retry_at = max(self.retry_at, ev.at)",
         "aligned retry goes later",
     ),
     M(
@@ -559,8 +573,8 @@ MUTANTS: list[Mutant] = [
     M(
         "R40",
         RM,
-        "            if not self.terminal:\n                self.asked = True",
-        "            if True:\n                self.asked = True",
+        "        if not self.terminal:\n            self.asked = True",
+        "        if True:\n            self.asked = True",
         "a terminal read marked asked",
     ),
     # ---- the read's vocabulary -----------------------------------------------------------------------------
@@ -761,7 +775,7 @@ MUTANTS: list[Mutant] = [
         "if now - x.last_seen >= self.idle_s",
         "a full reader table evicts a reader holding a pin",
     ),
-    M("X04", RM, "            self.sm.fire(ReadEvent.ABORT)\n", "", "an abort leaves the read live"),
+    M("X04", RM, "        self.sm.fire(ReadEvent.ABORT)\n", "", "an abort leaves the read live"),
     M(
         "X05",
         RM,
@@ -776,6 +790,60 @@ MUTANTS: list[Mutant] = [
         "    seg = offsets(nbytes) // max(1, int(segment_bytes))",
         "    seg = (offsets(nbytes) + nbytes) // max(1, int(segment_bytes))",
         "segments cut by run ends, not starts",
+    ),
+    # ---- the decode's read loop: an answer is taken only by the read of its attempt (tests/test_faults.py) --
+    M(
+        "RL1",
+        RL,
+        "                or (attempt is not None and attempt != f.req.attempt_for(prank))):",
+        "                ):",
+        "an answer naming another attempt is taken by the read (attempt check dropped)",
+        needs=NIXL,
+    ),
+    M(
+        "RL2",
+        RL,
+        "f, rr = self._rank_read(peer, prank, msg.req_id, msg.attempt or None, msg.read_id)",
+        "f, rr = self._rank_read(peer, prank, msg.req_id, None, msg.read_id)",
+        "a packed segment (Staged) looked up without its attempt",
+        needs=NIXL,
+    ),
+    M(
+        "RL3",
+        RL,
+        "        for rid, attempt, read_id, ttl_s in msg.granted:\n"
+        "            f, rr = self._rank_read(peer, prank, rid, attempt, read_id)\n            if f is None",
+        "        for rid, attempt, read_id, ttl_s in msg.granted:\n"
+        "            f, rr = self._rank_read(peer, prank, rid, None, read_id)\n            if f is None",
+        "a grant (Acquired) looked up without its attempt",
+        needs=NIXL,
+    ),
+    # ---- the vLLM adapter's n > 1 linking (tests/vllm: needs vLLM) -----------------------------------------
+    M("V1", VS, "            sib.reads += 1\n", "", "a linked sibling does not raise the lease's expected reads",
+      needs="vllm"),
+    M(
+        "V2",
+        VS,
+        "and sib.lease_id in self._held and sib.prompt == key",
+        "and sib.lease_id in self._held",
+        "siblings with other prompts linked to one lease",
+        needs="vllm",
+    ),
+    M(
+        "V3",
+        VS,
+        "                and int(child.group(1)) not in sib.indices):",
+        "                ):",
+        "a second finish of the same child index linked again (one read expected too many)",
+        needs="vllm",
+    ),
+    M(
+        "V4",
+        VS,
+        "self._siblings = {k: v for k, v in self._siblings.items() if v.lease_id not in done}",
+        "pass",
+        "a sibling linked to a lease already freed",
+        needs="vllm",
     ),
 ]
 
@@ -801,7 +869,13 @@ _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 def tests_for(m: Mutant | None) -> list[str]:
     first = FIRST.get(m.file, []) if m is not None else []
     present = [t for t in FAST_TESTS if (ROOT / t).exists()]
-    return [t for t in first if t in present] + [t for t in present if t not in first]
+    first = [t for t in first if (ROOT / t.split("::")[0]).exists()]  # files or pytest node ids
+    return first + [t for t in present if t not in first]
+
+
+def missing(needs: str) -> bool:
+    """``needs``: top-level packages, ``|`` between alternatives; True when none is installed (nothing imported)."""
+    return bool(needs) and all(importlib.util.find_spec(name) is None for name in needs.split("|"))
 
 
 def run_one(m: Mutant | None, timeout: float) -> Result | str:
@@ -809,8 +883,12 @@ def run_one(m: Mutant | None, timeout: float) -> Result | str:
     with tempfile.TemporaryDirectory(prefix="kvb-mut-") as tmp:
         tmp_p = Path(tmp)
         shutil.copytree(ROOT / "src", tmp_p / "src", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(ROOT / "tests", tmp_p / "tests", ignore=shutil.ignore_patterns("__pycache__", "vllm", "data"))
+        skip = ["__pycache__", "data"] + ([] if m is not None and m.file.startswith("kvbridge/integrations/vllm/")
+                                          else ["vllm"])
+        shutil.copytree(ROOT / "tests", tmp_p / "tests", ignore=shutil.ignore_patterns(*skip))
         shutil.copy(ROOT / "pyproject.toml", tmp_p / "pyproject.toml")
+        if m is not None and missing(m.needs):
+            return Result(m, "skipped", f"needs {m.needs} (not installed)")
         if m is not None:
             target = tmp_p / "src" / m.file
             new = apply(target.read_text(), m) if target.exists() else None

@@ -4,7 +4,7 @@ of the small test model, requests against the oracle (:class:`Jobs`), engines of
 (:class:`Cluster`), in-process ranks (:func:`served`, :func:`hold`, :func:`inproc_decode`), a fake prefill
 (:func:`fake_prefill`) and bounded waits (:func:`until`).
 
-Notes on the oracle: ``verify`` (``procs._verify``) rebuilds a decode rank's *whole* expected buffer
+Notes on the oracle: ``verify`` (``procs.verify_rank``) rebuilds a decode rank's *whole* expected buffer
 from the requests it is given, so every request whose bytes reached that decode rank must be passed.
 Reads that failed half-way leave partial data in their decode blocks; the death tests bound those
 mismatches by the failed requests' bytes, then re-read the failed requests from a restarted engine and

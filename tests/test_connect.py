@@ -14,7 +14,7 @@ from _helpers import Cluster, Jobs, free_port, inproc_decode, layout, publish, u
 
 from kvbridge.errors import HandshakeFailed
 from kvbridge.runtime.decode import PeerState
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -52,14 +52,14 @@ def test_start_for_a_frozen_new_engine_returns_and_reads_once_it_answers():
                 for _ in range(50):
                     assert dec.poll() == ([], {})
                     time.sleep(0.002)
-                assert dec._peers["pC"].state is PeerState.CONNECTING and "pC" not in dec.remotes
-                assert len(dec._peers["pC"].pending) == len(js) and not dec.inflight
+                assert dec.peers.current["pC"].state is PeerState.CONNECTING and "pC" not in dec.remotes
+                assert len(dec.peers.current["pC"].pending) == len(js) and not dec.inflight
             finally:
                 for w in P.workers.values():
                     os.kill(w.proc.pid, signal.SIGCONT)
             done, failed = _settle(dec, {j.rid for j in js})
             assert not failed and done == {j.rid for j in js}, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             assert dec.metrics.handshakes == 1 and "pC" in dec.remotes
             wait_freed(P, {j.rid for j in js})
 
@@ -88,9 +88,9 @@ def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
             assert done == {j.rid for j in live}
             assert set(failed) == {j.rid for j in dead}
             assert all(isinstance(f, HandshakeFailed) and f.engine_id == "pD" for f in failed.values())
-            assert _verify(dec, [(j.num, j.read()) for j in live])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in live])["mismatched_bytes"] == 0
             assert dec.metrics.failed_handshakes == 1 and dec.metrics.failed_requests == 2
-            assert "pD" not in dec._peers and "pD" not in dec.remotes and not dec.busy
+            assert "pD" not in dec.peers.current and "pD" not in dec.remotes and not dec.busy
 
 
 def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
@@ -125,7 +125,7 @@ def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
                   f"behind a background re-handshake), {len(failed)} failed")
             assert not failed and done == {j.rid for j in again}, failed
             assert dec.metrics.handshakes == 2
-            assert _verify(dec, [(j.num, j.read()) for j in first + again])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in first + again])["mismatched_bytes"] == 0
             wait_freed(P2, {j.rid for j in again})
 
 

@@ -10,6 +10,7 @@ handles, parked reads and staging, prefill leases and staging slots.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import re
 import signal
@@ -45,7 +46,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.runtime.protocol import Done, Stage, StageError, encode_notif
 from kvbridge.testing.engine import default_memory
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import NixlTransport, nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -264,7 +265,7 @@ def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
                 dec.start(j.read())
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in new} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in new])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in new])["mismatched_bytes"] == 0
             wait_freed(P, {j.rid for j in new})
             assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
         for st in P.call_all("stats").values():
@@ -294,7 +295,7 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
             # the post thread is held until pA is frozen: pA's reads are posted (queued there) before the
             # freeze by construction, not by timing (a completed read is never asked about again)
             gate = threading.Event()
-            dec.transport._pool.submit(gate.wait, 60)
+            dec.transport._pool.submit(gate.wait, 60)  # fault injection: NixlTransport's post pool
             for e in ("pA", "pB"):
                 for j in js[e]:
                     dec.start(j.read())
@@ -328,7 +329,7 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
             d, f = dec.wait(30)
             done.update(d)
             assert not f and done >= a_ids | b_ids, f
-            assert _verify(dec, [(j.num, j.read()) for j in js["pA"] + js["pB"]])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js["pA"] + js["pB"]])["mismatched_bytes"] == 0
             for p in P.values():
                 wait_freed(p, {j.rid for j in js[p.engine_id]})
             s = dec.stats()
@@ -412,29 +413,121 @@ def test_forged_and_stale_done_do_not_free_a_live_lease():
             for d in forged:
                 stranger.send_notif(agent, encode_notif(d))
             real_agent = dec.remotes["pX"].agents[(0, 0)]
-            dec._notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
+            dec.reads.notify(real_agent, encode_notif(Done(j.rid, "dX", (0, 0), 1, True, old)))  # stale attempt
             m = pre.metrics
             until(lambda: m.forged_messages + m.stale_messages + m.ignored_notifications >= 4, 10, "messages counted")
             with lock:
                 assert j.rid in pre.leases and pre.leases[j.rid].attempt == new and not pre.leases[j.rid].pins
                 # another agent claiming dX: forged; a guessed or old attempt: stale; dEvil holds no pin: ignored
                 assert m.stale_messages >= 2 and m.forged_messages >= 1 and m.ignored_notifications >= 1
-                # a stage request naming a made-up decode engine gets no slot
-                replies = list(pre._stage(Stage(j.rid, "made-up", (0, 0), dec._layout_dict, 40, {}, {}, 4096, new, 1),
-                                          []))
-                assert len(replies) == 1 and isinstance(replies[0], StageError)
-                assert replies[0].code == "unknown_reader" and pre.slots.bytes_used == 0
+            # a stage request naming a made-up decode engine gets no slot (sent over the side channel)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{ep}")
+            try:
+                sock.send_multipart(protocol.pack(Stage(j.rid, "made-up", (0, 0), dec.reads.layout_dict,
+                                                        dec.reads.mem_wire, 40, {}, {}, 4096, new, 1)))
+                assert sock.poll(5000), "no answer to the stage request"
+                reply = protocol.unpack(sock.recv_multipart())
+            finally:
+                sock.close()
+            assert isinstance(reply, StageError) and reply.code == "unknown_reader", reply
+            with lock:
+                assert pre.slots.bytes_used == 0
             t0 = time.monotonic()
             dec.start(j.read(new))
             done, failed = dec.wait(20)
             assert done == [j.rid] and not failed, failed
-            assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
             until(lambda: not pre.leases, 10, "the real Done to free the lease")
             print(f"forged/stale: {pre.metrics.forged_messages} forged, {pre.metrics.stale_messages} stale ignored; "
                   f"read {time.monotonic() - t0:.3f} s")
             assert dec.stats()["live_handles"] == 0 and pre.slots.bytes_used == 0
     finally:
         stranger.close()
+        pre.close()
+
+
+@contextlib.contextmanager
+def _rewriting_proxy(target: str, rewrite):
+    """A side channel between one decode rank and the prefill rank at ``target``: requests pass as sent,
+    each reply is passed through ``rewrite(msg) -> msg`` (a prefill, or a network, answering with other
+    content); yields the proxy's endpoint."""
+    import zmq
+    ctx = zmq.Context.instance()
+    front = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    port = front.bind_to_random_port("tcp://127.0.0.1")
+    stop, backs = threading.Event(), {}  # one socket to the prefill per decode socket (identity)
+
+    def loop():
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        while not stop.is_set():
+            for sock, _ in poller.poll(20):
+                fr = sock.recv_multipart()
+                if sock is front:  # [decode identity, (b"",) body...]
+                    if fr[0] not in backs:
+                        back = backs[fr[0]] = ctx.socket(zmq.DEALER)
+                        back.setsockopt(zmq.LINGER, 0)
+                        back.connect(f"tcp://{target}")
+                        poller.register(back, zmq.POLLIN)
+                    backs[fr[0]].send_multipart(fr[1:])
+                else:  # [(b"",) body...]: the reply, in the request's envelope
+                    ident = next(i for i, b in backs.items() if b is sock)
+                    delim = fr[:1] if fr[0] == b"" else []
+                    body = protocol.pack(rewrite(protocol.unpack(fr[len(delim):])))
+                    front.send_multipart([ident, *delim, *body])
+
+    t = threading.Thread(target=loop, daemon=True, name="rewriting-proxy")
+    t.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop.set()
+        t.join(5)
+        for sock in (front, *backs.values()):
+            sock.close(0)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_the_decode_ignores_answers_naming_another_attempt(mode):
+    """Every grant (``Acquired``) and every packed segment (``Staged``) the prefill sends names another
+    attempt of the request than the decode's read (a late answer to an earlier attempt of a re-registered
+    request id): the decode's read takes none of them (it reads nothing on a pin of another attempt, and
+    lets that pin go); it times out waiting for an answer of its own attempt, nothing leaks."""
+    import msgspec
+
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=26)
+    jobs.engine("pW", pl)
+    (j,) = jobs.make("pW", 1, lengths=[40], prefix_p=0.0)
+    pre = PrefillRank(pl, (0, 0), "pW", memory=default_memory(pl, (0, 0)))
+    rewritten = []
+
+    def other_attempt(msg):
+        if isinstance(msg, protocol.Acquired) and not msg.heartbeat and msg.granted:
+            rewritten.append(msg)
+            return msgspec.structs.replace(msg, granted=[(r, a ^ 1, i, t) for r, a, i, t in msg.granted])
+        if isinstance(msg, protocol.Staged) and msg.attempt:
+            rewritten.append(msg)
+            return msgspec.structs.replace(msg, attempt=msg.attempt ^ 1)
+        return msg
+
+    try:
+        with served(pre) as lock, _rewriting_proxy(f"127.0.0.1:{pre.port}", other_attempt) as ep, \
+                inproc_decode(dl, "dW", transfer_mode=mode, stage_timeout_s=1.0) as dec:
+            dec.handshake("pW", {(0, 0): ep})
+            e = hold(pre, lock, j)
+            t0 = time.monotonic()
+            dec.start(j.read(e))
+            done, failed = dec.wait(15)
+            print(f"{mode}: {len(rewritten)} answers rewritten; failed {failed} after {time.monotonic() - t0:.2f} s")
+            assert rewritten, "the prefill answered nothing the proxy could rewrite"
+            assert not done and set(failed) == {j.rid}, (done, failed)
+            assert dec.metrics.transfers == 0  # nothing was read on another attempt's pin
+            until(lambda: not dec.busy and dec.stats()["live_handles"] == 0, 10, "the decode to settle")
+    finally:
         pre.close()
 
 
@@ -452,7 +545,7 @@ def _fuzz_frames(rng, n: int, stage: Stage, acquire: protocol.Acquire) -> list[t
     bit-flipped msgspec payloads, messages of the wrong kind, wrongly typed fields, and well-formed
     stage/acquire/get_meta requests with garbage content (none of them may be served)."""
     import msgspec
-    enc = protocol._enc
+    enc = msgspec.msgpack.Encoder()  # the side channel's encoding (protocol.pack's last frame)
     ver = protocol.PROTOCOL_VERSION.to_bytes(2, "big")
     good = [enc.encode(m) for m in (stage, acquire, protocol.GetMeta("fuzzer", (0, 0), (0, 0), "fuzz-agent"))]
     wrong_kind = [protocol.Done("fz", "fuzzer", (0, 0), 1), protocol.Staged("fz", 0, 64),
@@ -714,7 +807,7 @@ def test_one_decode_engine_cannot_take_more_than_its_share_of_staging():
             done, failed = da.wait(20)
             assert sorted(done) == sorted(j.rid for j in a_jobs) and not failed, failed
             for dec, js in ((da, a_jobs), (db, b_jobs)):
-                assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+                assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
                 assert dec.stats()["live_handles"] == 0 and dec.slots.bytes_used == 0
             until(lambda: not pre.leases and not pre.stager.parked, 10, "the prefill to free every lease")
             with lock:

@@ -23,7 +23,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import fetch_meta
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import default_memory
-from kvbridge.testing.procs import _verify, fill_rank
+from kvbridge.testing.procs import fill_rank, verify_rank
 from kvbridge.transport.nixl import NixlTransport, metadata_digest, nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -93,7 +93,7 @@ def test_handshake_with_corrupted_metadata_in_transit(pair):
             dec.start(j.read(exp[j.rid]))
         done, failed = dec.wait(20)
         assert set(done) == {j.rid for j in jobs} and not failed
-        assert _verify(dec, [(j.num, j.read()) for j in jobs])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(j.num, j.read()) for j in jobs])["mismatched_bytes"] == 0
     wait_freed(pair.P, {j.rid for j in jobs})
 
 
@@ -165,7 +165,7 @@ def test_failed_handshake_leaves_no_half_added_peer():
             dec.start(j.read())
             done, failed = dec.wait(20)
             assert done == [j.rid] and not failed
-            assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
     finally:
         for p in pres:
             p.close()

@@ -46,8 +46,12 @@ READS = ["r1", "r2"]
 REQS = ["q0", "q1"]
 
 
+READERS = [(e, r) for e in ENGINES for r in RANKS]
+
+
 def snapshot(t: LeaseTable):
-    return copy.deepcopy((t.leases, t._pins_of, dict(t._ended)))
+    # t._ended (the ended (request, attempt) pairs, "expired" vs "not registered") has no public view
+    return copy.deepcopy((t.leases, {r: t.pins_held(r) for r in READERS}, dict(t._ended)))
 
 
 op = st.one_of(
@@ -71,7 +75,7 @@ def check_heap(t: LeaseTable) -> None:
     """``tick`` looks only at due heap entries: every live lease has one current entry, due no later than
     the first time the lease can change (a pin's or its own deadline), and next_deadline() is no later."""
     entries = {}
-    for w, _, lease in t._heap:
+    for w, _, lease in t._heap:  # the deadline heap itself (no public view of its entries)
         if lease.wake == w and t.get(lease.req_id) is lease:
             entries[lease.req_id] = w
     first = float("inf")
@@ -242,7 +246,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s, pin_idle_s):
             if kind == "advance":  # nothing due is left after a tick (rules 2 and 5)
                 assert lease.pins or lease.deadline > now, (lease, now)
                 assert all(p.deadline > now for p in lease.pins.values())
-        assert sum(len(lease.pins) for lease in t.leases.values()) == sum(t._pins_of.values())
+        assert sum(len(lease.pins) for lease in t.leases.values()) == sum(t.pins_held(r) for r in READERS)
         check_heap(t)
         # every pin that ended was reported once (the IO layer gives its staging slot back on it); a pin
         # of a lease still live ends only by its holder's release or by timing out
@@ -254,7 +258,7 @@ def test_lease_machine_properties(ops, lease_s, pin_s, pin_idle_s):
     before = copy.deepcopy(t.leases)
     now += max(lease_s, pin_s) + 1e-6
     check_ends(t.tick(now), before)
-    assert not t.leases and not t._pins_of
+    assert not t.leases and not t._pins_of  # no reader's count left behind, not even a 0 (no public view)
 
 
 def test_declines_and_failures_never_free_under_another_readers_pin():
@@ -591,7 +595,7 @@ def test_tick_looks_only_at_leases_due(monkeypatch):
         t.heartbeat(f"q{i}", 1, r, "x", 0.5)
     assert len(t._heap) == 10_000
     seen = []
-    real = t._time_out
+    real = t._time_out  # a spy on the per-lease timeout (no public count of the leases a tick looked at)
     monkeypatch.setattr(t, "_time_out", lambda lease, now: seen.append(lease.req_id) or real(lease, now))
     effects = t.tick(1.0)
     assert sorted(seen) == ["q4", "q500", "q5000"] and len(t.leases) == 9_997

@@ -18,7 +18,8 @@ R0, R1 = ("dA", (0, 0)), ("dA", (0, 1))
 
 
 def snap(t: LeaseTable):
-    return copy.deepcopy((t.leases, t._pins_of, dict(t._ended)))
+    # t._ended (the ended (request, attempt) pairs) has no public view
+    return copy.deepcopy((t.leases, {r: t.pins_held(r) for r in (R0, R1)}, dict(t._ended)))
 
 
 def ended(effects) -> bool:

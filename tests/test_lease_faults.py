@@ -31,7 +31,7 @@ from kvbridge.runtime import protocol
 from kvbridge.runtime.decode import fetch_meta
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import default_memory
-from kvbridge.testing.procs import _verify, fill_rank
+from kvbridge.testing.procs import fill_rank, verify_rank
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -116,7 +116,7 @@ def test_early_acquire_is_retried_not_freed(mode):
         # optimistic: `never` failed, but its READ went out before the refusal and wrote its blocks (as a
         # read that fails after posting may): its own bytes there, nothing anywhere else
         written = js + [never] if opt else js
-        assert _verify(dec, [(j.num, j.read()) for j in written])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(j.num, j.read()) for j in written])["mismatched_bytes"] == 0
         until(lambda: set(ended) >= {j.rid for j in js}, 10, "the leases to be freed")
         with lock:
             m = pre.metrics
@@ -157,7 +157,7 @@ def test_optimistic_read_of_an_expired_lease_fails_typed_and_leaks_nothing():
         assert dec.metrics.optimistic_reads == 2 and dec.metrics.discarded_reads == 0
         # `gone`'s blocks hold what its READ found there (the refill, request gone.num + 100000), or nothing
         # if the refusal came before the post thread reached it; nothing else was written
-        exact = [_verify(dec, [(live.num, live.read())] + extra)["mismatched_bytes"]
+        exact = [verify_rank(dec, [(live.num, live.read())] + extra)["mismatched_bytes"]
                  for extra in ([(gone.num + 100_000, gone.read())], [])]
         print(f"optimistic read of an expired lease: mismatches with / without its READ's bytes {exact}")
         assert 0 in exact, exact
@@ -198,7 +198,7 @@ def test_two_decode_engines_read_one_request(mode, other):
             db.start(j.read())
             done, failed = db.wait(20)
             assert done == [j.rid] and not failed, failed
-            assert _verify(db, [(j.num, j.read())])["mismatched_bytes"] == 0
+            assert verify_rank(db, [(j.num, j.read())])["mismatched_bytes"] == 0
         else:
             db.start(j.read())
             db.abort(j.rid)  # aborted mid-read (or before the pin came: released when it arrives)
@@ -210,7 +210,7 @@ def test_two_decode_engines_read_one_request(mode, other):
             assert lease.holders == {("dA", (0, 0))}
         done, failed = da.wait(20)
         assert done == [j.rid] and not failed, failed
-        ver = _verify(da, [(j.num, j.read())])
+        ver = verify_rank(da, [(j.num, j.read())])
         print(f"two readers ({mode}, dB {other}): dA read {ver['needed_bytes']} B, {ver['mismatched_bytes']} wrong")
         assert ver["mismatched_bytes"] == 0
         until(lambda: j.rid in ended, 10, "dA's Done to free the lease")
@@ -276,7 +276,7 @@ def test_forged_getmeta_does_not_rebind_a_live_reader():
         hold(pre, lock, js[1])
         dec.start(js[1].read())
         assert dec.wait(20)[0] == [js[1].rid]
-        assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
         assert pre.metrics.forged_messages >= 1
 
 
@@ -317,7 +317,7 @@ def test_flood_of_identities_does_not_evict_a_live_reader():
         assert len(pre.readers) == 4096 and pre.readers.agent_of(("dF", (0, 0))) == dec.transport.agent_name
         done, failed = dec.wait(20)
         assert done == [j.rid] and not failed, failed
-        assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
         until(lambda: j.rid in ended, 5, "the live reader's Done to free the lease")
 
 
@@ -349,7 +349,7 @@ def test_release_of_a_request_not_started():
         assert b.rid not in ended  # dS holds a pin: not freed
         done, failed = other.wait(20)
         assert done == [b.rid] and not failed
-        assert _verify(other, [(b.num, b.read())])["mismatched_bytes"] == 0
+        assert verify_rank(other, [(b.num, b.read())])["mismatched_bytes"] == 0
         until(lambda: b.rid in ended, 5, "dS's Done to free the lease")
 
 
@@ -377,7 +377,7 @@ def test_heartbeats_keep_a_queued_request_and_a_dead_decodes_pins_end_on_lease_s
         dec.start(q.read())
         done, failed = dec.wait(20)
         assert done == [q.rid] and not failed, failed
-        assert _verify(dec, [(q.num, q.read())])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(q.num, q.read())])["mismatched_bytes"] == 0
         # a decode that pins and then goes silent
         hold(pre, lock, z)
         dead.start(z.read())
@@ -504,7 +504,7 @@ def test_a_real_read_slower_than_pin_s_completes_exact(monkeypatch):
         assert done == [j.rid] and not failed, failed
         assert took > 4.0 and inflight > 0  # held past pin_s by the progress its heartbeats carried
         assert dec.metrics.staged_transfers == 1
-        assert _verify(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(j.num, j.read())])["mismatched_bytes"] == 0
         until(lambda: j.rid in ended, 5, "the read's Done to free the lease")
         with lock:
             assert pre.metrics.freed_requests == 1 and pre.metrics.expired_requests == 0

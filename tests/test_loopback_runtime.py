@@ -11,7 +11,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 
 _n = itertools.count()
@@ -50,7 +50,7 @@ def test_staged_read_over_torch_tensor_memory(mode, over, monkeypatch):
                                                             or not name.startswith("pl")))
     from kvbridge import staging
     calls = []
-    real = staging._copy_runs_torch
+    real = staging._copy_runs_torch  # a spy: which copy path ran (no public count of torch copies)
     monkeypatch.setattr(staging, "_copy_runs_torch", lambda *a: (calls.append(a[1].device.type), real(*a))[1])
     pres, dec = _loopback_read(mode, torch=torch)
     assert dec.transport.name == over
@@ -103,7 +103,7 @@ def _loopback_read(mode, torch=None, model=None, pools=None):
                              transport=LoopbackTransport(f"dl{k}", reg))
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pl", {(0, r): f"127.0.0.1:{p.port}" for r, p in enumerate(pres)})
-            peer = dec._peers["pl"]  # prepared lists for every prefill rank this rank reads from
+            peer = dec.remotes["pl"]  # prepared lists for every prefill rank this rank reads from
             assert peer.prepped and set(peer.prepped) == {p for p, t in peer.lowered.by_prefill.items() if t}
             js = jobs.make("pl", 6)
             for j in js:
@@ -111,7 +111,7 @@ def _loopback_read(mode, torch=None, model=None, pools=None):
                 dec.start(j.read(e))
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             freed = {0: set(), 1: set()}
 
             def all_freed():

@@ -219,7 +219,7 @@ def lowered_hybrid(monkeypatch):
     d = engine(m, tp=1, bs=4, num_blocks=8, role="decode")
     lp = LoweredPlan(plan_transfer(p, d), (0, 0))
     calls = []
-    orig = LoweredPlan._lower_read
+    orig = LoweredPlan._lower_read  # a spy: which reads are lowered (no public count of lowerings)
 
     def spy(self, *a):
         calls.append(a)

@@ -86,7 +86,7 @@ PREFILL = COMMON + textwrap.dedent('''
 DECODE = COMMON + textwrap.dedent('''
     from kvbridge.testing.oracle import SENTINEL
     from kvbridge.runtime.decode import DecodeRank, ReadRequest
-    from kvbridge.testing.procs import _verify, fill_rank
+    from kvbridge.testing.procs import verify_rank, fill_rank
     from kvbridge.testing.engine import buffer_of, default_memory
     d = DecodeRank(DL, (0, 0), "dn", memory=default_memory(DL, (0, 0)), handshake_timeout_s=10.0)
     buffer_of(d.mem).fill(SENTINEL)
@@ -101,7 +101,7 @@ DECODE = COMMON + textwrap.dedent('''
         d.start(rr)
     done, failed = d.wait(CFG["timeout"])
     t_xfer = time.perf_counter() - t0
-    ver = _verify(d, reads)
+    ver = verify_rank(d, reads)
     emit(done=sorted(done), failed=failed, verify=ver, stats=d.stats(), handshake_s=t_hs, transfer_s=t_xfer)
     d.close()
 ''')

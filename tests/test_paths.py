@@ -176,7 +176,7 @@ def test_the_push_probe_measures_the_write_and_auto_follows_it(monkeypatch, slow
     from kvbridge.runtime.prefill import PrefillRank
     from kvbridge.testing.engine import buffer_of, default_memory
     from kvbridge.testing.oracle import SENTINEL
-    from kvbridge.testing.procs import _verify
+    from kvbridge.testing.procs import verify_rank
     from kvbridge.transport.delayed import DelayedTransport
     from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
     monkeypatch.setenv("KVBRIDGE_DELAY_LINK", slow)
@@ -212,7 +212,7 @@ def test_the_push_probe_measures_the_write_and_auto_follows_it(monkeypatch, slow
                 done, failed = dec.wait(30)
                 assert done == [j.rid] and not failed, failed
                 moved.append((j.num, j.read()))
-            assert _verify(dec, moved)["mismatched_bytes"] == 0
+            assert verify_rank(dec, moved)["mismatched_bytes"] == 0
             assert dec.metrics.pushed_transfers == (3 if want_push else 0)
             with lock:
                 assert not pre.stats()["push_probes"] and pre.transport.live_handles() == 0

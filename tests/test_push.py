@@ -18,7 +18,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.loopback import LoopbackRegistry, LoopbackTransport
 
 _n = itertools.count()
@@ -162,12 +162,12 @@ def test_abort_during_push_holds_the_slot_until_the_prefill_answers():
         assert _disjoint(t.extent(b.rid), held)
         done, failed = dec.wait(10)
         assert done == [b.rid] and not failed, failed
-        assert _verify(dec, [(b.num, b.read())])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(b.num, b.read())])["mismatched_bytes"] == 0
         assert len(dec.reads.push_holds) == 1 and dec.slots.bytes_used == held[1]  # still no answer for a
         pre.transport.gate.set()  # the late WRITE lands (in the held slot); the prefill answers; the hold ends
         until(lambda: (dec.poll(), not dec.reads.push_holds)[1], 10, "the prefill's last answer")
         assert pre.transport.landed == 1 and dec.slots.bytes_used == 0
-        assert _verify(dec, [(b.num, b.read())])["mismatched_bytes"] == 0
+        assert verify_rank(dec, [(b.num, b.read())])["mismatched_bytes"] == 0
     pre, dec = push_pair(test)
     assert dec.metrics.pushed_transfers == 1 and dec.metrics.aborted_requests == 1  # (counted at its first answer)
     assert pre.metrics.freed_requests == 2
@@ -211,7 +211,7 @@ def test_a_failed_write_is_a_typed_answer(where):
         if where == "first":
             assert done == [a.rid] and not failed, failed
             assert dec.metrics.staging_fallbacks == 1 and dec.metrics.pushed_transfers == 0
-            assert _verify(dec, [(a.num, a.read())])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(a.num, a.read())])["mismatched_bytes"] == 0
         else:
             assert not done and isinstance(failed[a.rid], RemoteError), failed
             assert "could not WRITE" in str(failed[a.rid])
@@ -247,7 +247,7 @@ def test_a_readers_push_agent_is_added_once_and_removed_when_it_is_evicted():
                     done, failed = dec.wait(10)
                     assert done == [j.rid] and not failed, failed
                     moved.append((j.num, j.read()))
-                    assert _verify(dec, moved)["mismatched_bytes"] == 0  # (every byte of this rank's memory)
+                    assert verify_rank(dec, moved)["mismatched_bytes"] == 0  # (every byte of this rank's memory)
                 until(lambda: pre.stats()["pins"] == 0, 10, "the reads' Done")
                 with lock:
                     assert pre.transport.peers == {dec.transport.agent_name} and pre.stats()["push_peers"] == 1
@@ -345,7 +345,7 @@ def test_a_prefill_that_does_not_serve_the_push_probe_leaves_push_unmeasured(mon
         t.dec.start(a.read())
         done, failed = t.dec.wait(10)
         assert done == [a.rid] and not failed, failed
-        assert _verify(t.dec, [(a.num, a.read())])["mismatched_bytes"] == 0
+        assert verify_rank(t.dec, [(a.num, a.read())])["mismatched_bytes"] == 0
         until(lambda: (t.dec.poll(), t.pstats()["leases"] == 0)[1], 10, "the prefill to free the lease")
     _, dec = push_pair(test)
     assert dec.metrics.pushed_transfers == 1

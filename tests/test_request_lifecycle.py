@@ -22,7 +22,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -148,7 +148,7 @@ def test_inprocess_ranks_release_everything():
                 dec.start(j.read(e))
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             freed = set()
 
             def all_freed():

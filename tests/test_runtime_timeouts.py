@@ -22,7 +22,7 @@ from _helpers import (
 
 from kvbridge.errors import LeaseExpired
 from kvbridge.runtime.readstate import ReadState
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -45,7 +45,7 @@ def test_a_long_local_post_queue_does_not_fail_healthy_requests():
         with inproc_decode(dl, "dT", transfer_timeout_s=2.0, stage_timeout_s=30.0) as dec:
             dec.handshake("pT", P.endpoints())
             gate = threading.Event()
-            dec.transport._pool.submit(gate.wait, 30)  # the (single) post thread is taken
+            dec.transport._pool.submit(gate.wait, 30)  # fault injection: the (single) post thread is taken
             try:
                 for j in js:
                     dec.start(j.read())
@@ -65,7 +65,7 @@ def test_a_long_local_post_queue_does_not_fail_healthy_requests():
             print(f"local queue: {len(done)} of {n} finished after their reads waited 3 s in our post queue "
                   f"(transfer_timeout_s 2 s); {len(failed)} failed")
             assert not failed and sorted(done) == sorted(j.rid for j in js), failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             wait_freed(P, {j.rid for j in js})
 
 

@@ -23,7 +23,7 @@ from kvbridge.runtime.peer import Peer, PeerState, SideChannel
 from kvbridge.runtime.peers import PeerTable
 from kvbridge.runtime.poller import ChannelPoller
 from kvbridge.testing.prefill_host import PrefillHost, open_fds
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.testing.standins import StandIns, install_idle, wide_context
 from kvbridge.transport.nixl import nixl_available
 
@@ -145,7 +145,7 @@ def test_idle_peer_is_released_and_handshaken_again_on_its_next_read():
             done, failed = _settle(dec, {j.rid for j in second})
             assert not failed and done == {j.rid for j in second}, failed
             assert dec.metrics.handshakes == 2 and "pIdle" in dec.remotes
-            assert _verify(dec, [(j.num, j.read()) for j in first + second])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in first + second])["mismatched_bytes"] == 0
 
 
 class _Gate:
@@ -257,7 +257,7 @@ def test_poll_work_is_the_same_with_1_or_512_idle_peers_and_reads_stay_exact():
             after = dec.peers.work.snapshot()
             assert 0 < after["channels"] - before["channels"] <= after["polls"] - before["polls"]
             assert after["flushed"] - before["flushed"] <= 2 * (after["polls"] - before["polls"])
-            assert _verify(dec, [(j.num, j.read()) for j in first + second])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in first + second])["mismatched_bytes"] == 0
             assert len(dec.remotes) == n + 1  # the idle peers are still there
 
 

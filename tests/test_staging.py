@@ -22,7 +22,7 @@ from kvbridge.runtime.decode import DecodeRank
 from kvbridge.runtime.prefill import PrefillRank
 from kvbridge.testing.engine import buffer_of, default_memory
 from kvbridge.testing.oracle import SENTINEL
-from kvbridge.testing.procs import _verify
+from kvbridge.testing.procs import verify_rank
 from kvbridge.transport.nixl import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")]
@@ -42,7 +42,7 @@ def test_staged_reply_that_does_not_match_our_lowering_fails_the_request():
             dec.handshake("pw", {(0, 0): f"127.0.0.1:{pre.port}"})
             (j,) = jobs.make("pw", 1, lengths=[40])
             e = hold(pre, lock, j)
-            with lock:
+            with lock:  # fault injection: the prefill's stage handler (PrefillRank._stage) answers a wrong stream
                 pre._stage = lambda msg, envelope: iter([Staged(msg.req_id, pre.staging_addr, 64, 0, 64, True)])
             dec.start(j.read(e))
             done, failed = dec.wait(5)
@@ -92,7 +92,7 @@ def test_stage_request_waits_for_staging_space_instead_of_falling_back(wait_s):
                 dec.start(j.read())
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             until(lambda: not pre.leases and not parked_stage_requests(pre, lock), 10, "prefill to free both requests")
             with lock:
                 pm = pre.metrics
@@ -127,7 +127,7 @@ def test_staged_transfer_in_many_segments_is_exact():
                 dec.start(j.read())
             done, failed = dec.wait(20)
             assert set(done) == {j.rid for j in js} and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             m = dec.metrics
             assert m.staged_transfers == 3 and m.staging_fallbacks == 0
             assert m.transfers >= 3 + 8  # several segment reads per request
@@ -230,7 +230,7 @@ def test_parked_stage_request_of_an_aborted_request_is_dropped():
             time.sleep(0.2)  # a late pack would show up now
             with lock:
                 assert pre.slots.bytes_used == 0 and not pre.slots.used
-            assert _verify(dec, [(js[0].num, js[0].read())])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(js[0].num, js[0].read())])["mismatched_bytes"] == 0
     finally:
         pre.close()
 
@@ -261,7 +261,7 @@ def test_stage_request_failing_while_packing_does_not_stop_the_prefill(monkeypat
                 dec.start(j.read())
                 done, failed = dec.wait(20)
                 assert done == [j.rid] and not failed, failed
-            assert _verify(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
             assert dec.metrics.staging_fallbacks == 1 and dec.metrics.staged_transfers == 1
             with lock:
                 assert pre.metrics.failed_stage_requests == 1

@@ -30,8 +30,12 @@ Rank = tuple[int, int]
 _LOWERED: dict = {}  # engine id -> the lowered plan of its last handshake (verify after the engine is gone)
 
 
-def _verify(obj, requests: list) -> dict:
-    """Decode side: rebuild the expected buffer for ``requests`` (in order) and compare every byte."""
+def verify_rank(obj, requests: list) -> dict:
+    """Decode side: rebuild the expected buffer for ``requests`` (in order) and compare every byte.
+
+    The oracle check of the tests (the decode side's counterpart of :func:`fill_rank`): ``requests`` is a list
+    of ``(oracle request number, ReadRequest)``; returns ``mismatched_bytes``, ``checked_bytes`` and
+    ``needed_bytes``. Over a pipe it is :class:`EngineProcs`' ``verify`` command."""
     layout, buf = rank_memory(obj.engine, *obj.rank), buffer_of(obj.mem)
     expected = new_buffer(layout)
     needed = 0
@@ -105,7 +109,7 @@ class _Worker:
         return self.take()
 
     def verify(self, *args: Any) -> Any:
-        return _verify(self.obj, *args)
+        return verify_rank(self.obj, *args)
 
     def handshake(self, *args: Any, **kwargs: Any) -> Any:
         remote = self.obj.handshake(*args, **kwargs)
