@@ -402,6 +402,13 @@ def test_n_gt_1_siblings_share_a_lease_only_with_the_same_prompt(tmp_path):
     so, _ = step(P)
     assert not so.kv_connector_metadata.send
     assert so.kv_connector_metadata.expect == {"0_par-1": (pa0["remote_attempt"], 2)}
+    # a second finish of an index already linked (the child id submitted again): not linked again (the
+    # lease would wait for a read that never comes), a lease of its own
+    _, pa1b = _finish(P, "1_par-1")
+    assert pa1b["remote_request_id"] == "1_par-1" and "1_par-1" in P.requests
+    assert pa1b["remote_attempt"] != pa0["remote_attempt"]
+    so, _ = step(P)
+    assert set(so.kv_connector_metadata.send) == {"1_par-1"} and not so.kv_connector_metadata.expect
     # same parent id, another prompt (ids are only a hint): a lease of its own
     _, pb = _finish(P, "2_par-1", prompt=list(range(100, 140)))
     assert pb["remote_request_id"] == "2_par-1" and "2_par-1" in P.requests
@@ -411,7 +418,7 @@ def test_n_gt_1_siblings_share_a_lease_only_with_the_same_prompt(tmp_path):
     _, pc = _finish(P, "par-1")
     assert pc["remote_request_id"] == "par-1" and "par-1" in P.requests
     # the shared lease ends (the worker reports it): a later sibling holds its own blocks
-    step(P, finished_sending={"0_par-1", "2_par-1", "par-1"})
+    step(P, finished_sending={"0_par-1", "1_par-1", "2_par-1", "par-1"})
     _, p3 = _finish(P, "3_par-1")
     assert p3["remote_request_id"] == "3_par-1" and "3_par-1" in P.requests
     step(P, finished_sending={"3_par-1"})
