@@ -250,6 +250,9 @@ class Peer:
         self.started, self.bound_s, self.why = started, bound_s, why
         self.future = future            # background handshake -> (RemoteEngine, prepared lists)
         self.phase = phase if phase is not None else ["queued"]  # the step that handshake is at (its thread writes)
+        # (file descriptors open, the soft limit) as the background handshake ended (its thread writes):
+        # the side channel's budget is checked against it, not counted again on the caller's thread
+        self.fds: tuple[int, int] | None = None
         self._pending: list[Any] = list(pending)  # ReadRequests started while connecting (only its methods change it)
         self.error = ""                 # why the handshake failed (LOST from CONNECTING)
         self.remote: RemoteEngine | None = None

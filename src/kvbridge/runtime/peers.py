@@ -55,6 +55,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+try:
+    import resource
+except ImportError:  # not on this platform: the budget is not checked
+    resource = None  # type: ignore[assignment]
+
 from ..errors import HandshakeError, HandshakeFailed, IncompatibleLayoutsError, TransferError
 from ..transport.base import Transport
 from .metrics import Metrics
@@ -75,11 +80,12 @@ REHANDSHAKE = "the prefill engine is handshaken again"  # why a live peer is for
 
 def fd_budget() -> tuple[int, int] | None:
     """(file descriptors open, the process's soft limit), or None where they cannot be read."""
+    if resource is None:
+        return None
     try:
-        import resource
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return len(os.listdir("/proc/self/fd")), soft
-    except (ImportError, OSError):
+    except OSError:
         return None
 
 
@@ -187,11 +193,12 @@ class PeerTable:
         return any(p.outbox or p.unsent or (heartbeats and p.heartbeats) for p in self.todo)
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def check_budget(self, engine_id: str, ranks: int) -> None:
+    def check_budget(self, engine_id: str, ranks: int, fds: tuple[int, int] | None = None) -> None:
         """Raise :class:`HandshakeError` if a side channel to ``ranks`` prefill ranks would leave fewer
-        than :data:`FD_RESERVE` file descriptors, or pass ZMQ's socket limit."""
+        than :data:`FD_RESERVE` file descriptors, or pass ZMQ's socket limit (``fds``: the count of
+        :func:`fd_budget` made already, e.g. by the handshake's thread; else counted now)."""
         need = ranks + SideChannel.FDS
-        fds = fd_budget()
+        fds = fds if fds is not None else fd_budget()
         if fds is not None and fds[0] + need > fds[1] - FD_RESERVE:
             raise HandshakeError(
                 f"no file descriptors left for the side channel to prefill engine {engine_id!r} ({ranks} ranks: "
@@ -224,7 +231,7 @@ class PeerTable:
         before the peer changes and with the handshake's agents and lists released, if the channel does not
         fit the budget (:meth:`check_budget`) or cannot be opened."""
         try:
-            self.check_budget(peer.engine_id, len(remote.side_ranks))
+            self.check_budget(peer.engine_id, len(remote.side_ranks), peer.fds)
             peer.connected(remote, prepped, self.open_channel)
             peer.todo = self.todo
             if isinstance(peer.channel, SideChannel):
@@ -300,7 +307,9 @@ class PeerTable:
 
         def run() -> tuple[RemoteEngine, dict[Rank, Prepared]]:
             peer.running = time.monotonic()  # the bound counts from here, not from the queue
-            return handshaker.background(engine_id, endpoints, phase)
+            out = handshaker.background(engine_id, endpoints, phase)
+            peer.fds = fd_budget()  # (counted here, off the caller's thread)
+            return out
         peer.future = self.pool.submit(run)
         self.current[engine_id] = peer
         self.handshaking[peer] = None

@@ -63,7 +63,10 @@ log = logging.getLogger(__name__)
 
 PROBE_MS = 50.0              # measuring time per prefill rank (all memory kinds together)
 PROBE_BYTES = 64 << 20       # bytes moved per prefill rank at most
-PROBE_BUFFER_BYTES = 16 << 20  # each local probe buffer (one per memory kind); the largest single READ
+PROBE_BUFFER_BYTES = 16 << 20  # the device probe buffer of a GPU rank: its largest single READ
+# every probe buffer in host memory (a CPU rank's device kind, the host kind): host links run at tens of GB/s
+# at most, and a READ into host memory may copy inside the transport's post call (cma), holding the GIL
+HOST_PROBE_BUFFER_BYTES = 4 << 20
 WARMUP_S = 2.0               # a first transfer of a kind (connection set-up) waits this long at most
 SMALL_DESCS = 128
 SMALL_BYTES = 256
@@ -383,6 +386,7 @@ class Prober:
         self.metrics = metrics  # counts the degraded-link warnings (``degraded_links``)
         self.probe_ms, self.probe_bytes = float(probe_ms), int(probe_bytes)
         self.buffer_bytes = int(min(buffer_bytes, max(probe_bytes, 0)))
+        self.host_buffer_bytes = min(self.buffer_bytes, HOST_PROBE_BUFFER_BYTES)
         self._lock = threading.Lock()
         self._bufs: dict[str, tuple[Any, int]] = {}
         self._copy: tuple[float, float, float] | None = None  # (d->d GB/s, h->d GB/s, µs of a small copy)
@@ -396,14 +400,19 @@ class Prober:
     def enabled(self) -> bool:
         return self.probe_ms > 0 and self.buffer_bytes >= SMALL_DESCS * SMALL_BYTES * 2 and self.kv.usable
 
+    def size_of(self, kind: str) -> int:
+        """Bytes of the probe buffer of ``kind`` ("device" or "host"): the largest single READ probed."""
+        on_gpu = kind == "device" and _device_of(self.kv) != "cpu"
+        return self.buffer_bytes if on_gpu else self.host_buffer_bytes
+
     def _buffer(self, kind: str) -> tuple[Any, int]:
         if kind not in self._bufs:
             from .paths import new_host_buffer
 
             buf = (
-                self.kv.new_staging(self.buffer_bytes)
+                self.kv.new_staging(self.size_of(kind))
                 if kind == "device"
-                else new_host_buffer(self.kv, self.buffer_bytes)
+                else new_host_buffer(self.kv, self.size_of(kind))
             )
             self._bufs[kind] = (buf, self.transport.register(buf))
         return self._bufs[kind]
@@ -427,7 +436,7 @@ class Prober:
         if self._copy is None:
             dev, _ = self._buffer("device")
             host, _ = self._buffer("host")
-            n = min(self.buffer_bytes // 2, 8 << 20)
+            n = min(self.size_of("device"), self.size_of("host")) // 2
             from .paths import offset_view
             d2d = copy_gbps(offset_view(dev, n), dev, n)
             h2d = copy_gbps(dev, host, n)
@@ -443,13 +452,13 @@ class Prober:
             assert push is not None
             from .protocol import PUSH_PROBE_MAX_BYTES
             target = Target(0, min(push_bytes, PUSH_PROBE_MAX_BYTES), _device_of(self.kv), addr,
-                            self.buffer_bytes, None)
+                            self.size_of("device"), None)
             return target, push.timer(target)
         if kind == "device":
             assert kv_region is not None
-            return Target(kv_region[0], kv_region[1], kv_region[2], addr, self.buffer_bytes, None), None
+            return Target(kv_region[0], kv_region[1], kv_region[2], addr, self.size_of("device"), None), None
         assert host_region is not None
-        return Target(host_region[0], host_region[1], "cpu", addr, self.buffer_bytes, "cpu"), None
+        return Target(host_region[0], host_region[1], "cpu", addr, self.size_of("host"), "cpu"), None
 
     def link(self, agent: str, kv_region: tuple[int, int, str] | None, host_region: tuple[int, int] | None,
              paths: list[TransferPath], pin_s: float = math.inf, min_read_rate: float = math.inf,
