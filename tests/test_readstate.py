@@ -8,12 +8,12 @@ import itertools
 import pytest
 
 from kvbridge.errors import IllegalTransition
-from kvbridge.runtime.readstate import AWAITING_REPLY, TERMINAL, TRANSITIONS, ReadEvent, ReadMachine, ReadState
+from kvbridge.runtime.readstate import AWAITING_REPLY, TERMINAL, TRANSITIONS, ReadEvent, ReadStateCell, ReadState
 
 
 @pytest.mark.parametrize("state, event", list(itertools.product(ReadState, ReadEvent)))
 def test_every_cell(state, event):
-    m = ReadMachine(state)
+    m = ReadStateCell(state)
     want = TRANSITIONS[state].get(event)
     if want is None:
         with pytest.raises(IllegalTransition, match=f"{event.name}.*{state.name}"):
@@ -36,7 +36,7 @@ def test_shape_of_the_table():
     for path in ([ReadEvent.GRANTED, ReadEvent.COMPLETED],
                  [ReadEvent.STAGE_SEGMENT, ReadEvent.STAGE_SEGMENT, ReadEvent.STAGE_LAST, ReadEvent.COMPLETED],
                  [ReadEvent.STAGE_FULL, ReadEvent.COMPLETED]):
-        m = ReadMachine(ReadState.ACQUIRING if path[0] is ReadEvent.GRANTED else ReadState.STAGE_REQUESTED)
+        m = ReadStateCell(ReadState.ACQUIRING if path[0] is ReadEvent.GRANTED else ReadState.STAGE_REQUESTED)
         for e in path:
             m.fire(e)
         assert m.state is ReadState.DONE and m.terminal

@@ -1,6 +1,6 @@
 """The read of one (request, prefill rank) as a sans-IO machine (h11's pattern).
 
-:class:`RankRead` owns all of a read's state: its :class:`~kvbridge.runtime.readstate.ReadMachine`
+:class:`RankRead` owns all of a read's state: its :class:`~kvbridge.runtime.readstate.ReadStateCell`
 (every state change goes through ``readstate.TRANSITIONS``), its pin and deadlines (this process's
 monotonic clock), its staging slot and its posted transfers. :meth:`RankRead.handle` takes one event of
 ``readstate`` and returns the actions the decode rank's I/O loop must run; nothing else changes it.
@@ -38,7 +38,7 @@ from .readstate import (
     Post,
     PostSegment,
     ReadEvent,
-    ReadMachine,
+    ReadStateCell,
     ReadState,
     Refreshed,
     Refused,
@@ -127,7 +127,7 @@ class RankRead:
                  slot_key: Hashable = None, push_slot: int | None = None,
                  direct: Callable[[], Any] | None = None):
         self.prefill, self.ctx = prefill, ctx
-        self.sm = ReadMachine(state)
+        self.sm = ReadStateCell(state)
         self.sent_at = now               # when the acquire/stage request was made: the pin counts from here
         self.progress_at = now           # last progress from this rank (its own deadline re-arms only on it)
         self.first_sent = now            # the first request (not-registered retries count from here)

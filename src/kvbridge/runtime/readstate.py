@@ -87,8 +87,10 @@ def next_state(state: ReadState, event: ReadEvent) -> ReadState:
     return step(TRANSITIONS, state, event, "read")
 
 
-class ReadMachine:
-    """State of one (request, prefill rank) read; :meth:`fire` applies one event."""
+class ReadStateCell:
+    """The state of one (request, prefill rank) read and nothing else: :meth:`fire` moves it by one cell of
+    :data:`TRANSITIONS`. The read's machine is :class:`~kvbridge.runtime.readmachine.RankRead`, which holds
+    one of these beside its pin, deadlines and transfers."""
 
     __slots__ = ("state",)
 
@@ -104,7 +106,7 @@ class ReadMachine:
         return self.state in TERMINAL
 
     def __repr__(self) -> str:
-        return f"ReadMachine({self.state.name})"
+        return f"ReadStateCell({self.state.name})"
 
 
 # ---- events: what happened (frozen; the decode rank builds them from ZMQ frames and NIXL states) -------
