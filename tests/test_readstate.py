@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvbridge.errors import IllegalTransition
-from kvbridge.runtime.readstate import AWAITING_REPLY, TERMINAL, TRANSITIONS, ReadEvent, ReadStateCell, ReadState
+from kvbridge.runtime.readstate import AWAITING_REPLY, TERMINAL, TRANSITIONS, ReadEvent, ReadState, ReadStateCell
 
 
 @pytest.mark.parametrize("state, event", list(itertools.product(ReadState, ReadEvent)))
