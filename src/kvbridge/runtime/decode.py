@@ -155,18 +155,6 @@ class DecodeRank:
         return self.reads.failed
 
     @property
-    def _zombies(self) -> list[Peer]:
-        """Reads parked after a failure until NIXL lets go of them."""
-        return self.reads.zombies
-
-    @property
-    def _layout_dict(self) -> dict[str, Any]:
-        return self.reads.layout_dict
-
-    def _notify(self, agent: str, msg: bytes) -> None:
-        self.reads.notify(agent, msg)
-
-    @property
     def stage_timeout_s(self) -> float:
         return self.reads.stage_timeout_s
 
@@ -187,11 +175,6 @@ class DecodeRank:
     def remotes(self) -> dict[str, Peer]:
         """{engine id: live :class:`~kvbridge.runtime.peer.Peer`} (each owns its handshake's result)."""
         return self.peers.remotes
-
-    @property
-    def _peers(self) -> dict[str, Peer]:
-        """engine id -> its current peer (CONNECTING or LIVE)."""
-        return self.peers.current
 
     @property
     def connect_timeout_s(self) -> float:
