@@ -72,6 +72,10 @@ __all__ = ["DecodeRank", "ReadRequest", "RemoteEngine", "Peer", "PeerState", "fe
 log = logging.getLogger(__name__)
 
 
+def _closed(*_args: Any) -> Any:
+    raise RuntimeError("this decode rank is closed")
+
+
 class DecodeRank:
     """Decode side of one rank: reads requests' KV from prefill engines into the engine's KV memory
     (``memory``, a :class:`KVMemory` describing tensors the engine allocated)."""
@@ -525,6 +529,11 @@ class DecodeRank:
             self._drop_reads(peer, "decode rank closing")
         self.peers.close_old()
         self.transport.close()
+        # its tables hold this rank's bound methods (reference cycles): cut, so that the rank and its NIXL
+        # agent go when their owner drops them, not inside a later garbage collection on whatever thread
+        # triggers it (an engine's step: a 14 ms collection seen, the agent's teardown)
+        self.peers.handshaker = _closed
+        self.reads.restarted = self.reads.died = _closed
 
     def set_transfer_mode(self, mode: str) -> None:
         """Force direct/staged/auto for later handshakes (forgets cached engines so they re-handshake)."""

@@ -498,10 +498,6 @@ class NixlTransport(TransportBookkeeping):
             except Exception:  # noqa: BLE001
                 pass
         self.remove_all_peers()
-        # the NIXL agent (its UCX workers and progress thread) goes now, on the closing thread: left to the
-        # owner's reference cycles it would be torn down inside a garbage collection, on whatever thread
-        # triggers it (an engine's step; ~10 ms seen)
-        self.agent = None
 
 
 def _make_agent(api: Any, name: str, conf: Any, progress_delay_us: int) -> Any:
