@@ -76,7 +76,11 @@ def write_model_dir(path: str | os.PathLike, hf_config: dict[str, Any]) -> str:
     """A model directory holding only ``config.json`` (enough for ModelConfig with skip_tokenizer_init)."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    (p / "config.json").write_text(json.dumps(hf_config, indent=1))
+    # written whole, then renamed into place: the rank processes of one engine write the same directory, and
+    # one reading config.json while another truncates and rewrites it saw an empty file (a JSON error)
+    tmp = p / f".config.json.{os.getpid()}"
+    tmp.write_text(json.dumps(hf_config, indent=1))
+    os.replace(tmp, p / "config.json")
     return str(p)
 
 
