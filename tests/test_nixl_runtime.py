@@ -79,11 +79,14 @@ def test_auto_mode_uses_the_cost_model():
     """Auto mode chooses per request from the link figures it measured at handshake (``stats()["links"]``),
     so the static, machine-wide ``choose_modes`` no longer predicts each transfer; what holds: the reads are
     byte-exact, every pair was measured and given a path, and this head-sliced pair (512 B runs, where one
-    packed read beats thousands of descriptors) is mostly read staged."""
+    packed read beats thousands of descriptors) is mostly read staged. Requests of up to 1,200 tokens: with
+    300, short requests (where direct may well be cheaper) made the split close to even on a busy machine
+    (12 / 12 seen once); with 1,200 it was 21-24 staged of 24 in three runs."""
     from kvbridge.modes import TransferPath
     from kvbridge.testing.demo import run_demo
     prefill, decode = CASES["swa+fa heads differ P4->D2"]
-    res = run_demo(prefill, decode, num_requests=6, max_tokens=300, seed=3, show_progress=False, transfer_mode="auto")
+    res = run_demo(prefill, decode, num_requests=6, max_tokens=1200, seed=3, show_progress=False,
+                   transfer_mode="auto")
     assert res.ok
     pairs = [pair for per_rank in (res.links or {}).values() for per_engine in per_rank.values()
              for pair in per_engine.values()]

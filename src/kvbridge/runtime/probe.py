@@ -231,13 +231,14 @@ class _Run:
 
 
 def _fixed_cost(run: _Run) -> float | None:
-    """``t1``: the time of one small descriptor, best of up to three (another only while it costs little
-    of the time left); None when none ended in time."""
+    """``t1``: the time of one small descriptor, best of three (fewer only when the time left would not
+    hold another of the fastest so far: one slow first sample must not stand for the fixed cost, or the
+    per-descriptor cost and the bandwidth come out too low and too high); None when none ended in time."""
     one = np.zeros(1, np.int64)
     small = np.full(1, SMALL_BYTES, np.int64)
     times: list[float] = []
     for _ in range(3):
-        if times and run.left() < 10 * times[-1]:
+        if times and run.left() < 4 * min(times):
             break
         dt = run.read(one, small)
         if dt is None:
@@ -254,7 +255,7 @@ def _many_small(run: _Run, span: int) -> float | None:
     offs = np.arange(SMALL_DESCS, dtype=np.int64) * stride
     tns: list[float] = []
     for _ in range(2):  # best of two: noise on a busy machine only ever slows a READ down
-        if tns and run.left() < 3 * tns[-1]:
+        if tns and run.left() < 3 * min(tns):
             break
         tn = run.read(offs, np.full(SMALL_DESCS, SMALL_BYTES, np.int64))
         if tn is None:
