@@ -81,6 +81,9 @@ METHODS = {"eagle": ("target", "eagle", KV_HEADS, SPEC_TOKENS),
 # took 28.6 s under load 25, NIXL preparing its descriptor lists); the test checks bytes and acceptance
 DECODE_TIMEOUTS = {"handshake_timeout_s": 240.0, "connect_timeout_s": 240.0, "stage_timeout_s": 120.0,
                    "transfer_timeout_s": 120.0}
+# the prefill's lease, as test_e2e_engines.py's: far longer than the test, so only a Done frees blocks (with the
+# default 30 s, a draft_model read found its lease expired once: 8 engines on 2 cores, the prefill starved)
+PREFILL_LEASE_S = 600
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 BYTES = "vllm:kvbridge_transfer_bytes_total"
 
@@ -114,7 +117,7 @@ class Pairs:
         p = self.es.start(EngineSpec(f"{method}-prefill", self.models[target], dtype=DTYPE, block_size=BLOCK,
                                      extra_args=spec,
                                      kv_transfer_config=kv_config(f"{method}-prefill", "kv_producer",
-                                                                  port=free_ports(1))))
+                                                                  port=free_ports(1), lease_s=PREFILL_LEASE_S)))
         d = self.es.start(EngineSpec(f"{method}-decode", self.models[target], dtype=DTYPE, block_size=BLOCK,
                                      extra_args=spec + ["--no-enable-prefix-caching"],
                                      kv_transfer_config=kv_config(
