@@ -156,7 +156,7 @@ def test_a_prefill_ranks_probe_ends_within_probe_ms_and_probe_bytes(clock, monke
     def timed(transport, agent, t, offsets, nbytes, timeout_s):
         return links["host" if t.local_device == "cpu" else "device"].transfer(offsets, nbytes, timeout_s)
 
-    def warm_up(transport, agent, t, timer=None):
+    def warm_up(transport, agent, t, timer=None, end=None):
         clock.now += connect_s
         return True
     monkeypatch.setattr(probe, "_timed", timed)
@@ -185,3 +185,29 @@ def test_a_prefill_ranks_probe_ends_within_probe_ms_and_probe_bytes(clock, monke
             assert f.per_desc_us == pytest.approx(1.0, rel=1e-6)
     assert fig.paths[TransferPath.STAGED].gbps == fig.paths[TransferPath.DIRECT].gbps
     assert math.isfinite(fig.probe_ms)
+
+
+def test_connecting_to_a_frozen_prefill_costs_one_warm_up_not_one_per_kind(clock, monkeypatch):
+    """A prefill that answers no warm-up in time (starved, frozen): connecting ends within ``WARMUP_S``
+    for all kinds together, the kinds not reached are not tried, and nothing is measured (the link keeps
+    the machine-wide figures)."""
+    from kvbridge.cost import CostModel
+    tried: list[str] = []
+
+    def warm_up(transport, agent, t, timer=None, end=None):
+        tried.append(t.local_device)
+        clock.now = end  # it did not end: given up at the end of the connecting time
+        return False
+    monkeypatch.setattr(probe, "_warm_up", warm_up)
+    monkeypatch.setattr(probe.Prober, "copy_rates", lambda self: (10.0, 10.0, 1.0))
+    p = probe.Prober(_Transport(), _KV(), CostModel(), probe_ms=50.0, probe_bytes=64 << 20)
+    p.prepare()
+    paths = [TransferPath.DIRECT, TransferPath.STAGED, TransferPath.HOST, TransferPath.PUSH]
+    push = _Push(Link(clock, fixed_s=20e-6, per_desc_s=1e-6, gbps=8.0))
+    t0 = clock.now
+    fig = p.link("peer", (0x10000, 64 << 20, "cpu"), (0x90000000, 64 << 20), paths, push=push,
+                 push_bytes=64 << 20)
+    assert len(tried) == 1 and push.asked == 0
+    assert clock.now - t0 == pytest.approx(probe.WARMUP_S)
+    assert fig.probe_connect_ms == pytest.approx(probe.WARMUP_S * 1e3)
+    assert fig.source != "probe" and not any(f.measured for f in fig.paths.values())

@@ -27,8 +27,9 @@ connects. A prefill that does not answer (or refuses) leaves the push path with 
 figures, not measured.
 
 **Bounds.** The probe of a prefill rank first connects: one small transfer per kind (UCX connects
-lazily, and the first request would pay it otherwise; the empty push probe too), each bounded by
-``WARMUP_S``, their time reported as ``probe_connect_ms``. The measuring then ends within ``probe_ms``
+lazily, and the first request would pay it otherwise; the empty push probe too), all within
+``WARMUP_S`` together (kinds not reached by then stay unmeasured), their time reported as
+``probe_connect_ms``. The measuring then ends within ``probe_ms``
 (default 50 ms) of wall time and moves at most ``probe_bytes`` (default 64 MiB): each kind gets an equal
 share of the time left when it starts (a quick kind leaves the rest of its share to the next), every
 transfer's timeout is the end of its kind's share, and a transfer that has not ended by then is given up
@@ -67,7 +68,7 @@ PROBE_BUFFER_BYTES = 16 << 20  # the device probe buffer of a GPU rank: its larg
 # every probe buffer in host memory (a CPU rank's device kind, the host kind): host links run at tens of GB/s
 # at most, and a READ into host memory may copy inside the transport's post call (cma), holding the GIL
 HOST_PROBE_BUFFER_BYTES = 4 << 20
-WARMUP_S = 2.0               # a first transfer of a kind (connection set-up) waits this long at most
+WARMUP_S = 2.0               # connecting (a first transfer of each kind) takes this long at most, all kinds together
 SMALL_DESCS = 128
 SMALL_BYTES = 256
 FIRST_BIG = 256 << 10
@@ -306,13 +307,15 @@ def _largest(run: _Run, size: int, span: int, max_bytes: int) -> tuple[int, floa
     return (size, best, False) if math.isfinite(best) else None
 
 
-def _warm_up(transport: Any, agent: str, t: Target, timer: Timer | None = None) -> bool:
-    """One small transfer of ``t`` (it connects), bounded by ``WARMUP_S``: True if it ended."""
+def _warm_up(transport: Any, agent: str, t: Target, timer: Timer | None = None,
+             end: float | None = None) -> bool:
+    """One small transfer of ``t`` (it connects), ended or given up by ``end`` (a ``perf_counter`` time;
+    default ``WARMUP_S`` from now): True if it ended."""
     if min(t.remote_nbytes, t.local_nbytes) < SMALL_DESCS * SMALL_BYTES * 2:
         return False
-    run = _Run(transport, agent, t, time.perf_counter() + WARMUP_S, timer=timer)
+    run = _Run(transport, agent, t, time.perf_counter() + WARMUP_S if end is None else end, timer=timer)
     if run.read(np.zeros(1, np.int64), np.full(1, SMALL_BYTES, np.int64)) is None:
-        log.debug("probe of %s: the warm-up transfer failed or did not end in %g s", agent, WARMUP_S)
+        log.debug("probe of %s: the warm-up transfer failed or did not end in time", agent)
         return False
     return True
 
@@ -498,16 +501,24 @@ class Prober:
                  host_region: tuple[int, int] | None, push: PushProber | None,
                  push_bytes: int) -> list[tuple[str, Target, Timer | None]]:
         """One small transfer per kind (UCX connects lazily; the first request would pay it otherwise),
-        each bounded by ``WARMUP_S``: the kinds that connected, where they are measured, their timers."""
+        all of them within ``WARMUP_S`` together (a starved or frozen prefill costs the handshake that
+        once, not once per kind; the kinds not reached are left unmeasured): the kinds that connected,
+        where they are measured, their timers."""
         ready: list[tuple[str, Target, Timer | None]] = []
+        end = time.perf_counter() + WARMUP_S
         for kind in want:
+            left = end - time.perf_counter()
+            if left <= 0:
+                log.debug("probe of %s: connecting took %g s; %s not measured", agent, WARMUP_S,
+                          ", ".join(want[want.index(kind):]))
+                break
             target, timer = self._target(kind, kv_region, host_region, push, push_bytes)
             if kind == "push":
                 assert push is not None
-                if push.ask(target.local_addr, target.remote_device, 0, 0, 0, WARMUP_S) is None:
+                if push.ask(target.local_addr, target.remote_device, 0, 0, 0, left) is None:
                     log.debug("probe of %s: the prefill does not serve push probes (or not in time)", agent)
                     continue
-            if _warm_up(self.transport, agent, target, timer):
+            if _warm_up(self.transport, agent, target, timer, end):
                 ready.append((kind, target, timer))
         return ready
 
