@@ -232,7 +232,8 @@ def read_snapshot(text: str, config: str) -> dict[str, dict[float, float]]:
     """Every decode read histogram of ``config`` from one /metrics scrape: ``read`` and one per phase."""
     if config == "kvbridge":
         snap = {"read": buckets(text, "vllm:kvbridge_read_seconds")}
-        snap.update({ph: buckets(text, "vllm:kvbridge_phase_seconds", phase=ph) for ph in KVBRIDGE_PHASES})
+        # (the connector labels each phase "side:phase")
+        snap.update({ph: buckets(text, "vllm:kvbridge_phase_seconds", phase=f"decode:{ph}") for ph in KVBRIDGE_PHASES})
         return snap
     snap = {"read": buckets(text, "vllm:nixl_xfer_time_seconds")}
     snap.update({ph: buckets(text, name) for ph, name in NIXL_PHASES.items()})

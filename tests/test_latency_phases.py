@@ -149,3 +149,61 @@ def test_the_serving_thread_and_wait_wake_on_events_not_timers(staged, monkeypat
     finally:
         server.close()
         d.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_decode_driver_completes_reads_between_the_engines_polls(staged):
+    """A decode rank driven by :class:`DecodeDriver`: reads started through its locked view complete with
+    no poll from the engine's thread (the driver's thread posts on the grant or segment reply and reports
+    on the completion); the engine's next poll returns each read once; bytes exact; an idle driver
+    sleeps (a handful of wake-ups, not one per timer tick)."""
+    from kvbridge.transport.nixl import nixl_available
+    if not nixl_available():
+        pytest.skip("needs nixl")
+    import time
+
+    import numpy as np
+
+    import kvbridge
+    from kvbridge.runtime.driver import DecodeDriver
+    from kvbridge.testing.engine import buffer_of
+    eng, p, d = _pair(staged)
+    server = kvbridge.PrefillServer(p)
+    driver = DecodeDriver(d)
+    try:
+        time.sleep(0.3)
+        assert driver.wakeups <= 2, driver.wakeups  # idle: it slept through
+        driver.rank.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
+        seen: list[str] = []
+        for i in range(3):
+            blocks = {g.name: kvbridge.GroupBlocks.of([2 * i, 2 * i + 1]) for g in eng.model.groups}
+            att = kvbridge.runtime.prefill.new_attempt()
+            server.add(f"r{i}", blocks, att)
+            driver.rank.start(kvbridge.ReadRequest(f"r{i}", "ev-p", 32, blocks, blocks, att))
+            driver.rank.flush()
+            deadline = time.monotonic() + 20.0
+            while d.metrics.finished_requests < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the engine's thread does not poll: only the driver's thread works
+            assert d.metrics.finished_requests == i + 1
+            done, failed = driver.poll()
+            assert done == [f"r{i}"] and not failed
+            seen += done
+            assert driver.poll() == ([], {})  # each read reported once
+        assert seen == ["r0", "r1", "r2"]
+        src, dst = buffer_of(p.mem), buffer_of(d.mem)
+        sb, db = p.mem.allocations[0].addr, d.mem.allocations[0].addr
+        checked = 0
+        for i in range(3):
+            blocks = {g.name: kvbridge.GroupBlocks.of([2 * i, 2 * i + 1]) for g in eng.model.groups}
+            for desc in d.remotes["ev-p"].lowered.descriptors(32, blocks, blocks):
+                for a, b, n in zip(desc.src.tolist(), desc.dst.tolist(), desc.nbytes.tolist()):
+                    assert np.array_equal(src[a - sb:a - sb + n], dst[b - db:b - db + n])
+                    checked += n
+        assert checked > 0 and np.count_nonzero(src)
+        w = driver.wakeups
+        time.sleep(0.3)
+        assert driver.wakeups - w <= 3, driver.wakeups - w  # idle again: IDLE_S sleeps
+    finally:
+        server.close()
+        driver.close()

@@ -476,10 +476,10 @@ class DecodeRank:
             now = time.monotonic()
             if not (self.inflight or self.peers.connecting()) or now > deadline or (first and (done or failed)):
                 return done, failed
-            pause = min(deadline - now, self._next_wake(now))
+            pause = min(deadline - now, self.next_wake(now))
             self._block(pause if sleep_s is None else min(pause, sleep_s))
 
-    def _next_wake(self, now: float) -> float:
+    def next_wake(self, now: float) -> float:
         """Seconds until the read loop may have something to do with no event (see :meth:`wait`)."""
         pause = self.reads.next_wake(now, getattr(self.transport, "wake_fd", None) is not None)
         if self.peers.connecting():

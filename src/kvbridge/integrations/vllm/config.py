@@ -56,7 +56,8 @@ HOST_ENV = "KVBRIDGE_SIDE_CHANNEL_HOST"
 VLLM_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_BACKENDS = ("UCX",)
 #: extra-config keys the connector reads itself (not endpoint options)
-CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content"})
+CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content",
+                            "decode_thread"})
 #: other names of endpoint options, alias -> the option (an alias has no default of its own: it is the option)
 OPTION_ALIASES: dict[str, str] = {"lease_grace_s": "register_grace_s"}
 #: decode options whose default differs under vLLM (the only place the vLLM default is written): its prefill
@@ -176,6 +177,9 @@ class ConnectorConfig:
     backends: tuple[str, ...] = DEFAULT_BACKENDS
     num_threads: int | None = None
     speculative: str | None = None  # fingerprint of the draft model's settings (None: no draft KV)
+    # a decode worker's reads driven by a background thread as their events happen (runtime/driver.py), not
+    # only on the engine's steps (False: only on the steps)
+    decode_thread: bool = True
 
     @property
     def lease_s(self) -> float:
@@ -194,6 +198,9 @@ class ConnectorConfig:
         num_threads = extra.get("num_threads")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise VLLMConfigError(f"kv_connector_extra_config.num_threads={num_threads!r}: give a positive integer")
+        decode_thread = extra.get("decode_thread", True)
+        if not isinstance(decode_thread, bool):
+            raise VLLMConfigError(f"kv_connector_extra_config.decode_thread={decode_thread!r}: give true or false")
         prefill, decode = endpoint_configs(extra)
         return cls(
             engine_id=dp_engine_id(str(ktc.engine_id), dp_size, dp_index),
@@ -201,7 +208,7 @@ class ConnectorConfig:
             port=dp_port_base(int(extra.get("side_channel_port", DEFAULT_PORT)), dp_index, tp, pp, pcp),
             tp=tp, pp=pp, pcp=pcp, dcp=dcp, cp_interleave=il, dp_size=dp_size, dp_index=dp_index,
             prefill=prefill, decode=decode, backends=_backends(extra), num_threads=num_threads,
-            speculative=speculative_fingerprint(vllm_config),
+            speculative=speculative_fingerprint(vllm_config), decode_thread=decode_thread,
         )
 
     def endpoint(self, rank: tuple[int, int]) -> tuple[str, int]:

@@ -25,10 +25,10 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import kvbridge
-from kvbridge.integrations import nixl_transport
+from kvbridge.integrations import DecodeDriver, nixl_transport
 
 from ..vllm_cp import VLLMCPSettings, check_cp_against_vllm, cp_from_vllm, cp_from_worker
 from .config import ConnectorConfig, ContextParallelUnsupported, TransferParams
@@ -100,6 +100,7 @@ class ConnectorWorker:
         self.block_sources: dict[str, int] = {}  # kvbridge group -> the vLLM group whose block ids it uses
         self.server: kvbridge.PrefillServer | None = None   # producer
         self.decode: kvbridge.DecodeEndpoint | None = None  # consumer
+        self.driver: DecodeDriver | None = None  # the consumer's background thread (cfg.decode_thread)
         # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
         self._inflight: dict[str, tuple[RecvReq, float]] = {}
         # releases of engines whose handshake is still running: (ReadRequest, give up at)
@@ -148,13 +149,16 @@ class ConnectorWorker:
                 engine, rank, cfg.engine_id, memory=memory, config=cfg.decode,
                 transport=self._transport(memory, f"{cfg.engine_id}-d{rank[0]}t{rank[1]}", initiator=True))
             self.decode.metrics.phase_sink = []
+            if cfg.decode_thread:
+                self.driver = DecodeDriver(self.decode)
 
     @property
     def _dec(self) -> kvbridge.DecodeEndpoint:
-        """The decode endpoint, on the read paths (which run only on a consumer worker)."""
+        """The decode endpoint, on the read paths (which run only on a consumer worker); through the
+        driver's lock where a driver thread runs it too."""
         if self.decode is None:
             raise RuntimeError("this worker is not a KV consumer: it has no decode endpoint")
-        return self.decode
+        return self.decode if self.driver is None else cast(kvbridge.DecodeEndpoint, self.driver.rank)
 
     def _transport(self, memory: kvbridge.KVMemory, agent_name: str, initiator: bool) -> Any:
         """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
@@ -205,7 +209,7 @@ class ConnectorWorker:
         self._release_pending()
         # send the acquire/stage requests now: the forward pass that follows can block this thread for
         # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
-        self.decode.flush()
+        self._dec.flush()
 
     def _start_read(self, r: RecvReq) -> None:
         try:
@@ -296,7 +300,7 @@ class ConnectorWorker:
             self.server.pump()
             sending = self.server.take_finished()
         if self.decode is not None:
-            done, failed = self.decode.poll()
+            done, failed = self.decode.poll() if self.driver is None else self.driver.poll()
             self._release_pending()
             now = time.monotonic()
             for rid in done:
@@ -354,6 +358,9 @@ class ConnectorWorker:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.decode is not None:
+        if self.driver is not None:
+            self.driver.close()  # (closes the endpoint too)
+            self.driver = None
+        elif self.decode is not None:
             self.decode.close()
-            self.decode = None
+        self.decode = None
