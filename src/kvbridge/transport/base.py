@@ -178,8 +178,9 @@ class Transport(Protocol):
     def send_notif(self, peer: str, msg: bytes,
                    on_error: Callable[[TransferError], None] | None = None) -> None:
         """Send ``msg`` to ``peer``'s notifications. Without ``on_error`` it is sent before this returns
-        (a failure raises :class:`TransferError`); with it, the transport may send it later, in order after
-        the transfers posted before it (off the caller's thread), and a failure calls ``on_error``."""
+        (a failure raises :class:`TransferError`); with it, the transport may send it later, off the caller's
+        thread (after the transfers posted before it were posted; it may still arrive before their own
+        notifications, which go when they complete), and a failure calls ``on_error``."""
 
     def close(self) -> None: ...
 
