@@ -480,11 +480,29 @@ class NixlTransport(TransportBookkeeping):
     def get_notifs(self) -> dict[str, list[bytes]]:
         return cast("dict[str, list[bytes]]", self.agent.get_new_notifs())
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
+    def send_notif(self, peer: str, msg: bytes,
+                   on_error: Callable[[TransferError], None] | None = None) -> None:
+        """With ``on_error``, on the post thread behind the transfers posted before it: the caller (a decode's
+        read loop reporting a read done) does not wait on the agent's lock, which the post thread holds
+        while it copies on cma, and the agent is used from one thread."""
+        def send() -> None:
+            try:
+                self.agent.send_notif(peer, msg)
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, peer) from e
+        if on_error is None:
+            send()
+            return
+
+        def later() -> None:
+            try:
+                send()
+            except TransferError as e:
+                on_error(e)
         try:
-            self.agent.send_notif(peer, msg)
-        except Exception as e:  # noqa: BLE001
-            raise _wrap(e, peer) from e
+            self._pool.submit(later)
+        except RuntimeError:  # the transport is closing (its post thread shut down): send it here
+            later()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
