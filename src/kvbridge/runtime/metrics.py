@@ -31,6 +31,9 @@ DECODE_PHASES: tuple[str, ...] = (
     "scatter",     # -> staged bytes scattered into the KV blocks (staged reads only)
     "report",      # -> the read reported done (poll() returns it)
 )
+# beside the phases, in the same histograms: a decode read from its start to its end in the runtime (the
+# phases' sum; an engine that polls on its steps sees it done at its next step)
+WHOLE_READ = "read"
 # A prefill rank's phases (each one its own duration, not a sequence):
 PREFILL_PHASES: tuple[str, ...] = (
     "acquire",      # an acquire message received -> its answer handed to ZMQ
@@ -172,7 +175,8 @@ class Metrics:
     def observe_marks(self, marks: list[int]) -> dict[str, float]:
         """A finished decode read's phases from its marks (perf_counter_ns of the end of each phase of
         :data:`DECODE_PHASES`, index 0 the start; 0 where the read skipped the phase): each phase reached
-        is observed, timed from the previous mark reached. Returns {phase: seconds}."""
+        is observed, timed from the previous mark reached, and the whole read (:data:`WHOLE_READ`: start to
+        the last mark reached, the phases' sum). Returns {phase: seconds} (the phases only)."""
         out: dict[str, float] = {}
         prev = marks[0]
         for name, t in zip(DECODE_PHASES, marks[1:]):
@@ -181,6 +185,7 @@ class Metrics:
                 out[name] = sec
                 self.observe_phase(name, sec)
                 prev = max(prev, t)
+        self.observe_phase(WHOLE_READ, max(0, prev - marks[0]) / 1e9)
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -16,10 +16,12 @@ import hashlib
 import importlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -44,6 +46,7 @@ _API = None
 # sets a delay (microseconds) between progress calls instead; 0 restores NIXL's behaviour. The environment
 # (KVBRIDGE_NIXL_PROGRESS_DELAY_US) is read when a transport is built, not at import.
 PROGRESS_DELAY_US = 200
+NOTIF_FLUSH_S = 5.0  # removing a peer waits this long at most for the notifications queued for it
 
 
 def load_nixl_api() -> Any:
@@ -146,6 +149,9 @@ class NixlTransport(TransportBookkeeping):
         self._pool = ThreadPoolExecutor(max(1, post_threads), thread_name_prefix=f"nixl-post-{agent_name}")
         self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix=f"kvbridge-copy-{agent_name}")
         self.wake = Wakeup()  # readable when a post or a copy ends (wake_fd)
+        # notifications queued on the post thread, per peer: sent before the peer is removed (remove_peer)
+        self._notifs: dict[str, set[Future[None]]] = {}
+        self._notif_lock = threading.Lock()
 
     # ---- memory & peers ----------------------------------------------------------------------
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
@@ -181,6 +187,7 @@ class NixlTransport(TransportBookkeeping):
         return name
 
     def remove_peer(self, name: str) -> None:
+        self._flush_notifs(name)  # a Done queued for this peer goes first (a live rank's lease waits for it)
         if not self.peer_removed(name):
             return
         try:
@@ -500,9 +507,28 @@ class NixlTransport(TransportBookkeeping):
             except TransferError as e:
                 on_error(e)
         try:
-            self._pool.submit(later)
+            fut = self._pool.submit(later)
         except RuntimeError:  # the transport is closing (its post thread shut down): send it here
             later()
+            return
+        with self._notif_lock:
+            self._notifs.setdefault(peer, set()).add(fut)
+        fut.add_done_callback(lambda f: self._notif_sent(peer, f))
+
+    def _notif_sent(self, peer: str, fut: Future[None]) -> None:
+        with self._notif_lock:
+            pending = self._notifs.get(peer)
+            if pending is not None:
+                pending.discard(fut)
+                if not pending:
+                    del self._notifs[peer]
+
+    def _flush_notifs(self, peer: str) -> None:
+        """Wait (bounded) for the notifications queued for ``peer`` to be sent."""
+        with self._notif_lock:
+            pending = list(self._notifs.get(peer, ()))
+        if pending and not threading.current_thread().name.startswith(f"nixl-post-{self.agent_name}"):
+            futures_wait(pending, timeout=NOTIF_FLUSH_S)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
