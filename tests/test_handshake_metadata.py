@@ -172,7 +172,7 @@ def test_failed_handshake_leaves_no_half_added_peer():
 
 
 def test_a_notification_sent_later_arrives_and_a_failed_one_calls_on_error():
-    """``send_notif(on_error=)`` (a decode's Done, sent on the post thread): it arrives (beside a READ's own
+    """``send_notif(on_error=)`` (a decode's Done, sent on the notification thread): it arrives (beside a READ's own
     notification, which goes when the READ completes, possibly after it); one to an agent this transport
     never added calls ``on_error`` with a typed TransferError and raises nothing on the caller's thread (two
     agents in this process)."""

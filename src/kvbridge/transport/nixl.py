@@ -148,6 +148,9 @@ class NixlTransport(TransportBookkeeping):
         # get their own thread so they overlap the next read instead of queueing behind it.
         self._pool = ThreadPoolExecutor(max(1, post_threads), thread_name_prefix=f"nixl-post-{agent_name}")
         self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix=f"kvbridge-copy-{agent_name}")
+        # notifications sent later (send_notif(on_error=): a decode's Done) have their own thread: they neither
+        # wait behind a post (one to a frozen peer can block its thread for long) nor block their caller
+        self._notif_pool = ThreadPoolExecutor(1, thread_name_prefix=f"nixl-notif-{agent_name}")
         self.wake = Wakeup()  # readable when a post or a copy ends (wake_fd)
         # notifications queued on the post thread, per peer: sent before the peer is removed (remove_peer)
         self._notifs: dict[str, set[Future[None]]] = {}
@@ -489,9 +492,9 @@ class NixlTransport(TransportBookkeeping):
 
     def send_notif(self, peer: str, msg: bytes,
                    on_error: Callable[[TransferError], None] | None = None) -> None:
-        """With ``on_error``, on the post thread behind the transfers posted before it: the caller (a decode's
-        read loop reporting a read done) does not wait on the agent's lock, which the post thread holds
-        while it copies on cma, and the agent is used from one thread."""
+        """With ``on_error``, on this transport's notification thread: the caller (a decode's read loop
+        reporting a read done) does not wait on the agent's lock, which the post thread holds while it copies
+        on cma; a peer's queued notifications are sent before :meth:`remove_peer` removes it."""
         def send() -> None:
             try:
                 self.agent.send_notif(peer, msg)
@@ -507,7 +510,7 @@ class NixlTransport(TransportBookkeeping):
             except TransferError as e:
                 on_error(e)
         try:
-            fut = self._pool.submit(later)
+            fut = self._notif_pool.submit(later)
         except RuntimeError:  # the transport is closing (its post thread shut down): send it here
             later()
             return
@@ -527,12 +530,13 @@ class NixlTransport(TransportBookkeeping):
         """Wait (bounded) for the notifications queued for ``peer`` to be sent."""
         with self._notif_lock:
             pending = list(self._notifs.get(peer, ()))
-        if pending and not threading.current_thread().name.startswith(f"nixl-post-{self.agent_name}"):
+        if pending and not threading.current_thread().name.startswith(f"nixl-notif-{self.agent_name}"):
             futures_wait(pending, timeout=NOTIF_FLUSH_S)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
+        self._notif_pool.shutdown(wait=True)
         self.wake.close()
         for addr in list(self._regs):
             reg = self._regs.pop(addr)
