@@ -207,3 +207,48 @@ def test_the_decode_driver_completes_reads_between_the_engines_polls(staged):
     finally:
         server.close()
         driver.close()
+
+
+def test_pump_registers_at_once_and_serves_only_what_the_thread_left_waiting(monkeypatch):
+    """``PrefillServer.pump`` (the engine's step): hand-overs are registered at once; a message waiting is
+    left to the background thread (woken) unless it already waited at a previous pump ``PUMP_STARVED_S``
+    ago (the thread starved), then the step serves it. The thread is stopped here: only pump serves."""
+    import time
+
+    from kvbridge.runtime import server as srv
+
+    class _Ep:
+        sock = None
+
+        def __init__(self):
+            self.added, self.served = [], 0
+
+        def add_request(self, rid, blocks, attempt, reads):
+            self.added.append(rid)
+
+        def serve_once(self):
+            self.served += 1
+            return 1
+
+        def take_freed(self):
+            return {"freed": [], "expired": []}
+
+    ep = _Ep()
+    server = srv.PrefillServer(ep, poll_s=0.01)
+    server._stop.set()
+    server._wake.set()
+    server._thread.join(5)
+    assert not server._thread.is_alive()
+    base = ep.served  # (the thread's turns before it stopped)
+    waiting = [False]
+    monkeypatch.setattr(server, "_readable", lambda: waiting[0] and ep.served == base)
+    server.add("r1", {}, 7)
+    assert server.pump() and ep.added == ["r1"] and ep.served == base  # registered; nothing to serve
+    waiting[0] = True
+    server._wake.clear()
+    assert server.pump() and ep.served == base  # a message just seen: the thread's (woken), not the step's
+    assert srv.select.select([server._wake.fd], [], [], 0)[0]
+    time.sleep(srv.PUMP_STARVED_S * 1.5)
+    assert server.pump() and ep.served == base + 1  # it waited across pumps: the step serves it
+    assert server.pump() and ep.served == base + 1  # served: nothing waits
+    server._wake.close()

@@ -16,9 +16,10 @@ checked every ``poll_s``; with none, the thread sleeps until the next lease dead
 transport's post thread: its wake-up fd (where it has one) wakes the thread too, and while WRITEs are in
 flight (an RDMA WRITE completes with no event) they are checked every ``poll_s``.
 
-Both the thread and the engine's steps serve: inside a vLLM worker a background thread alone was seen
-starved of CPU while vLLM's own threads busy-wait; while a prefill holds blocks for a decode, vLLM keeps
-stepping it to collect ``finished_sending``.
+The engine's steps (:meth:`PrefillServer.pump`) register hand-overs at once and serve only a message the
+thread left waiting (``PUMP_STARVED_S``): inside a vLLM worker a background thread alone was seen starved
+of CPU while vLLM's own threads busy-wait, but serving work done on the engine's step (packing a staged
+segment: 4 ms per step seen in ``benchmarks/e2e_vs_nixl.py``) lengthens that step.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 STALL_S = 2.0  # a serving gap or turn longer than this is logged (a warning)
 IDLE_S = 0.5   # the serving thread's longest sleep with nothing to wait for (leases are ticked on wake)
 PARKED_S = 0.001  # stage requests parked for staging space are retried this often
+# pump() serves (on the engine's thread) a message that has waited this long for the background thread
+PUMP_STARVED_S = 0.005
 
 
 class PrefillServer:
@@ -70,6 +73,7 @@ class PrefillServer:
         self._tfd = getattr(getattr(endpoint, "transport", None), "wake_fd", None)
         self.wakeups = 0  # times the thread woke up (tests and benchmarks read the idle rate)
         self._sleep_until = 0.0  # when the thread's current wait ends at the latest
+        self._waiting_since: float | None = None  # when pump() first saw a message its thread had not served
         self._thread = threading.Thread(target=self._run, name="kvbridge-prefill", daemon=True)
         self._thread.start()
 
@@ -97,12 +101,24 @@ class PrefillServer:
             return self.ep.stats()
 
     def pump(self) -> bool:
-        """Serve the side channel now from the caller's thread, unless the background thread is at it.
-        True if it ran."""
+        """From the engine's thread: register the leases handed over, and serve the side channel only where
+        the background thread seems starved (a message already waited at the previous pump, ``PUMP_STARVED_S``
+        or more ago, and is still waiting); skipped while the background thread is at it. Serving work (an
+        acquire, a staged segment's packing) is otherwise left to that thread: done here it lengthens the
+        engine's step. True if it ran."""
         if not self._serve.acquire(blocking=False):
             return False
         try:
-            self._tick()
+            now = time.monotonic()
+            if self._readable():
+                if self._waiting_since is None:
+                    self._waiting_since = now
+                starved = now - self._waiting_since >= PUMP_STARVED_S
+                if not starved:  # (reading EVENTS here may have taken the edge its poll waits for)
+                    self._wake.set()
+            else:
+                self._waiting_since, starved = None, False
+            self._tick(serve=starved)
             if time.monotonic() + self._timeout() < self._sleep_until:
                 self._wake.set()  # the thread sleeps longer than what this turn left needs (new pins)
         except Exception:  # noqa: BLE001 - a bad message must not take the engine's step down
@@ -111,7 +127,7 @@ class PrefillServer:
             self._serve.release()
         return True
 
-    def _tick(self) -> None:
+    def _tick(self, serve: bool = True) -> None:
         try:
             while True:
                 rid, blocks, attempt, reads = self._new.get_nowait()
@@ -121,10 +137,12 @@ class PrefillServer:
                     self.ep.add_request(rid, blocks, attempt=attempt, reads=reads)
         except queue.Empty:
             pass
-        for _ in range(64):  # a message that arrived during the turn is served now, not after a sleep
-            self.ep.serve_once()
-            if not self._readable():
-                break
+        if serve:
+            self._waiting_since = None
+            for _ in range(64):  # a message that arrived during the turn is served now, not after a sleep
+                self.ep.serve_once()
+                if not self._readable():
+                    break
         freed = self.ep.take_freed()
         with self._lock:
             self._finished.update(freed["freed"])
