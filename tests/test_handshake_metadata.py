@@ -169,33 +169,3 @@ def test_failed_handshake_leaves_no_half_added_peer():
     finally:
         for p in pres:
             p.close()
-
-
-def test_a_notification_sent_later_arrives_and_a_failed_one_calls_on_error():
-    """``send_notif(on_error=)`` (a decode's Done, sent on the notification thread): it arrives (beside a READ's own
-    notification, which goes when the READ completes, possibly after it); one to an agent this transport
-    never added calls ``on_error`` with a typed TransferError and raises nothing on the caller's thread (two
-    agents in this process)."""
-    from kvbridge.errors import TransferError
-    a, b = NixlTransport("rel-notif-a"), NixlTransport("rel-notif-b")
-    try:
-        src = np.arange(1 << 14, dtype=np.uint64).view(np.uint8).copy()
-        dst = np.zeros_like(src)
-        abase, bbase = a.register(src), b.register(dst)
-        name = b.add_peer(a.metadata())
-        errors: list[BaseException] = []
-        x = b.read(name, np.array([abase], np.int64), np.array([bbase], np.int64), np.array([src.size], np.int64),
-                   b"read")
-        b.send_notif(name, b"done-1", on_error=errors.append)
-        b.send_notif("no-such-agent", b"lost", on_error=errors.append)  # returns: the failure comes later
-        until(lambda: b.check(x) == "DONE", 10, "in-process read")
-        b.release(x)
-        got: list[bytes] = []
-        until(lambda: got.extend(a.get_notifs().get("rel-notif-b", [])) or len(got) >= 2, 10, "notifications")
-        assert sorted(got) == [b"done-1", b"read"]
-        until(lambda: errors, 10, "the failed notification's callback")
-        assert len(errors) == 1 and isinstance(errors[0], TransferError)
-        assert np.array_equal(src, dst)
-    finally:
-        b.close()
-        a.close()

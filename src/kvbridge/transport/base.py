@@ -175,12 +175,7 @@ class Transport(Protocol):
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent."""
 
-    def send_notif(self, peer: str, msg: bytes,
-                   on_error: Callable[[TransferError], None] | None = None) -> None:
-        """Send ``msg`` to ``peer``'s notifications. Without ``on_error`` it is sent before this returns
-        (a failure raises :class:`TransferError`); with it, the transport may send it later, off the caller's
-        thread (after the transfers posted before it were posted; it may still arrive before their own
-        notifications, which go when they complete), and a failure calls ``on_error``."""
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
 
     def close(self) -> None: ...
 

@@ -196,14 +196,8 @@ class LoopbackTransport(TransportBookkeeping):
             out, self._notifs = dict(self._notifs), defaultdict(list)
         return out
 
-    def send_notif(self, peer: str, msg: bytes,
-                   on_error: Callable[[TransferError], None] | None = None) -> None:
-        try:
-            self._peer(peer)._deliver(self.agent_name, msg)
-        except TransferError as e:
-            if on_error is None:
-                raise
-            on_error(e)
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._peer(peer)._deliver(self.agent_name, msg)
 
     def close(self) -> None:
         with self.registry.lock:

@@ -16,12 +16,10 @@ import hashlib
 import importlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -46,7 +44,6 @@ _API = None
 # sets a delay (microseconds) between progress calls instead; 0 restores NIXL's behaviour. The environment
 # (KVBRIDGE_NIXL_PROGRESS_DELAY_US) is read when a transport is built, not at import.
 PROGRESS_DELAY_US = 200
-NOTIF_FLUSH_S = 5.0  # removing a peer waits this long at most for the notifications queued for it
 
 
 def load_nixl_api() -> Any:
@@ -148,13 +145,7 @@ class NixlTransport(TransportBookkeeping):
         # get their own thread so they overlap the next read instead of queueing behind it.
         self._pool = ThreadPoolExecutor(max(1, post_threads), thread_name_prefix=f"nixl-post-{agent_name}")
         self._copy_pool = ThreadPoolExecutor(max(1, copy_threads), thread_name_prefix=f"kvbridge-copy-{agent_name}")
-        # notifications sent later (send_notif(on_error=): a decode's Done) have their own thread: they neither
-        # wait behind a post (one to a frozen peer can block its thread for long) nor block their caller
-        self._notif_pool = ThreadPoolExecutor(1, thread_name_prefix=f"nixl-notif-{agent_name}")
         self.wake = Wakeup()  # readable when a post or a copy ends (wake_fd)
-        # notifications queued on the post thread, per peer: sent before the peer is removed (remove_peer)
-        self._notifs: dict[str, set[Future[None]]] = {}
-        self._notif_lock = threading.Lock()
 
     # ---- memory & peers ----------------------------------------------------------------------
     def register_region(self, addr: int, nbytes: int, device: str = "cpu") -> int:
@@ -190,7 +181,6 @@ class NixlTransport(TransportBookkeeping):
         return name
 
     def remove_peer(self, name: str) -> None:
-        self._flush_notifs(name)  # a Done queued for this peer goes first (a live rank's lease waits for it)
         if not self.peer_removed(name):
             return
         try:
@@ -490,53 +480,15 @@ class NixlTransport(TransportBookkeeping):
     def get_notifs(self) -> dict[str, list[bytes]]:
         return cast("dict[str, list[bytes]]", self.agent.get_new_notifs())
 
-    def send_notif(self, peer: str, msg: bytes,
-                   on_error: Callable[[TransferError], None] | None = None) -> None:
-        """With ``on_error``, on this transport's notification thread: the caller (a decode's read loop
-        reporting a read done) does not wait on the agent's lock, which the post thread holds while it copies
-        on cma; a peer's queued notifications are sent before :meth:`remove_peer` removes it."""
-        def send() -> None:
-            try:
-                self.agent.send_notif(peer, msg)
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, peer) from e
-        if on_error is None:
-            send()
-            return
-
-        def later() -> None:
-            try:
-                send()
-            except TransferError as e:
-                on_error(e)
+    def send_notif(self, peer: str, msg: bytes) -> None:
         try:
-            fut = self._notif_pool.submit(later)
-        except RuntimeError:  # the transport is closing (its post thread shut down): send it here
-            later()
-            return
-        with self._notif_lock:
-            self._notifs.setdefault(peer, set()).add(fut)
-        fut.add_done_callback(lambda f: self._notif_sent(peer, f))
-
-    def _notif_sent(self, peer: str, fut: Future[None]) -> None:
-        with self._notif_lock:
-            pending = self._notifs.get(peer)
-            if pending is not None:
-                pending.discard(fut)
-                if not pending:
-                    del self._notifs[peer]
-
-    def _flush_notifs(self, peer: str) -> None:
-        """Wait (bounded) for the notifications queued for ``peer`` to be sent."""
-        with self._notif_lock:
-            pending = list(self._notifs.get(peer, ()))
-        if pending and not threading.current_thread().name.startswith(f"nixl-notif-{self.agent_name}"):
-            futures_wait(pending, timeout=NOTIF_FLUSH_S)
+            self.agent.send_notif(peer, msg)
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, peer) from e
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
-        self._notif_pool.shutdown(wait=True)
         self.wake.close()
         for addr in list(self._regs):
             reg = self._regs.pop(addr)
