@@ -174,3 +174,20 @@ def test_ucx_with_num_threads_moves_kv_byte_exact():
                  extra={"backends": ["UCX"], "num_threads": 2})
     assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2"] and r.sent == ["req-1", "req-2"]
     assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
+
+
+def test_decode_thread_is_read_and_off_the_reads_still_move_on_the_engines_steps():
+    """``decode_thread`` (default on: runtime/driver.py) is a checked boolean; with it off the decode worker
+    drives its reads from the engine's steps alone, and a TP2 -> TP1 pair still reads byte-exact."""
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode_thread is True
+    assert ConnectorConfig.from_vllm(_cfg({"decode_thread": False}), environ={}).decode_thread is False
+    with pytest.raises(VLLMConfigError, match="decode_thread"):
+        ConnectorConfig.from_vllm(_cfg({"decode_thread": "yes"}), environ={})
+    pytest.importorskip("nixl._api")
+    pytest.importorskip("vllm.v1.core.kv_cache_planning")
+    from worker_harness import Side, llama, run_pair
+
+    r = run_pair(llama(2), Side(2, 1, 16), Side(1, 1, 16), requests=((60, 0), (33, 1)),
+                 extra={"decode_thread": False})
+    assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2"] and r.sent == ["req-1", "req-2"]
+    assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
