@@ -61,3 +61,12 @@ def test_request_modes_follow_block_contiguity():
         assert frac == 1.0 if want == "direct" else frac < 0.05
         assert set(request_modes(CostModel(), shapes, chunks, frac, lambda _: True).values()) == {want}
         assert set(request_modes(CostModel(), shapes, chunks, frac, lambda _: False).values()) == {"direct"}
+
+
+def test_a_very_slow_links_figures_export_as_slow_not_zero():
+    """Bandwidths are exported to 4 significant digits: a link a stalled probe measured at 20 KB/s reads
+    2e-05 GB/s in ``to_json`` (Prometheus, ``plan --probe``), not 0.0; ordinary figures keep 4 digits."""
+    slow = cost.PathFigures(19766.0, 2.0e-5, 0.0, measured=True).to_json()
+    assert slow["gbps"] == pytest.approx(2.0e-5) and slow["gbps"] > 0
+    assert cost.PathFigures(1.0, 7.56789, 0.0).to_json()["gbps"] == 7.568
+    assert cost.PathFigures(1.0, 0.0, 0.0).to_json()["gbps"] == 0.0

@@ -135,11 +135,18 @@ class PathFigures:
         return self.gbps / self.factor
 
     def to_json(self) -> dict[str, float | bool | int]:
-        return {"gbps": round(self.gbps, 4), "us_per_desc": round(self.per_desc_us, 3),
+        # bandwidths to 4 significant digits, not decimals: a link a stalled probe measured at 20 KB/s must
+        # not read 0.0 GB/s (a fresh clone's e2e run exported exactly that)
+        return {"gbps": _sig(self.gbps), "us_per_desc": round(self.per_desc_us, 3),
                 "copy_us_per_mb": round(self.copy_us_per_mb, 3), "copy_fixed_us": round(self.copy_fixed_us, 3),
                 "measured": self.measured, "bound": self.bound,
                 "factor": round(self.factor, 4), "observed": self.observed,
-                "last_gbps": round(self.last_gbps, 4)}
+                "last_gbps": _sig(self.last_gbps)}
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (0 and non-finite values as they are)."""
+    return float(f"{x:.{digits}g}") if x and math.isfinite(x) else x
 
 
 @dataclass(slots=True)
