@@ -129,6 +129,72 @@ def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
             wait_freed(P2, {j.rid for j in again})
 
 
+def test_rehandshake_bound_fails_a_dead_engine_fast_but_waits_for_a_live_slow_one():
+    """``rehandshake_timeout_s`` bounds how long re-queued reads wait for their restarted engine to accept a
+    connection, not its whole handshake (issue 30's CI: two reads failed on a live restarted prefill whose
+    re-handshake, probe included, took over the 1 s bound on a loaded machine). With a bound far below any
+    real handshake (10 ms): reads re-queued behind a restarted engine that accepts connections but answers
+    only 0.5 s later (frozen) finish byte-exact; reads of an engine killed and not restarted still fail
+    typed, fast."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=64)
+    jobs.engine("pS", pl)
+    port = free_port()
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pS", {"port": port})])
+        first = jobs.make("pS", 2)
+        publish(P, first)
+        with inproc_decode(dl, "dS", rehandshake_timeout_s=0.01, transfer_mode="auto") as dec:  # (probed)
+            dec.connect("pS", P.endpoints())
+            for j in first:
+                dec.start(j.read())
+            assert _settle(dec, {j.rid for j in first})[0] == {j.rid for j in first}
+            for w in P.workers.values():
+                w.kill()
+            P2 = c.start("prefill", pl, "pS", port=port)
+            again = jobs.make("pS", 3, tag="new")
+            publish(P2, again)
+            # the new process is up but slow (frozen for 0.5 s: its port accepts, nothing answers); no connect:
+            # the reads meet the old handshake and are re-queued behind a new one
+            for w in P2.workers.values():
+                os.kill(w.proc.pid, signal.SIGSTOP)
+            try:
+                for j in again:
+                    dec.start(j.read())
+                t_end = time.monotonic() + 0.5
+                done, failed = set(), {}
+                while time.monotonic() < t_end:
+                    d, f = dec.poll()
+                    done.update(d)
+                    failed |= f
+                    time.sleep(1e-3)
+            finally:
+                for w in P2.workers.values():
+                    os.kill(w.proc.pid, signal.SIGCONT)
+            d, f = _settle(dec, {j.rid for j in again} - done - set(failed))
+            done, failed = done | d, failed | f
+            print(f"restart, 10 ms re-handshake bound: {len(done)} finished, {len(failed)} failed, "
+                  f"{dec.metrics.restart_requeues} re-queued, {dec.metrics.handshakes} handshakes")
+            assert not failed and done == {j.rid for j in again}, failed
+            assert dec.metrics.handshakes == 2 and dec.metrics.restart_requeues >= 1
+            assert verify_rank(dec, [(j.num, j.read()) for j in first + again])["mismatched_bytes"] == 0
+            wait_freed(P2, {j.rid for j in again})
+            # now killed for good: the reads that meet it fail typed, fast (the port refuses)
+            for w in P2.workers.values():
+                w.kill()
+            gone = jobs.make("pS", 2, tag="gone")
+            t0 = time.monotonic()
+            for j in gone:
+                dec.start(j.read())
+            done, failed = _settle(dec, {j.rid for j in gone})
+            took = time.monotonic() - t0
+            print(f"dead engine, 10 ms re-handshake bound: {len(failed)} failed in {took:.2f} s: "
+                  f"{sorted({type(f).__name__ for f in failed.values()})}")
+            assert not done and set(failed) == {j.rid for j in gone}
+            assert all(isinstance(f, HandshakeFailed) for f in failed.values()), failed
+            assert took < 10.0, took
+
+
 def test_handshake_asks_only_the_prefill_ranks_this_rank_reads():
     """Prefill TP2, decode TP2: decode rank 1 reads prefill rank 1 only. Its handshake fetches metadata
     from (and binds as a reader on) that rank alone: prefill rank 0 never hears of it; an endpoint given

@@ -154,7 +154,9 @@ class DecodeConfig(_Config):
     connect_timeout_s: float | None = None
     """Bound on a whole background handshake (None: ``2 * handshake_timeout_s + 5``)."""
     rehandshake_timeout_s: float = 1.0
-    """Reads re-queued after their prefill engine restarted or disconnected wait this long for it."""
+    """Reads re-queued after their prefill engine restarted or disconnected wait this long for it to accept
+    a connection (a dead engine fails them fast); once it has, its re-handshake is bounded as a whole
+    handshake (``connect_timeout_s``): a restarted engine on a busy machine may take seconds to answer."""
     peer_idle_s: float = 3600.0
     """A prefill engine no read or connect asked for this long is released (side channel, NIXL agents,
     prepared lists) and handshaken again on its next read (vLLM's NixlConnector: an hour)."""

@@ -167,6 +167,9 @@ class Handshaker:
     prober: Any = None             # probe.Prober: measures each link at handshake (None: the cost model's constants)
     host_staging_bytes: int = 0
     push: bool = False             # this rank can be pushed to: its agent metadata goes with the handshake
+    # called once a probed prefill rank accepted its TCP connection (the engine is up: a background
+    # re-handshake is then bounded as a whole handshake, not by the short bound that fails a dead one fast)
+    connected: Callable[[], None] | None = None
 
     def get_meta(self, prank: Rank) -> GetMeta:
         if not self.push:
@@ -215,6 +218,8 @@ class Handshaker:
             except (OSError, ValueError) as e:
                 raise HandshakeError(f"prefill rank {prank} of {engine_id!r} at {ep} does not accept connections "
                                      f"({type(e).__name__}: {e}); is the prefill engine running?") from None
+            if self.connected is not None:
+                self.connected()
 
     def background(self, engine_id: str, endpoints: dict[Rank, str],
                    phase: list[str] | None = None) -> tuple[RemoteEngine, dict[Rank, Prepared]]:

@@ -271,6 +271,9 @@ class Peer:
         self.not_before = 0.0                 # LOST: reaped no earlier than this (monotonic)
         self.used = started                   # last time a read or a connect asked for it (idle eviction)
         self.running: float | None = None     # when its handshake thread started (None: queued or not background)
+        # the prefill engine accepted the handshake's first connection (its thread writes): a re-handshake's
+        # short bound (fail fast on a dead engine) no longer applies, the whole handshake's bound does
+        self.reached = False
         self.closes = 0                       # how many times close() released anything (0 or 1)
 
     # ---- lifecycle --------------------------------------------------------------------------------

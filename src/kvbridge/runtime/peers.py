@@ -278,8 +278,8 @@ class PeerTable:
         re-handshake of ``old``'s engine after it restarted or disconnected (``event``), and return the peer
         they wait on: the engine id's connecting peer if there is one; otherwise ``old`` is lost now and a
         new peer begun (:meth:`reconnect`) to the endpoints last given, bounded by ``rehandshake_timeout_s``
-        (a restarted engine answers at once, a dead one must fail fast), ``why`` kept for its failures.
-        The caller fails ``old``'s other reads first (``old``'s reaping would drop them)."""
+        until the engine accepts a connection (a dead one must fail fast; :meth:`_bound`), ``why`` kept for
+        its failures. The caller fails ``old``'s other reads first (``old``'s reaping would drop them)."""
         eid = old.engine_id
         endpoints = self.endpoints.get(eid, old.endpoints)
         cur = self.current.get(eid)
@@ -304,6 +304,10 @@ class PeerTable:
         peer = Peer(engine_id, endpoints, started=time.monotonic(), pending=pending,
                     bound_s=self.connect_timeout_s if bound_s is None else bound_s, phase=phase)
         handshaker = self.handshaker()
+
+        def reached() -> None:
+            peer.reached = True
+        handshaker.connected = reached
 
         def run() -> tuple[RemoteEngine, dict[Rank, Prepared]]:
             peer.running = time.monotonic()  # the bound counts from here, not from the queue
@@ -367,8 +371,8 @@ class PeerTable:
                 except HandshakeError as e:  # no room for its side channel (what it made is released)
                     peer.future = None
                     out.append(self._failed(peer, PeerEvent.HANDSHAKE_FAILED, str(e), now))
-            elif peer.running is not None and now - peer.running > peer.bound_s:
-                out.append(self._failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"no handshake within {peer.bound_s:g} s "
+            elif peer.running is not None and now - peer.running > (bound := self._bound(peer)):
+                out.append(self._failed(peer, PeerEvent.HANDSHAKE_TIMEOUT, f"no handshake within {bound:g} s "
                                         "(prefill engine dead, frozen or unreachable; the handshake was at: "
                                         f"{peer.phase[0]})", now))
             elif peer.running is None and now - peer.started > QUEUE_BOUNDS * peer.bound_s:
@@ -376,6 +380,13 @@ class PeerTable:
                                         f"{QUEUE_BOUNDS * peer.bound_s:g} s for a handshake thread (all "
                                         f"{self.threads} busy with other prefill engines)", now))
         return out
+
+    def _bound(self, peer: Peer) -> float:
+        """The running handshake's bound: its own (a re-handshake's short one fails a dead engine fast) until
+        the engine accepted a connection; from then on at least a whole handshake's (``connect_timeout_s``):
+        a restarted engine on a busy machine may take seconds to answer and probe, and its re-queued reads
+        would otherwise fail on a live engine."""
+        return max(peer.bound_s, self.connect_timeout_s) if peer.reached else peer.bound_s
 
     def _failed(self, peer: Peer, event: PeerEvent, why: str, now: float) -> Unreachable:
         del self.current[peer.engine_id]
