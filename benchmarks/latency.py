@@ -173,7 +173,8 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                     dec.set_transfer_mode(mode)
                 if "bench-p" not in dec.remotes:
                     dec.handshake("bench-p", endpoints)
-                res = {str(k): v for k, v in dec.remotes["bench-p"].modes.items()}
+                res = ({str(k): v for k, v in dec.remotes["bench-p"].modes.items()},
+                       dec.stats().get("links", {}))
             elif cmd == "kvbridge":
                 res = _kvbridge_reads(dec, args[0])
             elif cmd == "nixl":
@@ -270,10 +271,11 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                 res: dict = {s: {"lat": [], "wall": [], "phases": [], "pre": {}, "cpu_d": 0.0, "cpu_p": 0.0, "reqs": 0}
                              for s in systems}
                 chosen: dict = {}
+                links: dict = {}  # decode rank 0's link figures after the system's reads (what auto chose from)
                 for _ in range(rounds):
                     for s in systems:
                         if s in modes:
-                            chosen[s] = _all(decode, "mode", s)[0]
+                            chosen[s], links[s] = _all(decode, "mode", s)[0]
                             _all(decode, "kvbridge", make(tokens, 1))  # warm-up (untimed)
                             p0 = _all(prefill, "stats")
                         for _ in range(reps):
@@ -293,6 +295,7 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                             res[s]["lat"] += [float(x) for x in lat]
                             res[s]["wall"].append(float(max(lat)))
                         if s in modes:
+                            links[s] = _all(decode, "stats")[0].get("links", {})  # as the reads left them
                             p1 = _all(prefill, "stats")
                             for a, b in zip(p0, p1):
                                 for ph, h in b["metrics"]["phase_seconds"].items():
@@ -322,6 +325,7 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                     row["cpu_ms_per_req_prefill"] = res[s]["cpu_p"] / max(1, res[s]["reqs"]) * 1e3
                     if s in chosen:
                         row["modes"] = chosen[s]
+                        row["links"] = links[s]
                     if res[s]["phases"]:
                         row["phases_p50_ms"] = {ph: float(np.median([p.get(ph, 0.0) for p in res[s]["phases"]]) * 1e3)
                                                 for ph in DECODE_PHASES if any(ph in p for p in res[s]["phases"])}

@@ -78,10 +78,10 @@ def test_staged_transfer_is_exact(name):
 def test_auto_mode_uses_the_cost_model():
     """Auto mode chooses per request from the link figures it measured at handshake (``stats()["links"]``),
     so the static, machine-wide ``choose_modes`` no longer predicts each transfer; what holds: the reads are
-    byte-exact, every pair was measured and given a path, and this head-sliced pair (512 B runs, where one
-    packed read beats thousands of descriptors) is mostly read staged. Requests of up to 1,200 tokens: with
-    300, short requests (where direct may well be cheaper) made the split close to even on a busy machine
-    (12 / 12 seen once); with 1,200 it was 21-24 staged of 24 in three runs."""
+    byte-exact, every pair was given a path, and every transfer went one of the two ways. Which
+    way is the machine's: this head-sliced pair (512 B runs) was once read mostly staged, but forced, its
+    burst of 6 requests took 0.037-0.055 s direct against 0.10-0.14 s staged on the CPU VM, and auto (with a
+    staged path's fixed cost counted, ``cost.STAGED_OVERHEAD_US``) now reads more of it direct."""
     from kvbridge.modes import TransferPath
     from kvbridge.testing.demo import run_demo
     prefill, decode = CASES["swa+fa heads differ P4->D2"]
@@ -92,4 +92,4 @@ def test_auto_mode_uses_the_cost_model():
              for pair in per_engine.values()]
     assert pairs, res.links
     assert all(pair["chosen"] in {p.value for p in TransferPath} for pair in pairs), pairs
-    assert res.staged_transfers > res.direct_transfers, (res.staged_transfers, res.direct_transfers)
+    assert res.staged_transfers + res.direct_transfers > 0, (res.staged_transfers, res.direct_transfers)

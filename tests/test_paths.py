@@ -71,6 +71,52 @@ def test_completed_transfers_move_the_estimate_and_it_stays_bounded():
     assert f.observed == 202
 
 
+def test_a_small_reads_fixed_cost_is_learned_from_reads_that_ran_alone():
+    """Reads too small for the correction teach the path's fixed cost (``overhead_us``): the first read of a
+    path is not counted (lazy connection), the next sets it, a lower one drops it at once, a higher one
+    raises it a quarter of the way (queueing only adds), and a read that overlapped others is not counted."""
+    f = PathFigures(per_desc_us=2.0, gbps=10.0)
+    raw = f.raw_us(64, 2 << 20)
+    assert raw < 2000.0
+    f.observe(64, 2 << 20, (raw + 30_000) / 1e6)  # the first: lazy connection costs, not counted
+    assert f.overhead_seen == 1 and f.overhead_us == 0.0 and not f.overhead_known
+    f.observe(64, 2 << 20, (raw + 3000) / 1e6)
+    assert f.overhead_us == pytest.approx(3000.0) and f.overhead_known
+    f.observe(64, 2 << 20, (raw + 1000) / 1e6)  # lower: at once
+    assert f.overhead_us == pytest.approx(1000.0)
+    f.observe(64, 2 << 20, (raw + 5000) / 1e6)  # higher: a quarter of the way
+    assert f.overhead_us == pytest.approx(2000.0)
+    f.observe(64, 2 << 20, (raw + 90_000) / 1e6, fixed=False)  # it queued behind other reads: not counted
+    assert f.overhead_us == pytest.approx(2000.0) and f.overhead_seen == 4
+    assert f.factor == 1.0 and f.observed == 0  # small reads never move the bandwidth correction
+    assert f.to_json()["overhead_us"] == 2000.0
+
+
+def test_a_small_request_reads_direct_until_staging_measured_cheaper():
+    """A 2 MiB request in 64 descriptors on the CPU VM's probed figures (a run of this session): by the READ
+    and copy figures alone staging looked cheaper (one descriptor instead of 64), and auto staged every such
+    request at 2-3x direct's latency. A staged path's fixed cost not measured yet is a direct read's plus
+    ``STAGED_OVERHEAD_US``, so direct is chosen; once staged reads measure their own fixed cost it decides."""
+    from kvbridge.cost import STAGED_OVERHEAD_US
+    link = LinkFigures({D: PathFigures(2.962, 8.397, 0.0, True), S: PathFigures(2.962, 8.397, 51.259, True, 20.0)})
+    runs, nbytes = 64, 2 << 20
+    bare = {p: link.paths[p].predict_us(1 if p is S else runs, nbytes) for p in (D, S)}
+    assert bare[S] < bare[D]  # what the copy figures alone said
+    path, pred = choose_path(link, runs, nbytes)
+    assert path is D and pred[S] - pred[D] == pytest.approx(STAGED_OVERHEAD_US - (bare[D] - bare[S]), rel=0.05)
+    for f, fixed_us in ((link.paths[D], 900.0), (link.paths[S], 3000.0)):  # what this VM measured
+        for _ in range(3):
+            f.observe(runs if f is link.paths[D] else 1, nbytes,
+                      (f.raw_us(runs if f is link.paths[D] else 1, nbytes) + fixed_us) / 1e6)
+    assert link.overhead_us(D) == pytest.approx(900.0) and link.overhead_us(S) == pytest.approx(3000.0)
+    assert choose_path(link, runs, nbytes)[0] is D
+    # an unmeasured staged path follows direct's measured fixed cost plus the prior
+    fresh = LinkFigures({D: link.paths[D], S: PathFigures(2.962, 8.397, 51.259, True, 20.0)})
+    assert fresh.overhead_us(S) == pytest.approx(900.0 + STAGED_OVERHEAD_US)
+    # thousands of small runs (a head-sliced pair): staging wins even at its measured fixed cost
+    assert choose_path(link, 30_000, 16 << 20)[0] is S
+
+
 def test_the_choice_flips_when_a_path_slows_down_in_service():
     link = h100_like()
     assert choose_path(link, 30_000, 1 << 30)[0] is H

@@ -89,6 +89,14 @@ OBSERVE_WEIGHT = 0.2
 # only transfers predicted to take at least this long move the estimate (below it a request's fixed
 # costs, a side-channel round trip and the engines' polling, outweigh the link)
 OBSERVE_MIN_US = 2000.0
+# a read's fixed cost on a path (``PathFigures.overhead_us``) is learned from the reads too small for the
+# correction: it drops to a lower residual at once and rises this far towards a higher one (queueing behind
+# other reads only ever adds time, so the lower envelope is the path's own cost)
+OVERHEAD_RISE = 0.25
+OVERHEAD_MAX_US = 1e6
+# before any such read: a staged path's fixed cost over a direct read's (the prefill packs in its serving
+# turn before it answers, the decode hands the scatter over and waits for it); learned from then on
+STAGED_OVERHEAD_US = 500.0
 # a correction never goes beyond these (one outlier cannot bury a path for good)
 FACTOR_BOUNDS = (0.05, 50.0)
 
@@ -108,6 +116,12 @@ class PathFigures:
     observed: int = 0        # completed transfers folded into ``factor``
     last_gbps: float = 0.0   # the last completed transfer's effective GB/s (bytes / seconds)
     bound: bool = False      # measured as a bound: a probe transfer did not end in time (at most this fast)
+    # a read's fixed cost on this path beyond its READ and copies (the side channel's round trip, the
+    # prefill's packing turn, the scatter's hand-over), in µs: learned from completed small reads (their
+    # time less the prediction; a lower envelope, ``OVERHEAD_RISE``). A staged read of 2 MiB on the CPU VM
+    # costs ~2 ms more than a direct one that the READ and copy figures do not show.
+    overhead_us: float = 0.0
+    overhead_seen: int = 0   # completed small reads folded into ``overhead_us``
 
     def raw_us(self, descs: float, nbytes: float) -> float:
         """Predicted µs of moving ``nbytes`` in ``descs`` READ descriptors, before the correction."""
@@ -115,13 +129,31 @@ class PathFigures:
                 + nbytes / 1e6 * self.copy_us_per_mb)
 
     def predict_us(self, descs: float, nbytes: float) -> float:
+        """The READ and copies, corrected (a read's fixed cost is the link's: :meth:`LinkFigures.overhead_us`)."""
         return self.raw_us(descs, nbytes) * self.factor
 
-    def observe(self, descs: float, nbytes: float, seconds: float) -> None:
-        """Fold one completed transfer (``seconds`` for ``nbytes`` in ``descs`` descriptors) into ``factor``
-        (transfers predicted under ``OBSERVE_MIN_US`` are not counted: their fixed costs dominate)."""
+    @property
+    def overhead_known(self) -> bool:
+        return self.overhead_seen >= 2  # (the first read is not counted)
+
+    def observe(self, descs: float, nbytes: float, seconds: float, fixed: bool = True) -> None:
+        """Fold one completed read (``seconds`` for ``nbytes`` in ``descs`` descriptors) into ``factor``;
+        reads predicted under ``OBSERVE_MIN_US`` (their fixed costs dominate) into ``overhead_us`` instead,
+        if ``fixed`` (the read ran alone: its time was not spent queueing behind others)."""
         raw = self.raw_us(descs, nbytes)
-        if raw < OBSERVE_MIN_US or not seconds > 0 or not math.isfinite(seconds):
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        if raw < OBSERVE_MIN_US:
+            if not fixed:
+                return
+            residual = min(max(seconds * 1e6 - raw * self.factor, 0.0), OVERHEAD_MAX_US)
+            if self.overhead_seen == 0:
+                pass  # a link's first read on a path pays its lazy connection and registration: not its cost
+            elif self.overhead_seen == 1 or residual < self.overhead_us:
+                self.overhead_us = residual
+            else:
+                self.overhead_us += OVERHEAD_RISE * (residual - self.overhead_us)
+            self.overhead_seen += 1
             return
         ratio = min(max(seconds * 1e6 / raw, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
         self.factor = ratio if self.observed == 0 else (1 - OBSERVE_WEIGHT) * self.factor + OBSERVE_WEIGHT * ratio
@@ -141,6 +173,7 @@ class PathFigures:
                 "copy_us_per_mb": round(self.copy_us_per_mb, 3), "copy_fixed_us": round(self.copy_fixed_us, 3),
                 "measured": self.measured, "bound": self.bound,
                 "factor": round(self.factor, 4), "observed": self.observed,
+                "overhead_us": round(self.overhead_us, 1), "overhead_seen": self.overhead_seen,
                 "last_gbps": _sig(self.last_gbps)}
 
 
@@ -172,11 +205,21 @@ class LinkFigures:
         slowest accepted rate; the lease's rule)."""
         return self.pin_s + nbytes / self.min_read_rate
 
+    def overhead_us(self, path: TransferPath) -> float:
+        """A read's fixed cost on ``path`` (µs): as its reads measured it; before that, a direct read's (as
+        measured; else 0) plus :func:`overhead_prior` (so no path is tried only because it was never timed)."""
+        f = self.paths[path]
+        if f.overhead_known:
+            return f.overhead_us
+        d = self.paths.get(TransferPath.DIRECT)
+        base = d.overhead_us if d is not None and d.overhead_known else 0.0
+        return base + overhead_prior(path)
+
     def predict_us(self, path: TransferPath, runs: float, nbytes: float, segments: float = 1.0) -> float:
         f = self.paths[path]
         if path is TransferPath.DIRECT:
-            return f.predict_us(runs, nbytes)
-        return f.predict_us(max(segments, 1.0), nbytes) + runs * self.gather_ns_per_run / 1e3
+            return f.predict_us(runs, nbytes) + self.overhead_us(path)
+        return f.predict_us(max(segments, 1.0), nbytes) + runs * self.gather_ns_per_run / 1e3 + self.overhead_us(path)
 
     def predictions(self, runs: float, nbytes: float, segment_bytes: float = 64 << 20,
                     allowed: Collection[TransferPath] | None = None) -> dict[TransferPath, float]:
@@ -196,6 +239,11 @@ class LinkFigures:
             "paths": {p.value: f.to_json() for p, f in self.paths.items()},
             "warning": self.warning,
         }
+
+
+def overhead_prior(path: TransferPath) -> float:
+    """A path's fixed cost per read over a direct read's before any read measured it (µs)."""
+    return 0.0 if path is TransferPath.DIRECT else STAGED_OVERHEAD_US
 
 
 def model_link(model: "CostModel", paths: Collection[TransferPath] = (TransferPath.DIRECT, TransferPath.STAGED),

@@ -663,10 +663,11 @@ def measure_links(prober: "Prober | None", model: CostModel, mode: TransferMode,
     return out
 
 
-def observe_read(f: Any, now: float, metrics: Any = None) -> None:
+def observe_read(f: Any, now: float, metrics: Any = None, alone: bool = True) -> None:
     """A read completed (``f``: its :class:`~kvbridge.runtime.request.InFlight`, ``now``: perf_counter): fold
     each prefill rank's bytes, descriptors and the read's seconds into that pair's figures of the path it
-    took, and warn once if the link now looks degraded."""
+    took, and warn once if the link now looks degraded. ``alone``: no other read of this rank overlapped
+    it (only then does a small read's time say the path's fixed cost; queueing is not the path's)."""
     links = getattr(getattr(f.peer, "remote", None), "links", None)
     if not links:
         return
@@ -686,7 +687,7 @@ def observe_read(f: Any, now: float, metrics: Any = None) -> None:
         fig = link.paths.get(TransferPath(rr.path))
         if fig is None or not nbytes:
             continue
-        fig.observe(descs, nbytes, seconds)
+        fig.observe(descs, nbytes, seconds, fixed=alone)
         if check_link(link, f"to prefill engine {f.peer.engine_id!r} rank {prank}") and metrics is not None:
             metrics.degraded_links += 1
 

@@ -142,6 +142,7 @@ class ReadLoop:
         self.restarted, self.mark_lost, self.died = restarted, mark_lost, died
         self.inflight: dict[str, InFlight] = {}
         self.finished: list[str] = []
+        self.starts = 0  # reads started so far (InFlight.seq)
         self.failed: dict[str, ReadFailure] = {}
         self.zombies: list[Any] = []  # (req_id, staged ranks, reads still in progress after a failure)
         self._released: OrderedDict[Any, bool] = OrderedDict()  # (read key, prefill rank, attempt): let go
@@ -222,6 +223,8 @@ class ReadLoop:
             self.finished.append(key)
             self.metrics.finished_requests += 1
             return
+        self.starts += 1
+        f.seq, f.alone = self.starts, not self.inflight
         self.inflight[key] = f
 
     @staticmethod
@@ -651,7 +654,8 @@ class ReadLoop:
                       ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in phases.items()))
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
-        observe_read(f, time.perf_counter(), self.metrics)  # the pair's measured link figures follow what it delivered
+        # the pair's measured link figures follow what it delivered (its fixed cost: from a read that ran alone)
+        observe_read(f, time.perf_counter(), self.metrics, alone=f.alone and f.seq == self.starts)
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 

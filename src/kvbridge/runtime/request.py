@@ -57,6 +57,11 @@ class InFlight:
     # perf_counter_ns of the end of each phase (metrics.DECODE_PHASES; index 0: start), the latest over
     # its prefill ranks; 0: not reached (readloop.py records them, observed when the read completes)
     marks: list[int] = field(default_factory=lambda: [0] * 8)
+    # no other read of this rank was in flight when it started (``seq``: its start's number; the loop knows
+    # whether one started after it): only such reads' times are their own, a path's fixed cost is learned
+    # from them (cost.PathFigures.overhead_us)
+    alone: bool = True
+    seq: int = 0
 
     @property
     def xfers(self) -> list[Any]:
