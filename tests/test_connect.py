@@ -93,6 +93,22 @@ def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
             assert "pD" not in dec.peers.current and "pD" not in dec.remotes and not dec.busy
 
 
+def _read_then_restart(c, jobs, dec, P, pl, engine_id: str, port: int):
+    """Read 2 requests of prefill ``P`` (its port ``port``) to the end, kill its processes and start the
+    engine again with the same id and port: returns (those reads, the new prefill)."""
+    first = jobs.make(engine_id, 2)
+    publish(P, first)
+    dec.connect(engine_id, P.endpoints())
+    for j in first:
+        dec.start(j.read())
+    assert _settle(dec, {j.rid for j in first})[0] == {j.rid for j in first}
+    for w in P.workers.values():
+        w.kill()
+    P2 = c.start("prefill", pl, engine_id, port=port)
+    assert P2.endpoints() == P.endpoints()
+    return first, P2
+
+
 def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
     """The prefill engine is killed and started again with the same id and port (a new NIXL agent).
     A read started against the cached handshake is not failed: the new process answers "restarted",
@@ -104,17 +120,8 @@ def test_restarted_prefill_is_rehandshaken_without_failing_the_read():
     port = free_port()
     with Cluster() as c:
         (P,) = c.start_many([("prefill", pl, "pR", {"port": port})])
-        first = jobs.make("pR", 2)
-        publish(P, first)
         with inproc_decode(dl, "dR") as dec:
-            dec.connect("pR", P.endpoints())
-            for j in first:
-                dec.start(j.read())
-            assert _settle(dec, {j.rid for j in first})[0] == {j.rid for j in first}
-            for w in P.workers.values():
-                w.kill()
-            P2 = c.start("prefill", pl, "pR", port=port)
-            assert P2.endpoints() == P.endpoints()
+            first, P2 = _read_then_restart(c, jobs, dec, P, pl, "pR", port)
             again = jobs.make("pR", 3, tag="new")
             publish(P2, again)
             dec.connect("pR", P2.endpoints())
@@ -142,16 +149,8 @@ def test_rehandshake_bound_fails_a_dead_engine_fast_but_waits_for_a_live_slow_on
     port = free_port()
     with Cluster() as c:
         (P,) = c.start_many([("prefill", pl, "pS", {"port": port})])
-        first = jobs.make("pS", 2)
-        publish(P, first)
         with inproc_decode(dl, "dS", rehandshake_timeout_s=0.01, transfer_mode="auto") as dec:  # (probed)
-            dec.connect("pS", P.endpoints())
-            for j in first:
-                dec.start(j.read())
-            assert _settle(dec, {j.rid for j in first})[0] == {j.rid for j in first}
-            for w in P.workers.values():
-                w.kill()
-            P2 = c.start("prefill", pl, "pS", port=port)
+            first, P2 = _read_then_restart(c, jobs, dec, P, pl, "pS", port)
             again = jobs.make("pS", 3, tag="new")
             publish(P2, again)
             # the new process is up but slow (frozen for 0.5 s: its port accepts, nothing answers); no connect:
