@@ -218,8 +218,10 @@ class LinkFigures:
     def predict_us(self, path: TransferPath, runs: float, nbytes: float, segments: float = 1.0) -> float:
         f = self.paths[path]
         if path is TransferPath.DIRECT:
-            return f.predict_us(runs, nbytes) + self.overhead_us(path)
-        return f.predict_us(max(segments, 1.0), nbytes) + runs * self.gather_ns_per_run / 1e3 + self.overhead_us(path)
+            moved = f.predict_us(runs, nbytes)
+        else:  # the segments' READs, and gathering the runs into them
+            moved = f.predict_us(max(segments, 1.0), nbytes) + runs * self.gather_ns_per_run / 1e3
+        return moved + self.overhead_us(path)
 
     def predictions(self, runs: float, nbytes: float, segment_bytes: float = 64 << 20,
                     allowed: Collection[TransferPath] | None = None) -> dict[TransferPath, float]:
