@@ -439,11 +439,21 @@ def test_optimistic_not_registered_discards_then_reads_again_once_settled_and_gr
     assert rr.state is S.DONE and rr.notify_at_end and rr.pinned and rr.progress() == (300, 0)
 
 
-def test_optimistic_failed_read_before_any_answer_fails_typed():
-    """Not discarded (no refusal yet): a failed optimistic READ fails the read, as any failed READ."""
+def test_optimistic_failed_read_before_any_answer_waits_for_the_answer():
+    """An optimistic READ that fails before any answer is discarded (nothing was trusted yet; a restarted
+    prefill may answer "restarted"): the acquire's answer decides. Granted: one fresh READ into the same
+    blocks, and if that fails too the read fails typed; refused: the refusal's typed failure."""
     rr = optimistic()
     acts = rr.handle(XferFailed("transport failed", 0), 0.01)
+    assert acts == [Count("discarded_reads")] and rr.state is S.ACQUIRING and rr.holds_nothing
+    acts = rr.handle(Granted(5.0), 0.02)
+    assert rr.state is S.POSTED and isinstance(acts[-1], Post) and len(rr.reads) == 2 and not rr.holds_nothing
+    acts = rr.handle(XferFailed("transport failed again", 1), 0.03)
     assert isinstance(acts[-1], Fail) and acts[-1].kind is TransferFailed and rr.state is S.FAILED
+    rr = optimistic()
+    rr.handle(XferFailed("transport failed", 0), 0.01)
+    acts = rr.handle(Refused("lease_expired", "expired"), 0.02)
+    assert isinstance(acts[-1], Fail) and acts[-1].kind is LeaseExpired and rr.state is S.FAILED
 
 
 @pytest.mark.parametrize("code, kind", [("lease_expired", LeaseExpired), ("done", LeaseExpired),

@@ -167,12 +167,14 @@ class DecodeConfig(_Config):
     constants stand in)."""
     probe_bytes: int = PROBE_BYTES
     """Bytes the link probe of one prefill rank moves at most."""
-    optimistic_reads: bool = False
+    optimistic_reads: bool = True
     """Direct reads post their READ at once, beside the acquire, instead of after the prefill granted the
-    pin (saves the acquire's round trip: a starved prefill thread no longer delays the bytes). The read
-    is still reported done only once the pin is granted and every byte arrived; a "not registered yet"
-    refusal discards the bytes and reads again once granted; other refusals fail as before
-    (:class:`~kvbridge.runtime.readmachine.RankRead`). Staged reads are unchanged."""
+    pin (the transfer overlaps the acquire's round trip: a starved prefill thread no longer delays the
+    bytes, only the report). The read is still reported done only once the pin is granted and every byte
+    arrived; a "not registered yet" refusal, or a READ failing before any answer, discards the bytes and
+    reads again once granted; other refusals fail as before
+    (:class:`~kvbridge.runtime.readmachine.RankRead`); a failed read may have written its own blocks.
+    Staged reads are unchanged. False: the READ waits for the grant."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))

@@ -104,6 +104,8 @@ class DecodeRank:
             transfer_mode = TransferPath.DIRECT
         self.transfer_mode = transfer_mode
         self._requeued: set[str] = set()  # read keys already re-queued once after a restart
+        # re-queued reads waiting for their earlier attempt's READ to settle: (request, engine id, until)
+        self._held: list[tuple[ReadRequest, str, float]] = []
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.metrics = Metrics()
         self.handshake_timeout_s = cfg.handshake_timeout_s
@@ -216,12 +218,38 @@ class DecodeRank:
         return peer
 
     def _start_queued(self, peer: Peer, pending: list[ReadRequest]) -> None:
-        """Start the reads that waited for ``peer``'s handshake."""
+        """Start the reads that waited for ``peer``'s handshake. One whose earlier attempt's READ (an
+        optimistic one, withdrawn by a restart) may still write its blocks waits until that READ settled
+        (:meth:`_start_held`), at most ``connect_timeout_s``."""
         for req in pending:
-            try:
-                self.start(req)
-            except KVBridgeError as e:
-                self.reads.fail_queued(req, HandshakeFailed(str(e), req_id=req.req_id, engine_id=peer.engine_id))
+            if self._unsettled(req.req_id):
+                self._held.append((req, peer.engine_id, time.monotonic() + self.peers.connect_timeout_s))
+                continue
+            self._start_one(req, peer.engine_id)
+
+    def _start_one(self, req: ReadRequest, engine_id: str) -> None:
+        try:
+            self.start(req)
+        except KVBridgeError as e:
+            self.reads.fail_queued(req, HandshakeFailed(str(e), req_id=req.req_id, engine_id=engine_id))
+
+    def _unsettled(self, req_id: str) -> bool:
+        """A READ of request ``req_id`` that ended unfinished is still parked (it may still write)."""
+        return any(z[0] == req_id for z in self.reads.zombies)
+
+    def _start_held(self, now: float) -> None:
+        """Start the held reads whose earlier READs have settled; fail those held past their bound."""
+        held, self._held = self._held, []
+        for req, engine_id, until in held:
+            if not self._unsettled(req.req_id):
+                self._start_one(req, engine_id)
+            elif now > until:
+                self.reads.fail_queued(req, PeerDisconnected(
+                    f"request {req.req_id!r}: its READ from the restarted prefill engine {engine_id!r} did not "
+                    f"settle within connect_timeout_s={self.peers.connect_timeout_s:g} s, so it is not read "
+                    "again into the same blocks", req_id=req.req_id, engine_id=engine_id))
+            else:
+                self._held.append((req, engine_id, until))
 
     def connect(self, engine_id: str, endpoints: dict[Rank, str]) -> None:
         """Make sure prefill engine ``engine_id`` is (or becomes) live, without blocking: returns at once.
@@ -253,7 +281,7 @@ class DecodeRank:
                 self.reads.fail_queued(req, failure)
 
     def _can_requeue(self, f: InFlight) -> bool:
-        return not any(rr.pinned or rr.reads for rr in f.ranks.values()) and f.req.key not in self._requeued
+        return all(rr.holds_nothing for rr in f.ranks.values()) and f.req.key not in self._requeued
 
     def _requeue_restarted(self, f: InFlight) -> bool:
         """A prefill rank answered "restarted" (same id and ports, a new process): if this read holds no
@@ -428,7 +456,7 @@ class DecodeRank:
     @property
     def busy(self) -> bool:
         """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
-        return bool(self.inflight or self.reads.zombies or self.reads.push_holds or self.peers.old
+        return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
                     or self.peers.connecting() or self.peers.sending()
                     or time.monotonic() < self.reads.linger_until)
 
@@ -445,6 +473,8 @@ class DecodeRank:
         now = time.monotonic()
         self._advance_peers(now)
         self.reads.advance(now)
+        if self._held:
+            self._start_held(now)
         self._reap()
         self.flush()  # retries and heartbeats scheduled above
         return self.reads.take()
@@ -474,7 +504,9 @@ class DecodeRank:
             done += d
             failed |= f
             now = time.monotonic()
-            if not (self.inflight or self.peers.connecting()) or now > deadline or (first and (done or failed)):
+            if not (self.inflight or self._held or self.reads.held_failures or self.peers.connecting()) or \
+                    now > deadline or \
+                    (first and (done or failed)):
                 return done, failed
             pause = min(deadline - now, self.next_wake(now))
             self._block(pause if sleep_s is None else min(pause, sleep_s))
@@ -499,6 +531,7 @@ class DecodeRank:
         return {"metrics": self.metrics.to_json(), "inflight": len(self.inflight),
                 "live_handles": self.transport.live_handles(), "peers": len(self.transport.peers),
                 "remotes": sorted(self.remotes), "parked_reads": sum(len(z[2]) for z in self.reads.zombies),
+                "held_failures": len(self.reads.held_failures), "held_requeues": len(self._held),
                 "held_push_slots": len(self.reads.push_holds),
                 "retired_engines": len(self.peers.old),
                 "staging_used": self.slots.bytes_used, "links": self.links(),

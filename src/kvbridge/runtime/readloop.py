@@ -145,6 +145,9 @@ class ReadLoop:
         self.starts = 0  # reads started so far (InFlight.seq)
         self.failed: dict[str, ReadFailure] = {}
         self.zombies: list[Any] = []  # (req_id, staged ranks, reads still in progress after a failure)
+        # failures not reported yet because a READ of theirs may still write the request's blocks (the
+        # engine would reuse them): read key -> (failure, req_id, report by then at the latest)
+        self.held_failures: dict[str, tuple[ReadFailure, str, float]] = {}
         self._released: OrderedDict[Any, bool] = OrderedDict()  # (read key, prefill rank, attempt): let go
         self._failed_keys: OrderedDict[Any, bool] = OrderedDict()  # reads that failed (a retry counts once)
         # the push path: slots of ended reads the prefill may still WRITE into, under keys of their own:
@@ -701,11 +704,28 @@ class ReadLoop:
                 for key in slots:
                     self.slots.free(key)
                 self.zombies.remove(item)
+        if self.held_failures:
+            self._report_held()
         if self.push_holds:
             now = time.monotonic()
             for k, (_, until) in list(self.push_holds.items()):
                 if now >= until:
                     self._end_hold(k)
+
+    def _report_held(self) -> None:
+        """Report the held failures whose READs have settled (the engine may reuse their blocks now), and
+        those held past ``transfer_timeout_s`` (a READ that never settles must not hold the request)."""
+        now = time.monotonic()
+        parked = {z[0] for z in self.zombies}
+        for key, (failure, req_id, until) in list(self.held_failures.items()):
+            if req_id in parked and now < until:
+                continue
+            if req_id in parked:
+                log.warning("read %s failed and its READ has not settled after transfer_timeout_s=%g s; "
+                            "reporting the failure anyway (the READ may still write its blocks)", key,
+                            self.transfer_timeout_s)
+            del self.held_failures[key]
+            self.failed[key] = failure
 
     def _release(self, r: Transfer) -> None:
         if r.xfer is not None:  # (a pushed segment posted nothing here)
@@ -754,9 +774,13 @@ class ReadLoop:
         """Fail a request: cancel its other ranks' reads, release what has ended (park the rest), and
         tell every live prefill rank it notifies (Done, failed), so blocks and staging slots come back."""
         self.abort_ranks(f)
+        parked = len(self.zombies)
         incomplete = self.release_reads(f)
         self.inflight.pop(rid, None)
-        self.failed[rid] = failure
+        if len(self.zombies) > parked:  # a READ may still write its blocks: reported once it settled
+            self.held_failures[rid] = (failure, f.req.req_id, time.monotonic() + self.transfer_timeout_s)
+        else:
+            self.failed[rid] = failure
         self.metrics.failed_transfers += max(1, len(incomplete))
         self.count_failed(f.req)
         if notify:

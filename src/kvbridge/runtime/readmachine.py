@@ -149,6 +149,7 @@ class RankRead:
             d = self.lowered()
             lengths = run_lengths(d)
             self.staging = Staging(push_slot, d, lengths, offsets(lengths))
+        self.early = False               # its READ went out before a pin (optimistic_reads)
         self.notify_at_end = False       # no read carries this rank's Done: send it when the request completes
         self.pinned = False              # the prefill granted this rank's pin (only then is a Done sent for it)
         self.asked = state is ReadState.STAGE_REQUESTED  # a request is out, unanswered (a pin may exist)
@@ -182,6 +183,17 @@ class RankRead:
             elif not t.cancelled:
                 inflight += t.size
         return done, inflight
+
+    @property
+    def early_only(self) -> bool:
+        """No pin here, and every READ of this rank was posted before one (optimistic): nothing this read
+        did is trusted yet, so it may start again elsewhere once those READs have settled."""
+        return not self.pinned and self.early and all(t.work is not None for t in self.reads)
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No pin and no READ but optimistic ones: the read may be withdrawn and started again (a restart)."""
+        return not self.pinned and (not self.reads or self.early_only)
 
     def lowered(self) -> Any:
         if self._lowered is None:
@@ -250,6 +262,12 @@ class RankRead:
         if ev.index is not None and not self.terminal and self.reads[ev.index].discard:
             self.reads[ev.index].done = True  # settled (failed): its bytes were discarded anyway
             return self._repost()
+        if ev.index is not None and self.early_only and self.state is ReadState.ACQUIRING:
+            # an optimistic READ failed before any pin: the acquire's answer decides (granted: read again,
+            # once; refused or restarted: fail or re-queue as a read that never posted)
+            t = self.reads[ev.index]
+            t.discard = t.done = True
+            return [Count("discarded_reads")]
         return self._fail(ReadEvent.NIXL_ERROR, TransferFailed, ev.text)
 
     def _on_scatter_failed(self, ev: ScatterFailed, now: float) -> list[Action]:
@@ -320,7 +338,7 @@ class RankRead:
         if not self.ctx.optimistic or self.state is not ReadState.ACQUIRING or self.work is None or self.reads:
             return []
         t = Transfer(work=self.work)
-        self.work, self.notify_at_end = None, True
+        self.work, self.notify_at_end, self.early = None, True, True
         self.reads.append(t)
         return [Count("optimistic_reads"), Post(t, notify=False)]
 
