@@ -195,7 +195,8 @@ def test_a_failed_read_is_reported_only_once_its_read_settled(pair, optimistic):
     j = pair.jobs.make("pm", 1, tag=f"held{int(optimistic)}")[0]
     publish(pair.P, [j], lease_s=0.2)
     wait_freed(pair.P, {j.rid}, timeout=5, key="expired")
-    with inproc_decode(pair.dl, f"dz{int(optimistic)}", transport=transport, optimistic_reads=optimistic, probe_ms=0) as dec:
+    with inproc_decode(pair.dl, f"dz{int(optimistic)}", transport=transport, optimistic_reads=optimistic,
+                       probe_ms=0) as dec:
         dec.handshake("pm", pair.P.endpoints())
         t0 = time.monotonic()
         dec.start(j.read())
