@@ -15,7 +15,9 @@ Per row (request size, topology), alternating in one run, round after round:
 
 A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
 direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
-mode uses the config's default. ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
+mode uses the config's default. ``+queued`` (``direct+queued``): every read goes through the post thread
+(``DecodeConfig.inline_post_bytes=0``) instead of small ones being posted on the decode's own thread.
+``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
 
 With ``--inflight K`` K requests start at once: latency per request and throughput (requests/s, GB/s).
@@ -167,8 +169,12 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 conn.send(("ok", None))
                 return
             if cmd == "mode":
-                mode, _, flag = args[0].partition("+")  # (+optimistic / +pinned: optimistic_reads on / off)
-                dec.reads.optimistic = {"optimistic": True, "pinned": False}.get(flag, dec.config.optimistic_reads)
+                # +optimistic / +pinned: optimistic_reads on / off; +queued: every post on the post thread
+                mode, *flags = args[0].split("+")
+                dec.reads.optimistic = (False if "pinned" in flags else True if "optimistic" in flags
+                                        else dec.config.optimistic_reads)
+                if hasattr(dec.transport, "inline_post_bytes"):
+                    dec.transport.inline_post_bytes = 0 if "queued" in flags else dec.config.inline_post_bytes
                 if mode != dec.transfer_mode:
                     dec.set_transfer_mode(mode)
                 if "bench-p" not in dec.remotes:

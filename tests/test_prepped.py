@@ -2,6 +2,7 @@
 read posted through NIXL's prepped lists (two agents in one process, DRAM) is byte-exact."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -89,17 +90,23 @@ def _check_expands(geo, req, d):
     assert int(ll.sum()) == d.total_bytes
 
 
-def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
+def _run_nixl_read(case, shuffled=False, blocks=None, nb=40, inline="default"):
     """Read one request of ``case`` through NIXL's prepped lists (every prefill rank of decode rank
     (0, 0)); the decode buffer must equal the lowered descriptors' reference copy byte for byte.
     ``blocks(m, rng) -> (prefill blocks, decode blocks)`` overrides the block ids. Returns the posted
-    requests (``PreppedRequest`` per prefill rank)."""
+    requests (``PreppedRequest`` per prefill rank). ``inline``: "always" (every read small enough to be
+    posted on this thread: each must be), "never" (inline_post_bytes=0: none may be), "busy" (the post
+    thread is held by a read queued behind another job: no later read may be posted here, whatever
+    its size), "default" (the transport's own setting)."""
     from kvbridge.testing.oracle import copy_runs_reference
     from kvbridge.transport.nixl import NixlTransport
     model, ptp, dtp, layout, pbs, dbs, tokens = case
     m, plan, nb = _setup(model, ptp, dtp, layout, pbs, dbs, nb)
     drank = (0, 0)
     d_t = NixlTransport("i14-dec")
+    if inline != "default":
+        d_t.inline_post_bytes = 0 if inline in ("never", "busy") else 1 << 40
+    release_pool = threading.Event()
     p_ts, pbufs, bases, agents = {}, {}, {}, {}
     posted = []
     try:
@@ -121,12 +128,23 @@ def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
             copy_runs_reference(expect, d.dst - dbase, pbufs[d.prefill], d.src - bases[d.prefill], d.nbytes)
         preps = {p: d_t.prepare(agents[p], lp, p) for p in agents}
         xs = []
+        if inline == "busy":
+            d_t._pool.submit(release_pool.wait, 30)  # the post thread is busy until the reads are all posted
         for p, prep in preps.items():
             if prep is None:
                 continue
             ranges = prep.geometry.validate(tokens, pb, db)
             posted.append(prep.geometry.request(ranges, pb, db))  # what post builds on its thread
             xs.append((p, d_t.post(prep.peer, DirectRead(p, prep, ranges, pb, db, True), notif=b"done")))
+            if inline == "busy":
+                d_t.inline_post_bytes = 1 << 40  # the first read is queued: no later one may skip the queue
+        if inline == "always":
+            assert d_t.stats.inline_posts == len(xs) and all(x.future.done() for _, x in xs)
+        elif inline in ("never", "busy"):
+            assert d_t.stats.inline_posts == 0
+            if inline == "busy":
+                assert not any(x.future.done() for _, x in xs)
+        release_pool.set()
         for _p, x in xs:
             deadline = time.monotonic() + 30
             while d_t.check(x) != "DONE":
@@ -158,6 +176,16 @@ def _run_nixl_read(case, shuffled=False, blocks=None, nb=40):
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_prepped_nixl_read_is_byte_exact(case, shuffled):
     _run_nixl_read(case, shuffled)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+@pytest.mark.parametrize("inline", ["always", "never", "busy"])
+def test_small_reads_are_posted_on_the_callers_thread_only_when_the_post_thread_is_idle(inline):
+    """``inline_post_bytes``: a read no larger is posted (and on cma copied) on the caller's thread, unless a
+    post is queued or running on the post thread (then it queues behind it, never overtaking it); byte-exact
+    either way, every notification sent."""
+    posted = _run_nixl_read(CASES[2], True, inline=inline)  # two prefill ranks, a partial last chunk each
+    assert len(posted) == 2 and all(r.tail is not None for r in posted)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

@@ -93,6 +93,7 @@ class DecodeRank:
         self.mem = check_memory(memory, engine, rank)
         self.transport = wrap_from_env(transport or NixlTransport(f"{engine_id}-d{rank[0]}t{rank[1]}",
                                                                   post_threads=cfg.post_threads,
+                                                                  inline_post_bytes=cfg.inline_post_bytes,
                                                                   **transport_device(self.mem)))
         register_memory(self.transport, self.mem)
         # staged reads scatter on the KV memory's own device (torch ops for torch tensors, CPU or CUDA)

@@ -46,6 +46,7 @@ class TransportStats:
     peers_removed: int = 0
     dlists_prepared: int = 0
     dlists_released: int = 0
+    inline_posts: int = 0  # reads posted on the caller's thread (NixlTransport.inline_post_bytes)
 
 
 class Cancellable(Protocol):
@@ -61,8 +62,8 @@ class DirectRead:
     item of :meth:`Transport.post`.
 
     ``nonempty`` is known on the caller's thread; the sizes (``count``: descriptors before merging,
-    ``total_bytes``) are worked out on first use, which is the post thread's, so the caller's thread
-    never computes them."""
+    ``total_bytes``) are worked out once, on first use (arithmetic over the read's ranges: the caller's
+    thread asks for the bytes to choose whether to post the read itself)."""
 
     prefill: tuple[int, int]
     prep: Prepared
