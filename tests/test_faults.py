@@ -225,7 +225,9 @@ def test_decode_killed_mid_transfer_prefill_frees_on_expiry(mode):
     jobs.engine("pK", pl)
     with Cluster() as c:
         P, D = c.start_many([("prefill", pl, "pK", {"lease_s": lease_s, "pin_s": pin_s}),
-                             ("decode", dl, "dK", {"transfer_mode": mode})])
+                             # every read through the post thread: a small read posted inline is copied (cma) and
+                             # complete before poll returns, so none would ever be seen in flight
+                             ("decode", dl, "dK", {"transfer_mode": mode, "inline_post_bytes": 0})])
         D.call_all("handshake", "pK", P.endpoints())
         read_first = jobs.make("pK", 4, tag="rd")
         publish(P, read_first, lease_s=30.0)
