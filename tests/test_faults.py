@@ -304,7 +304,8 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
         pa, pb = c.start_many([("prefill", pl, "pA"), ("prefill", pl, "pB")])
         P = {"pA": pa, "pB": pb}
         js = {}
-        with inproc_decode(dl, "dO") as dec:
+        # every read through the post thread (a small read is otherwise posted inline when it is idle)
+        with inproc_decode(dl, "dO", inline_post_bytes=0) as dec:
             for e, p in P.items():
                 dec.handshake(e, p.endpoints())
                 jobs.engine(e, pl)
@@ -318,8 +319,10 @@ def test_frozen_prefill_engine_does_not_stall_another_engines_reads():
                 for j in js[e]:
                     dec.start(j.read())
             done, failed = set(), {}
+            deadline = time.monotonic() + 30
             while not any(r for f in dec.inflight.values() if f.peer.engine_id == "pA" for rr in f.ranks.values()
                           for r in rr.reads if not r.done):
+                assert time.monotonic() < deadline, "no read of pA was ever posted and pending"
                 d, f = dec.poll()
                 done.update(d)
                 failed |= f

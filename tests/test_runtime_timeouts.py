@@ -42,7 +42,8 @@ def test_a_long_local_post_queue_does_not_fail_healthy_requests():
         (P,) = c.start_many([("prefill", pl, "pT")])
         js = jobs.make("pT", n, lengths=[64] * n, prefix_p=0.0)
         publish(P, js)
-        with inproc_decode(dl, "dT", transfer_timeout_s=2.0, stage_timeout_s=30.0) as dec:
+        # every read through the (held) post thread: a small read is otherwise posted inline when it is idle
+        with inproc_decode(dl, "dT", transfer_timeout_s=2.0, stage_timeout_s=30.0, inline_post_bytes=0) as dec:
             dec.handshake("pT", P.endpoints())
             gate = threading.Event()
             dec.transport._pool.submit(gate.wait, 30)  # fault injection: the (single) post thread is taken
