@@ -16,7 +16,8 @@ Per row (request size, topology), alternating in one run, round after round:
 A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
 direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
 mode uses the config's default. ``+queued`` (``direct+queued``): every read goes through the post thread
-(``DecodeConfig.inline_post_bytes=0``) instead of small ones being posted on the decode's own thread.
+(``DecodeConfig.inline_post_bytes=0``, the default); ``+inline``: reads up to 4 MiB are posted on the
+decode's own thread when the post thread is idle.
 ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
 
@@ -174,7 +175,8 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 dec.reads.optimistic = (False if "pinned" in flags else True if "optimistic" in flags
                                         else dec.config.optimistic_reads)
                 if hasattr(dec.transport, "inline_post_bytes"):
-                    dec.transport.inline_post_bytes = 0 if "queued" in flags else dec.config.inline_post_bytes
+                    dec.transport.inline_post_bytes = (0 if "queued" in flags else 4 << 20 if "inline" in flags
+                                                       else dec.config.inline_post_bytes)
                 if mode != dec.transfer_mode:
                     dec.set_transfer_mode(mode)
                 if "bench-p" not in dec.remotes:

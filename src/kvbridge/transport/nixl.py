@@ -48,7 +48,7 @@ PROGRESS_DELAY_US = 200
 # reads of at most this many bytes are posted on the caller's thread when no post is queued or running:
 # handing one to the post thread cost about 0.15 ms of thread wake-up here (the phase ``post_queue``),
 # a third of a 2 MiB read's wire time, while on cma its copy blocks the caller for about that long
-INLINE_POST_BYTES = 4 << 20
+INLINE_POST_BYTES = 0  # off by default: see DecodeConfig.inline_post_bytes
 
 
 def load_nixl_api() -> Any:
@@ -268,7 +268,7 @@ class NixlTransport(TransportBookkeeping):
         threads are idle (the read's copy then runs here on cma; on RDMA ``transfer()`` returns at once)."""
         x = NixlXfer(peer, Future[str](), num_descs=count, nbytes=nbytes)
         self.track(id(x))
-        inline = size is not None and size <= self.inline_post_bytes
+        inline = size is not None and 0 < self.inline_post_bytes and size <= self.inline_post_bytes
 
         def run() -> str:
             x.posted_ns = time.perf_counter_ns()
