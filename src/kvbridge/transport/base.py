@@ -62,8 +62,8 @@ class DirectRead:
     item of :meth:`Transport.post`.
 
     ``nonempty`` is known on the caller's thread; the sizes (``count``: descriptors before merging,
-    ``total_bytes``) are worked out once, on first use (arithmetic over the read's ranges: the caller's
-    thread asks for the bytes to choose whether to post the read itself)."""
+    ``total_bytes``) are worked out once, on first use: the post thread's, or the caller's when it may post
+    the read itself (``NixlTransport.inline_post_bytes`` > 0: arithmetic over the read's ranges)."""
 
     prefill: tuple[int, int]
     prep: Prepared

@@ -381,7 +381,8 @@ class NixlTransport(TransportBookkeeping):
             x.handle = h
             return self._start(h, peer)
 
-        return self._submit_post(peer, 0, 0, post, size=work.total_bytes)
+        # (the bytes are worked out here only when an inline post may use them; else on the post thread)
+        return self._submit_post(peer, 0, 0, post, size=work.total_bytes if self.inline_post_bytes > 0 else None)
 
     def _start(self, h: object, peer: str) -> str:
         state = str(self.agent.transfer(h))
