@@ -20,6 +20,8 @@ mode uses the config's default. ``+queued`` (``direct+queued``): every read goes
 decode's own thread when the post thread is idle.
 ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
+``BENCH_PROFILE=/tmp/prof``: each kvbridge batch in a decode process runs under cProfile and is dumped to
+``/tmp/prof.<pid>.<ns>`` (read with ``pstats``); timings of a profiled run are not results.
 
 With ``--inflight K`` K requests start at once: latency per request and throughput (requests/s, GB/s).
 Each kvbridge row carries its phase breakdown (``metrics.DECODE_PHASES``: median per read, from the
@@ -184,7 +186,14 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 res = ({str(k): v for k, v in dec.remotes["bench-p"].modes.items()},
                        dec.stats().get("links", {}))
             elif cmd == "kvbridge":
-                res = _kvbridge_reads(dec, args[0])
+                prof = os.environ.get("BENCH_PROFILE")
+                if prof:
+                    import cProfile
+                    pr = cProfile.Profile()
+                    res = pr.runcall(_kvbridge_reads, dec, args[0])
+                    pr.dump_stats(f"{prof}.{os.getpid()}.{time.monotonic_ns()}")
+                else:
+                    res = _kvbridge_reads(dec, args[0])
             elif cmd == "nixl":
                 res = rankbench.nixl_reads(dec, args[0], args[1])
             elif cmd == "cpu":
