@@ -23,6 +23,7 @@ OUT=${OUT:-$PWD/benchmarks/out/gpu}
 PACK_S=${PACK_S:-35}
 PROBE_S=${PROBE_S:-25}
 QUICK_S=${QUICK_S:-120}
+LAT_S=${LAT_S:-0}  # > 0: also benchmarks/latency.py (host memory, this machine's cores) for at most LAT_S s
 mkdir -p "$OUT"
 export OUT
 T0=$(date +%s)
@@ -52,13 +53,22 @@ grep -A5 "remote memory read" "$OUT/ucx_probe.log" | sed 's/^\[[^]]*\] \[[^]]*\]
 part quick "$QUICK_S" "$PY" benchmarks/gpu/driver.py --device "$DEVICE" --quick --budget-s $(( QUICK_S - 25 )) \
     ${QUICK_ARGS:-} --out "$OUT"
 
+PARTS="pack_bench ucx_probe quick"
+if [ "$LAT_S" -gt 0 ]; then
+    BENCH_STAGING_MIB=${BENCH_STAGING_MIB:-600} part latency "$LAT_S" "$PY" benchmarks/latency.py ${LAT_ARGS:-} \
+        --json "$OUT/latency.json"
+    PARTS="$PARTS latency"
+fi
+
+RCS=""; SECSS=""
+for k in $PARTS; do RCS="$RCS\"$k\": ${RC[$k]}, "; SECSS="$SECSS\"$k\": ${SECS[$k]}, "; done
 "$PY" - "$OUT" <<PYEOF
 import json, sys
-rc = {"pack_bench": ${RC[pack_bench]}, "ucx_probe": ${RC[ucx_probe]}, "quick": ${RC[quick]}}
-secs = {"pack_bench": ${SECS[pack_bench]}, "ucx_probe": ${SECS[ucx_probe]}, "quick": ${SECS[quick]}}
+rc = {${RCS}}
+secs = {${SECSS}}
 out = {"device": "$DEVICE", "exit_codes": rc, "seconds": secs, "total_s": $(( $(date +%s) - T0 ))}
 open(sys.argv[1] + "/device_check.json", "w").write(json.dumps(out, indent=1))
 print("device_check:", json.dumps(out))
 PYEOF
-for k in pack_bench ucx_probe quick; do [ "${RC[$k]}" = 0 ] || exit 1; done
+for k in $PARTS; do [ "${RC[$k]}" = 0 ] || exit 1; done
 exit 0
