@@ -10,6 +10,10 @@ each switched on by an environment variable:
   and per thread (the outermost connector call only: a connector method calling another is counted once), and
   written to ``<dir>/<pid>.json`` every 0.5 s and at exit. The same wrapper times ``NixlConnector`` and
   ``KVBridgeConnector``.
+* ``KVB_BENCH_CONNECTOR_PROFILE`` (with ``KVB_BENCH_CONNECTOR_TIMES``): a comma-separated list of those methods
+  (e.g. ``start_load_kv,get_finished``). Their outermost calls run under one cProfile profiler per process and
+  thread, dumped to ``<dir>/<pid>.<thread>.prof`` every 2 s (from the profiled thread itself; read with
+  ``pstats``). A profiled run's times are not results.
 """
 import os
 import sys
@@ -30,6 +34,7 @@ if _delay:
         pass
 
 _TIMES_DIR = os.environ.get("KVB_BENCH_CONNECTOR_TIMES")
+_PROFILE = {m for m in os.environ.get("KVB_BENCH_CONNECTOR_PROFILE", "").split(",") if m}
 
 # what vLLM calls on a connector per step or per request (scheduler side and worker side)
 METHODS = (
@@ -73,6 +78,14 @@ if _TIMES_DIR:
             except Exception:  # noqa: BLE001 - timing must never break the engine
                 pass
 
+    def _profiler():
+        """This thread's profiler (cProfile profiles the thread that enables it)."""
+        prof = getattr(_local, "prof", None)
+        if prof is None:
+            import cProfile
+            prof = _local.prof = cProfile.Profile()
+        return prof
+
     def _wrap(obj, role: str) -> None:
         for name in METHODS:
             fn = getattr(obj, name, None)
@@ -83,12 +96,26 @@ if _TIMES_DIR:
                 if getattr(_local, "depth", 0):
                     return _fn(*a, **kw)
                 _local.depth = 1
+                prof = _profiler() if _name in _PROFILE else None
                 t0 = time.perf_counter()
                 try:
-                    return _fn(*a, **kw)
+                    if prof is None:
+                        return _fn(*a, **kw)
+                    prof.enable()
+                    try:
+                        return _fn(*a, **kw)
+                    finally:
+                        prof.disable()
                 finally:
                     dt = time.perf_counter() - t0
                     _local.depth = 0
+                    if prof is not None and t0 - getattr(_local, "dumped", 0.0) > 2.0:
+                        _local.dumped = t0
+                        try:
+                            prof.dump_stats(os.path.join(
+                                _TIMES_DIR, f"{os.getpid()}.{threading.current_thread().name}.prof"))
+                        except Exception:  # noqa: BLE001
+                            pass
                     key = (threading.current_thread().name, role, _name)
                     with _lock:
                         v = _totals.setdefault(key, [0, 0.0])

@@ -16,9 +16,11 @@ thread calls the rank through :attr:`rank`, a view whose every method call holds
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .wakeup import Wakeup
@@ -109,6 +111,16 @@ class DecodeDriver:
             if pause > 0:
                 poller.wait(pause)
                 self.wakeups += 1
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[DecodeRank]:
+        """The rank itself, under the driver's lock for the whole ``with`` block: an engine's step that makes
+        several calls (connect, start, release, flush) takes the lock once and wakes the driver once, at the
+        end, instead of once per call (each wake-up a turn of the driver's thread that the next call then
+        waits for)."""
+        with self._lock:
+            yield self._rank
+        self._wake.set()
 
     def close(self) -> None:
         """Stop the thread, then close the rank."""

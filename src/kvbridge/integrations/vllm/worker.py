@@ -21,6 +21,7 @@ pin (``DecodeEndpoint.release``). Tested on vLLM 0.33's own tensors, one process
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -101,6 +102,7 @@ class ConnectorWorker:
         self.server: kvbridge.PrefillServer | None = None   # producer
         self.decode: kvbridge.DecodeEndpoint | None = None  # consumer
         self.driver: DecodeDriver | None = None  # the consumer's background thread (cfg.decode_thread)
+        self._holding = False  # start_load_kv holds the driver's lock: use the endpoint itself
         # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
         self._inflight: dict[str, tuple[RecvReq, float]] = {}
         # releases of engines whose handshake is still running: (ReadRequest, give up at)
@@ -158,7 +160,9 @@ class ConnectorWorker:
         driver's lock where a driver thread runs it too."""
         if self.decode is None:
             raise RuntimeError("this worker is not a KV consumer: it has no decode endpoint")
-        return self.decode if self.driver is None else cast(kvbridge.DecodeEndpoint, self.driver.rank)
+        if self.driver is None or self._holding:
+            return self.decode
+        return cast(kvbridge.DecodeEndpoint, self.driver.rank)
 
     def _transport(self, memory: kvbridge.KVMemory, agent_name: str, initiator: bool) -> Any:
         """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
@@ -198,18 +202,26 @@ class ConnectorWorker:
             self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self.decode is None:
             return
-        for params in meta.connect.values():
-            self._connect(TransferParams.from_dict(params))
-        for r in meta.recv.values():
-            self._start_read(r)
-        for rid, rp in meta.release.items():
-            self._release(rid, rp)
-        if meta.heartbeat:
-            self._heartbeat(meta.heartbeat)
-        self._release_pending()
-        # send the acquire/stage requests now: the forward pass that follows can block this thread for
-        # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
-        self._dec.flush()
+        if not (meta.connect or meta.recv or meta.release or meta.heartbeat or self._release_later):
+            return  # nothing to start, release or send this step
+        # one hold of the driver's lock for the whole step (and one wake-up of its thread, at the end)
+        with contextlib.nullcontext() if self.driver is None else self.driver.held():
+            self._holding = self.driver is not None
+            try:
+                for params in meta.connect.values():
+                    self._connect(TransferParams.from_dict(params))
+                for r in meta.recv.values():
+                    self._start_read(r)
+                for rid, rp in meta.release.items():
+                    self._release(rid, rp)
+                if meta.heartbeat:
+                    self._heartbeat(meta.heartbeat)
+                self._release_pending()
+                # send the acquire/stage requests now: the forward pass that follows can block this thread for
+                # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
+                self._dec.flush()
+            finally:
+                self._holding = False
 
     def _start_read(self, r: RecvReq) -> None:
         try:
