@@ -204,6 +204,11 @@ def test_the_decode_driver_completes_reads_between_the_engines_polls(staged):
         w = driver.wakeups
         time.sleep(0.3)
         assert driver.wakeups - w <= 3, driver.wakeups - w  # idle again: IDLE_S sleeps
+        # the engine's polls of an idle rank wake the driver's thread no more (its sleep already ends in time)
+        k, w = driver.kicks, driver.wakeups
+        for _ in range(50):
+            assert driver.poll() == ([], {})
+        assert driver.kicks == k and driver.wakeups - w <= 2, (driver.kicks - k, driver.wakeups - w)
     finally:
         server.close()
         driver.close()
