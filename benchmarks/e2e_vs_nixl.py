@@ -225,6 +225,12 @@ def quantile_ms(before: dict[float, float], after: dict[float, float], q: float)
 READ_HIST = {"kvbridge": ("vllm:kvbridge_read_seconds", "vllm:kvbridge_phase_seconds"),
              "nixl": ("vllm:nixl_xfer_time_seconds", None)}
 NIXL_PHASES = {"post": "vllm:nixl_post_time_seconds", "transfer": "vllm:nixl_xfer_time_seconds"}
+# kvbridge's reads by path, from the decode's /metrics: reads done (one per request), then the transfers (one per
+# read and prefill rank: the same count on TP1 -> TP1) staged (device or host), host-staged and pushed
+KVBRIDGE_PATH_COUNTERS = {"reads": "vllm:kvbridge_reads_done_total", "staged": "vllm:kvbridge_staged_transfers_total",
+                          "host": "vllm:kvbridge_host_staged_transfers_total",
+                          "push": "vllm:kvbridge_pushed_transfers_total"}
+PREFILL_SHOWN = ("acquire", "stage_first", "serve_turn")
 KVBRIDGE_PHASES = ("queue", "grant", "post_queue", "post", "transfer", "scatter", "report")
 
 
@@ -240,6 +246,11 @@ def read_snapshot(text: str, config: str) -> dict[str, dict[float, float]]:
     snap = {"read": buckets(text, "vllm:nixl_xfer_time_seconds")}
     snap.update({ph: buckets(text, name) for ph, name in NIXL_PHASES.items()})
     return snap
+
+
+def prefill_snapshot(text: str) -> dict[str, dict[float, float]]:
+    """kvbridge's prefill phase histograms (``PREFILL_SHOWN``) from one scrape of the prefill engine."""
+    return {ph: buckets(text, "vllm:kvbridge_phase_seconds", phase=f"prefill:{ph}") for ph in PREFILL_SHOWN}
 
 
 def read_quantiles(s0: dict, s1: dict) -> dict[str, float]:
@@ -267,11 +278,13 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
             stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
         ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        paths0 = {k: d.metric(n) for k, n in KVBRIDGE_PATH_COUNTERS.items()} if config == "kvbridge" else {}
         # the connector's own read-latency histogram on the decode: kvbridge's is a read's start (acquire
         # sent) -> its last byte and Done; NixlConnector's is a transfer's post -> completion
         hist = "vllm:kvbridge_read_seconds" if config == "kvbridge" else "vllm:nixl_xfer_time_seconds"
         rs0 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
         snap0 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
+        pre0 = prefill_snapshot(p.metrics()) if config == "kvbridge" else {}
         time.sleep(1.2)  # the timing files are rewritten every 0.5 s
         ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
@@ -292,8 +305,10 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         time.sleep(1.2)
         ct1 = (conn_times(p_spec), conn_times(d_spec))
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
+        paths = {k: d.metric(n) - paths0[k] for k, n in KVBRIDGE_PATH_COUNTERS.items()} if paths0 else {}
         rs1 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
         snap1 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
+        pre1 = prefill_snapshot(p.metrics()) if config == "kvbridge" else {}
         reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)
@@ -321,7 +336,12 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
             # from the histograms' buckets (both connectors): the read's p50 / p90 and each phase's p50; the
             # spans differ: kvbridge's read is acquire sent -> last byte; NixlConnector's is post -> complete
             **read_quantiles(snap0, snap1),
+            # kvbridge's prefill side: an acquire received -> answered, a stage request -> its first segment, one
+            # serving turn (what of the decode's grant phase the prefill's own work is; the rest: waiting to run)
+            **{f"prefill_{ph}_p50_ms": quantile_ms(pre0[ph], pre1[ph], 0.5) for ph in pre1},
             "external_kv_tokens": ext,
+            # kvbridge: transfers (per prefill rank) by path in this stream (the cost model's choices)
+            **({"transfers_by_path": paths} if paths else {}),
             "prompt_tokens": sum(len(x) for x in prompts),
             "wall_s": wall,
             "startup_s": [p.startup_s, d.startup_s],
@@ -401,11 +421,12 @@ def print_tables(runs: list[dict], a: dict) -> None:
     pt = Table(title="decode read phases, p50 ms. read: kvbridge's from its start to the engine's step that saw "
                      "it done, NixlConnector's post -> complete (NIXL's telemetry); runtime read: kvbridge's start "
                      "-> done in its runtime (before a step sees it)")
-    for col in ("round", "connector", "read p50", "runtime read p50", *phases):
+    pre = [f"prefill_{ph}" for ph in PREFILL_SHOWN]
+    for col in ("round", "connector", "read p50", "runtime read p50", *phases, *(c.replace("_", " ") for c in pre)):
         pt.add_column(col)
     for r in runs:
         if "read_p50_ms" in r:
-            cells = [r.get(f"{ph}_p50_ms") for ph in ("runtime_read", *phases)]
+            cells = [r.get(f"{ph}_p50_ms") for ph in ("runtime_read", *phases, *pre)]
             pt.add_row(str(r["round"]), r["config"], f"{r['read_p50_ms']:.2f}",
                        *("-" if c is None or c != c else f"{c:.2f}" for c in cells))
     Console(width=260).print(pt)

@@ -20,7 +20,8 @@ mode uses the config's default. ``+queued`` (``direct+queued``): every read goes
 decode's own thread when the post thread is idle.
 ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
-``BENCH_PROFILE=/tmp/prof``: each kvbridge batch in a decode process runs under cProfile and is dumped to
+``BENCH_SWITCH_US=500``: the prefill processes' GIL switch interval (``sys.setswitchinterval``; Python's default
+is 5,000 µs). ``BENCH_PROFILE=/tmp/prof``: each kvbridge batch in a decode process runs under cProfile and is dumped to
 ``/tmp/prof.<pid>.<ns>`` (read with ``pstats``); timings of a profiled run are not results.
 
 With ``--inflight K`` K requests start at once: latency per request and throughput (requests/s, GB/s).
@@ -79,6 +80,8 @@ def _prefill_main(conn, tp: int, rank, num_blocks: int) -> None:
         ep = kvbridge.PrefillEndpoint(eng, rank, "bench-p", memory=mem, lease_s=120.0,
                                       staging_bytes=int(os.environ.get("BENCH_STAGING_MIB", "320")) << 20)
         rankbench.fill_random(ep, rank[1])
+        if os.environ.get("BENCH_SWITCH_US"):  # the prefill process's GIL switch interval (sys.setswitchinterval)
+            sys.setswitchinterval(float(os.environ["BENCH_SWITCH_US"]) * 1e-6)
         server = kvbridge.PrefillServer(ep)
         _busy_thread(float(os.environ.get("BENCH_PREFILL_BUSY", "0")))
         conn.send(("ok", ep.port))

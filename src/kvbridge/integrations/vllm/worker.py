@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -104,6 +105,20 @@ def _counters(metrics: Any) -> dict[str, int | float]:
     return out
 
 
+def set_gil_switch(us: int) -> float:
+    """Lower this process's GIL switch interval to ``us`` µs (``sys.setswitchinterval``; never raised; 0: left
+    as it is); returns the interval now (seconds). A thread that wants the GIL waits up to the interval for a
+    thread running Python to let go of it: kvbridge's serving thread (an acquire to answer) and decode driver
+    (a grant to post) wait that long at each wake-up while vLLM's thread runs Python. The interval only
+    matters when another thread asks for the GIL: an idle kvbridge thread costs vLLM's nothing."""
+    now = sys.getswitchinterval()
+    if us > 0 and us * 1e-6 < now:
+        sys.setswitchinterval(us * 1e-6)
+        log.info("kvbridge: GIL switch interval %.0f -> %d us (kv_connector_extra_config.gil_switch_us; 0 leaves it)",
+                 now * 1e6, us)
+    return sys.getswitchinterval()
+
+
 class SpeculativeConfigMismatch(kvbridge.RequestError):
     """A decode read a request whose prefill ran with other speculative decoding settings (draft model,
     method): refused before any byte moves (a failed receive; vLLM's kv_load_failure_policy applies)."""
@@ -161,6 +176,7 @@ class ConnectorWorker:
         memory = kvbridge.describe_memory(engine, rank, layers)
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
                  len(memory.allocations))
+        set_gil_switch(cfg.gil_switch_us)
         if is_producer:
             ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, config=cfg.prefill_config(rank),
                                           transport=self._transport(memory, f"{cfg.engine_id}-p{rank[0]}t{rank[1]}",
