@@ -71,6 +71,7 @@ from e2e_utils import (  # noqa: E402
 SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the connector timings
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
+# also accepted: "kvbridge-<path>" (kvbridge with transfer_mode=<path>: direct, staged, host, push; auto is "kvbridge")
 
 
 def specs(config: str, model: str, tmp: Path, max_model_len: int,
@@ -85,8 +86,10 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int,
             "KVB_BENCH_CONNECTOR_TIMES": str(times),
             "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")]),
         }
-        if config == "kvbridge":
-            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0)
+        if config.startswith("kvbridge"):
+            mode = config.partition("-")[2]
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0,
+                            **({"transfer_mode": mode} if mode else {}))
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:
             ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
@@ -278,13 +281,13 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         for w in range(2):  # warm-up: first forward, handshake, first transfer (not timed)
             stream_one(router, model, [random.Random(99 + w).randrange(3, 512) for _ in range(200)], 2)
         ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        paths0 = {k: d.metric(n) for k, n in KVBRIDGE_PATH_COUNTERS.items()} if config == "kvbridge" else {}
+        paths0 = {k: d.metric(n) for k, n in KVBRIDGE_PATH_COUNTERS.items()} if config.startswith("kvbridge") else {}
         # the connector's own read-latency histogram on the decode: kvbridge's is a read's start (acquire
         # sent) -> its last byte and Done; NixlConnector's is a transfer's post -> completion
-        hist = "vllm:kvbridge_read_seconds" if config == "kvbridge" else "vllm:nixl_xfer_time_seconds"
+        hist = "vllm:kvbridge_read_seconds" if config.startswith("kvbridge") else "vllm:nixl_xfer_time_seconds"
         rs0 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
-        snap0 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
-        pre0 = prefill_snapshot(p.metrics()) if config == "kvbridge" else {}
+        snap0 = read_snapshot(d.metrics(), "kvbridge" if config.startswith("kvbridge") else "nixl")
+        pre0 = prefill_snapshot(p.metrics()) if config.startswith("kvbridge") else {}
         time.sleep(1.2)  # the timing files are rewritten every 0.5 s
         ct0 = (conn_times(p_spec), conn_times(d_spec))
         cpu0 = (group_cpu_seconds(p.proc.pid), group_cpu_seconds(d.proc.pid))
@@ -307,8 +310,8 @@ def run_config(config: str, model: str, tmp: Path, prompts: list[list[int]], arg
         ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
         paths = {k: d.metric(n) - paths0[k] for k, n in KVBRIDGE_PATH_COUNTERS.items()} if paths0 else {}
         rs1 = (d.metric(hist + "_sum"), d.metric(hist + "_count"))
-        snap1 = read_snapshot(d.metrics(), "kvbridge" if config == "kvbridge" else "nixl")
-        pre1 = prefill_snapshot(p.metrics()) if config == "kvbridge" else {}
+        snap1 = read_snapshot(d.metrics(), "kvbridge" if config.startswith("kvbridge") else "nixl")
+        pre1 = prefill_snapshot(p.metrics()) if config.startswith("kvbridge") else {}
         reads = rs1[1] - rs0[1]
         ok = [r for r in results if "error" not in r]
         n = len(prompts)

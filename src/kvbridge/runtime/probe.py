@@ -675,15 +675,17 @@ def measure_links(prober: "Prober | None", model: CostModel, mode: TransferMode,
     return out
 
 
-def observe_read(f: Any, now: float, metrics: Any = None, alone: bool = True) -> None:
+def observe_read(f: Any, now: float, metrics: Any = None, alone: bool = True, seconds: float | None = None) -> None:
     """A read completed (``f``: its :class:`~kvbridge.runtime.request.InFlight`, ``now``: perf_counter): fold
-    each prefill rank's bytes, descriptors and the read's seconds into that pair's figures of the path it
-    took, and warn once if the link now looks degraded. ``alone``: no other read of this rank overlapped
-    it (only then does a small read's time say the path's fixed cost; queueing is not the path's)."""
+    each prefill rank's bytes, descriptors and the read's seconds (``seconds``, default since its start) into
+    that pair's figures of the path it took, and warn once if the link now looks degraded. ``alone``: no other
+    read of this rank overlapped it (only then does a small read's time say the path's fixed cost; queueing is
+    not the path's)."""
     links = getattr(getattr(f.peer, "remote", None), "links", None)
     if not links:
         return
-    seconds = now - f.started
+    if seconds is None:
+        seconds = now - f.started
     for prank, rr in f.ranks.items():
         link = links.get(prank)
         if link is None or not rr.reads:
