@@ -59,7 +59,7 @@ DEFAULT_BACKENDS = ("UCX",)
 CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content",
                             "decode_thread", "gil_switch_us"})
 #: the worker process's GIL switch interval the connector sets (µs; Python's default is 5,000): kvbridge's serving
-#: and driver threads answer within about this while vLLM's thread runs Python (benchmarks/RESULTS.md Q2)
+#: and driver threads answer within about this while vLLM's thread runs Python (benchmarks/RESULTS.md Q0)
 DEFAULT_GIL_SWITCH_US = 500
 #: other names of endpoint options, alias -> the option (an alias has no default of its own: it is the option)
 OPTION_ALIASES: dict[str, str] = {"lease_grace_s": "register_grace_s"}
