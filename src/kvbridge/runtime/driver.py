@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 IDLE_S = 0.5  # the driver's longest sleep with nothing in flight
+IDLE_POLL_S = 1.0  # how often the engine's poll() polls an idle rank (its housekeeping)
 
 
 class _Locked:
@@ -67,6 +68,7 @@ class DecodeDriver:
         self._stop = threading.Event()
         self._wake = Wakeup()
         rank.peers.poller.add_fd(self._wake.fd)
+        self._idle_poll_at = 0.0  # poll(): when an idle rank is polled from the engine's thread next
         self._until = 0.0  # when the thread's current sleep ends (monotonic; set under the lock before it sleeps)
         self.kicks = 0  # wake-ups the engine's calls asked for (tests read them)
         self.rank: Any = _Locked(rank, self._lock, self._kick)
@@ -77,8 +79,14 @@ class DecodeDriver:
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Reads finished and failed since the previous call (the driver's and this poll's own)."""
         with self._lock:
-            # (an idle rank has nothing this poll could advance: the driver's thread takes every event)
-            done, failed = self._rank.poll() if self._rank.busy else ([], {})
+            # an idle rank is polled here about once a second (its housekeeping: idle peers evicted, a side
+            # channel's disconnect taken), not on every engine step: the driver's thread takes every event
+            now = time.monotonic()
+            done: list[str] = []
+            failed: dict[str, ReadFailure] = {}
+            if self._rank.busy or now >= self._idle_poll_at:
+                done, failed = self._rank.poll()
+                self._idle_poll_at = now + IDLE_POLL_S
             out_done, out_failed = self._done + done, {**self._failed, **failed}
             self._done, self._failed = [], {}
             self._kick()  # (this poll may have started work: retries, heartbeats)
