@@ -204,6 +204,11 @@ def test_the_decode_driver_completes_reads_between_the_engines_polls(staged):
         w = driver.wakeups
         time.sleep(0.3)
         assert driver.wakeups - w <= 3, driver.wakeups - w  # idle again: IDLE_S sleeps
+        # the engine's polls of an idle rank wake the driver's thread no more (its sleep already ends in time)
+        k, w = driver.kicks, driver.wakeups
+        for _ in range(50):
+            assert driver.poll() == ([], {})
+        assert driver.kicks == k and driver.wakeups - w <= 2, (driver.kicks - k, driver.wakeups - w)
     finally:
         server.close()
         driver.close()
@@ -252,3 +257,31 @@ def test_pump_registers_at_once_and_serves_only_what_the_thread_left_waiting(mon
     assert server.pump() and ep.served == base + 1  # it waited across pumps: the step serves it
     assert server.pump() and ep.served == base + 1  # served: nothing waits
     server._wake.close()
+
+
+def test_a_direct_reads_link_time_leaves_out_the_wait_for_the_pin_and_staged_reads_count_whole():
+    """What a completed read teaches the cost model about its path (``readloop._direct_link_seconds``): a
+    direct read's time from its start to its transfer's completion, less the wait for the pin before its
+    READ was posted (a busy prefill's answer is not the link's cost: folded in, it made auto choose staged
+    reads that pay the same wait and their packing too); optimistic reads (posted at once) lose nothing;
+    a staged rank, or missing marks, leave the whole read's time (None)."""
+    from types import SimpleNamespace
+
+    from kvbridge.modes import TransferPath
+    from kvbridge.runtime import readloop as rl
+
+    ms = 1_000_000
+
+    def read(paths, sent, posted, xfer):
+        marks = [0] * 8
+        marks[rl.M_START], marks[rl.M_SENT], marks[rl.M_POSTED], marks[rl.M_XFER] = 1000 * ms, sent, posted, xfer
+        return SimpleNamespace(marks=marks, ranks={i: SimpleNamespace(path=p) for i, p in enumerate(paths)})
+
+    t0 = 1000 * ms
+    D, S = TransferPath.DIRECT, TransferPath.STAGED
+    # pinned: acquire sent at +0.1 ms, granted and posted at +12 ms, transfer complete at +14 ms
+    assert rl._direct_link_seconds(read([D], t0 + ms // 10, t0 + 12 * ms, t0 + 14 * ms)) == pytest.approx(2.1e-3)
+    # optimistic: posted at +0.05 ms, before the acquire went out: nothing taken out
+    assert rl._direct_link_seconds(read([D, D], t0 + ms // 10, t0 + ms // 20, t0 + 3 * ms)) == pytest.approx(3e-3)
+    assert rl._direct_link_seconds(read([D, S], t0 + ms // 10, t0 + 12 * ms, t0 + 14 * ms)) is None
+    assert rl._direct_link_seconds(read([D], t0 + ms // 10, 0, t0 + 14 * ms)) is None

@@ -136,3 +136,33 @@ def test_worker_counters_read_directly_name_what_the_endpoints_stats_name():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(("_p50", "_p90"))}
     assert _counters(m) == want
     assert want["transfer_seconds_count"] == 2 and want["transfers"] == 3
+
+
+def test_worker_counters_of_an_unchanged_step_are_the_same_dict_and_the_delta_skips_them():
+    """``ConnectorWorker.counters()`` runs every engine step: with nothing changed it returns the previous
+    dict itself (one tuple comparison, no dict built) and ``StatsDelta`` reports nothing; any change (a
+    counter, the transfer histogram's count, a failure type) gives a new dict with exact deltas."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from kvbridge.integrations.vllm.worker import ConnectorWorker, _counters
+    from kvbridge.runtime.metrics import Metrics
+
+    m = Metrics(transfers=1)
+    w = object.__new__(ConnectorWorker)
+    w.received, w.released, w.failures, w.server = 0, 0, Counter(), None
+    w.decode = SimpleNamespace(metrics=m)
+    w._counters_key, w._counters_now = (), {}
+    d = StatsDelta()
+    a = w.counters()
+    assert d(a).data == {"decode_transfers": 1}
+    b = w.counters()
+    assert b is a and d(b) is None
+    m.transfers += 2
+    m.observe_transfer(0.5)
+    w.failures["TransferTimeout"] += 1
+    c = w.counters()
+    assert c is not a and {k: c[f"decode_{k}"] for k in _counters(m)} == _counters(m)
+    assert d(c).data == {"decode_transfers": 2, "decode_transfer_seconds_count": 1, "decode_transfer_seconds_sum": 0.5,
+                         "reads_failed_TransferTimeout": 1}
+    assert w.counters() is c and d(c) is None

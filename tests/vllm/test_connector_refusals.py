@@ -191,3 +191,27 @@ def test_decode_thread_is_read_and_off_the_reads_still_move_on_the_engines_steps
                  extra={"decode_thread": False})
     assert r.failed == [] and r.done == ["dec-req-1", "dec-req-2"] and r.sent == ["req-1", "req-2"]
     assert r.checked > 0 and r.bad == 0 and r.untouched_bad == 0
+
+
+def test_gil_switch_us_is_checked_and_only_ever_lowers_the_process_interval():
+    """``gil_switch_us`` (default 500): the worker process's GIL switch interval, lowered to it at
+    registration (never raised; 0 leaves it), so kvbridge's serving and driver threads get the GIL within
+    about that while vLLM's thread runs Python; anything but an integer 0..100000 is a typed error."""
+    import sys
+
+    from kvbridge.integrations.vllm.config import DEFAULT_GIL_SWITCH_US
+    from kvbridge.integrations.vllm.worker import set_gil_switch
+
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).gil_switch_us == DEFAULT_GIL_SWITCH_US == 500
+    assert ConnectorConfig.from_vllm(_cfg({"gil_switch_us": 0}), environ={}).gil_switch_us == 0
+    for bad in ("500", -1, 2.5, True, 100_001):
+        with pytest.raises(VLLMConfigError, match="gil_switch_us"):
+            ConnectorConfig.from_vllm(_cfg({"gil_switch_us": bad}), environ={})
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert set_gil_switch(0) == 0.005  # left as it is
+        assert abs(set_gil_switch(500) - 0.0005) < 1e-9  # lowered
+        assert abs(set_gil_switch(2000) - 0.0005) < 1e-9  # never raised
+    finally:
+        sys.setswitchinterval(before)

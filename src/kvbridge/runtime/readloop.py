@@ -107,6 +107,19 @@ PUSH_HOLD_MARGIN_S = 5.0
 M_START, M_SENT, M_GRANTED, M_POSTED, M_RETURNED, M_XFER, M_SCATTERED, M_DONE = range(8)
 
 
+def _direct_link_seconds(f: InFlight) -> float | None:
+    """A direct read's time on its link: start -> transfer complete, less any wait for the pin before its
+    READ was posted (none for an optimistic read). The wait for the prefill's answer is the prefill engine's
+    responsiveness, which every path pays (a staged one more: its packing waits for the same serving turn):
+    folded into the direct path's figures it made auto choose staged reads in busy vLLM engines, 2-10x
+    slower there (benchmarks/RESULTS.md Q2). None: not a direct read with its marks (the whole read counts)."""
+    m = f.marks
+    if not m[M_XFER] or not m[M_POSTED] or any(rr.path != TransferPath.DIRECT for rr in f.ranks.values()):
+        return None
+    waited = max(0, m[M_POSTED] - max(m[M_SENT], m[M_START]))
+    return max(1, m[M_XFER] - m[M_START] - waited) / 1e9
+
+
 def _mark(f: InFlight, i: int) -> None:
     """Phase ``i`` of ``f`` ended now (the latest over its prefill ranks counts)."""
     t = time.perf_counter_ns()
@@ -658,7 +671,8 @@ class ReadLoop:
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
         # the pair's measured link figures follow what it delivered (its fixed cost: from a read that ran alone)
-        observe_read(f, time.perf_counter(), self.metrics, alone=f.alone and f.seq == self.starts)
+        observe_read(f, time.perf_counter(), self.metrics, alone=f.alone and f.seq == self.starts,
+                     seconds=_direct_link_seconds(f))
         self.metrics.finished_requests += 1
         self.finished.append(rid)
 

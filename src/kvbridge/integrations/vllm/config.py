@@ -57,7 +57,10 @@ VLLM_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_BACKENDS = ("UCX",)
 #: extra-config keys the connector reads itself (not endpoint options)
 CONNECTOR_KEYS = frozenset({"side_channel_host", "side_channel_port", "backends", "num_threads", "kv_content",
-                            "decode_thread"})
+                            "decode_thread", "gil_switch_us"})
+#: the worker process's GIL switch interval the connector sets (µs; Python's default is 5,000): kvbridge's serving
+#: and driver threads answer within about this while vLLM's thread runs Python (benchmarks/RESULTS.md Q0)
+DEFAULT_GIL_SWITCH_US = 500
 #: other names of endpoint options, alias -> the option (an alias has no default of its own: it is the option)
 OPTION_ALIASES: dict[str, str] = {"lease_grace_s": "register_grace_s"}
 #: decode options whose default differs under vLLM (the only place the vLLM default is written): its prefill
@@ -180,6 +183,11 @@ class ConnectorConfig:
     # a decode worker's reads driven by a background thread as their events happen (runtime/driver.py), not
     # only on the engine's steps (False: only on the steps)
     decode_thread: bool = True
+    # the worker process's GIL switch interval, µs (sys.setswitchinterval; only ever lowered; 0: left as it is).
+    # A kvbridge thread woken by a message (an acquire to answer, a grant to post) waits for the GIL up to this
+    # long each time it needs it while the engine's thread runs Python: Python's 5 ms default made a pin's
+    # round trip 5-20 ms in a busy engine
+    gil_switch_us: int = DEFAULT_GIL_SWITCH_US
 
     @property
     def lease_s(self) -> float:
@@ -201,6 +209,11 @@ class ConnectorConfig:
         decode_thread = extra.get("decode_thread", True)
         if not isinstance(decode_thread, bool):
             raise VLLMConfigError(f"kv_connector_extra_config.decode_thread={decode_thread!r}: give true or false")
+        gil_switch_us = extra.get("gil_switch_us", DEFAULT_GIL_SWITCH_US)
+        if not isinstance(gil_switch_us, int) or isinstance(gil_switch_us, bool) or not 0 <= gil_switch_us <= 100_000:
+            raise VLLMConfigError(f"kv_connector_extra_config.gil_switch_us={gil_switch_us!r}: give an integer number "
+                                  f"of microseconds from 0 (leave the process's GIL switch interval as it is) to "
+                                  f"100000 (default {DEFAULT_GIL_SWITCH_US})")
         prefill, decode = endpoint_configs(extra)
         return cls(
             engine_id=dp_engine_id(str(ktc.engine_id), dp_size, dp_index),
@@ -209,6 +222,7 @@ class ConnectorConfig:
             tp=tp, pp=pp, pcp=pcp, dcp=dcp, cp_interleave=il, dp_size=dp_size, dp_index=dp_index,
             prefill=prefill, decode=decode, backends=_backends(extra), num_threads=num_threads,
             speculative=speculative_fingerprint(vllm_config), decode_thread=decode_thread,
+            gil_switch_us=gil_switch_us,
         )
 
     def endpoint(self, rank: tuple[int, int]) -> tuple[str, int]:

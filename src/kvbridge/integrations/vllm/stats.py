@@ -137,8 +137,11 @@ class StatsDelta:
                  links: Callable[[], list[LinkRow]] | None = None) -> KVBridgeStats | None:
         """``links``: the worker's :func:`link_rows`, asked only when a handshake completed or a link was
         warned degraded since the last call (what changes the gauges' figures), reported when they differ."""
-        delta: dict[str, Any] = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
-        self._seen = now
+        delta: dict[str, Any] = {}
+        if now is not self._seen:  # (the same dict again: a worker's counters() with nothing changed)
+            seen = self._seen
+            delta = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+            self._seen = now
         if links is not None and any(k in delta for k in LINK_TRIGGERS):
             rows = links()
             if rows != self._links:

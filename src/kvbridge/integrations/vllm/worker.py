@@ -21,10 +21,14 @@ pin (``DecodeEndpoint.release``). Tested on vLLM 0.33's own tensors, one process
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import operator
+import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, cast
 
 import kvbridge
@@ -75,13 +79,44 @@ def _tensor_tokens(layers: dict[int, LayerMemory], engine: kvbridge.EngineLayout
     return out
 
 
+_READERS: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
+
+
+def _counter_reader(metrics: Any) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """The names of a runtime ``Metrics``' additive figures (its numeric fields, as ``Metrics.to_json``
+    names them) and one C-level getter of all of them (``operator.attrgetter``), found once per class."""
+    got = _READERS.get(type(metrics))
+    if got is None:
+        names = tuple(k for k, v in vars(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        getter = operator.attrgetter(*names)
+
+        def read(m: Any, _g: Callable[[Any], Any] = getter) -> tuple[Any, ...]:
+            return tuple(_g(m))
+        got = _READERS[type(metrics)] = (names, read)
+    return got
+
+
 def _counters(metrics: Any) -> dict[str, int | float]:
     """The additive figures of a runtime ``Metrics`` (its numeric fields and the transfer count), as
     ``Metrics.to_json`` names them; a serving thread may update them meanwhile (each read is one int/float)."""
-    out = {k: v for k, v in list(vars(metrics).items())
-           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    names, get = _counter_reader(metrics)
+    out = dict(zip(names, get(metrics)))
     out["transfer_seconds_count"] = metrics.transfer_hist.count
     return out
+
+
+def set_gil_switch(us: int) -> float:
+    """Lower this process's GIL switch interval to ``us`` µs (``sys.setswitchinterval``; never raised; 0: left
+    as it is); returns the interval now (seconds). A thread that wants the GIL waits up to the interval for a
+    thread running Python to let go of it: kvbridge's serving thread (an acquire to answer) and decode driver
+    (a grant to post) wait that long at each wake-up while vLLM's thread runs Python. The interval only
+    matters when another thread asks for the GIL: an idle kvbridge thread costs vLLM's nothing."""
+    now = sys.getswitchinterval()
+    if us > 0 and us * 1e-6 < now:
+        sys.setswitchinterval(us * 1e-6)
+        log.info("kvbridge: GIL switch interval %.0f -> %d us (kv_connector_extra_config.gil_switch_us; 0 leaves it)",
+                 now * 1e6, us)
+    return sys.getswitchinterval()
 
 
 class SpeculativeConfigMismatch(kvbridge.RequestError):
@@ -101,6 +136,9 @@ class ConnectorWorker:
         self.server: kvbridge.PrefillServer | None = None   # producer
         self.decode: kvbridge.DecodeEndpoint | None = None  # consumer
         self.driver: DecodeDriver | None = None  # the consumer's background thread (cfg.decode_thread)
+        self._holding = False  # start_load_kv holds the driver's lock: use the endpoint itself
+        self._counters_key: tuple[Any, ...] = ()  # counters(): the values of the last call and its dict
+        self._counters_now: dict[str, int | float] = {}
         # req id (= the read's key, ReadRequest.read_id) -> (RecvReq, monotonic time it was started)
         self._inflight: dict[str, tuple[RecvReq, float]] = {}
         # releases of engines whose handshake is still running: (ReadRequest, give up at)
@@ -138,6 +176,7 @@ class ConnectorWorker:
         memory = kvbridge.describe_memory(engine, rank, layers)
         log.info("kvbridge: %s rank %s, %d groups, %d allocations", engine, rank, len(self.group_names),
                  len(memory.allocations))
+        set_gil_switch(cfg.gil_switch_us)
         if is_producer:
             ep = kvbridge.PrefillEndpoint(engine, rank, cfg.engine_id, memory=memory, config=cfg.prefill_config(rank),
                                           transport=self._transport(memory, f"{cfg.engine_id}-p{rank[0]}t{rank[1]}",
@@ -158,7 +197,9 @@ class ConnectorWorker:
         driver's lock where a driver thread runs it too."""
         if self.decode is None:
             raise RuntimeError("this worker is not a KV consumer: it has no decode endpoint")
-        return self.decode if self.driver is None else cast(kvbridge.DecodeEndpoint, self.driver.rank)
+        if self.driver is None or self._holding:
+            return self.decode
+        return cast(kvbridge.DecodeEndpoint, self.driver.rank)
 
     def _transport(self, memory: kvbridge.KVMemory, agent_name: str, initiator: bool) -> Any:
         """The endpoint's NIXL transport when ``backends`` / ``num_threads`` ask for other than the runtime's
@@ -198,18 +239,26 @@ class ConnectorWorker:
             self.server.pump()  # leases registered before a decode's acquire can arrive; acquires answered
         if self.decode is None:
             return
-        for params in meta.connect.values():
-            self._connect(TransferParams.from_dict(params))
-        for r in meta.recv.values():
-            self._start_read(r)
-        for rid, rp in meta.release.items():
-            self._release(rid, rp)
-        if meta.heartbeat:
-            self._heartbeat(meta.heartbeat)
-        self._release_pending()
-        # send the acquire/stage requests now: the forward pass that follows can block this thread for
-        # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
-        self._dec.flush()
+        if not (meta.connect or meta.recv or meta.release or meta.heartbeat or self._release_later):
+            return  # nothing to start, release or send this step
+        # one hold of the driver's lock for the whole step (and one wake-up of its thread, at the end)
+        with contextlib.nullcontext() if self.driver is None else self.driver.held():
+            self._holding = self.driver is not None
+            try:
+                for params in meta.connect.values():
+                    self._connect(TransferParams.from_dict(params))
+                for r in meta.recv.values():
+                    self._start_read(r)
+                for rid, rp in meta.release.items():
+                    self._release(rid, rp)
+                if meta.heartbeat:
+                    self._heartbeat(meta.heartbeat)
+                self._release_pending()
+                # send the acquire/stage requests now: the forward pass that follows can block this thread for
+                # seconds (first-run compilation), and a request not yet sent must not be timing out meanwhile
+                self._dec.flush()
+            finally:
+                self._holding = False
 
     def _start_read(self, r: RecvReq) -> None:
         try:
@@ -327,16 +376,27 @@ class ConnectorWorker:
         """Cumulative counters of this worker (reads done, failed by type, the endpoints' metrics). Quantiles
         the endpoints compute (``*_p50``, ``*_p90``) are left out: they do not add up over workers or
         intervals (latencies travel as observations, :meth:`take_read_seconds`)."""
+        # vLLM asks every step: read the endpoints' counters directly, not through their stats() (which
+        # copies every field, histogram and table, and on a prefill waits for a serving turn in progress:
+        # 250-300 µs per step measured in benchmarks/e2e_vs_nixl.py); the keys are the same. The values are
+        # taken in one tuple (C getters) first: a step where none changed returns the previous dict itself
+        # (the same object: StatsDelta then skips its comparison), ~100 µs per step less on a loaded engine.
+        sides = [(side, m) for side, m in (("decode", None if self.decode is None else self.decode.metrics),
+                                           ("prefill", None if self.server is None else self.server.ep.metrics))
+                 if m is not None]
+        key = (self.received, self.released, tuple(self.failures.items()),
+               *((_counter_reader(m)[1](m), m.transfer_hist.count) for _, m in sides))
+        if key == self._counters_key:
+            return self._counters_now
         now: dict[str, int | float] = {"reads_done": self.received, "reads_released": self.released,
                **{f"reads_failed_{k}": v for k, v in self.failures.items()}}
-        # vLLM asks every step: read the endpoints' counters directly (a few µs), not through their stats()
-        # (which copies every field, histogram and table, and on a prefill waits for a serving turn in
-        # progress: 250-300 µs per step measured in benchmarks/e2e_vs_nixl.py); the keys are the same
-        for side, metrics in (("decode", None if self.decode is None else self.decode.metrics),
-                              ("prefill", None if self.server is None else self.server.ep.metrics)):
-            if metrics is not None:
-                for k, v in _counters(metrics).items():
-                    now[f"{side}_{k}"] = v
+        per_side = cast(list[tuple[tuple[Any, ...], int]], list(key[3:]))
+        for (side, metrics), (vals, count) in zip(sides, per_side):
+            names = _counter_reader(metrics)[0]
+            for k, v in zip(names, vals):
+                now[f"{side}_{k}"] = v
+            now[f"{side}_transfer_seconds_count"] = count
+        self._counters_key, self._counters_now = key, now
         return now
 
     def take_read_seconds(self) -> list[float]:
