@@ -64,6 +64,41 @@ def test_start_for_a_frozen_new_engine_returns_and_reads_once_it_answers():
             wait_freed(P, {j.rid for j in js})
 
 
+def test_an_engine_that_accepted_the_connection_is_waited_for_past_handshake_timeout():
+    """A busy prefill engine (here frozen for 2 s, 4x ``handshake_timeout_s``) accepts the TCP connection but
+    answers its metadata late: the handshake waits for it up to ``connect_timeout_s`` (it is alive), where a
+    restarted engine serving a burst on the 2-core CI machine once failed the reads re-queued behind its
+    re-handshake after ``handshake_timeout_s`` (5 s) of a 48 s restart; the reads then finish exact."""
+    pl, dl = layout("prefill", 1, 64), layout("decode", 1, 64)
+    jobs = Jobs(dl, seed=63)
+    jobs.engine("pB", pl)
+    with Cluster() as c:
+        (P,) = c.start_many([("prefill", pl, "pB")])
+        js = jobs.make("pB", 3)
+        publish(P, js)
+        with inproc_decode(dl, "dB", handshake_timeout_s=0.5, connect_timeout_s=30.0) as dec:
+            for w in P.workers.values():
+                os.kill(w.proc.pid, signal.SIGSTOP)
+            try:
+                dec.connect("pB", P.endpoints())
+                for j in js:
+                    dec.start(j.read())
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 2.0:
+                    assert dec.poll() == ([], {})
+                    time.sleep(0.01)
+                assert dec.peers.current["pB"].state is PeerState.CONNECTING
+                assert dec.peers.current["pB"].reached  # it accepted the TCP connection
+            finally:
+                for w in P.workers.values():
+                    os.kill(w.proc.pid, signal.SIGCONT)
+            done, failed = _settle(dec, {j.rid for j in js})
+            assert not failed and done == {j.rid for j in js}, failed
+            assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+            assert dec.metrics.handshakes == 1 and dec.metrics.failed_handshakes == 0
+            wait_freed(P, {j.rid for j in js})
+
+
 def test_connect_to_a_dead_engine_fails_its_reads_typed_within_the_bound():
     """Nothing listens at the prefill's address: the queued reads fail ``HandshakeFailed`` once the
     background handshake gives up (bounded), and the decode still reads from a live engine meanwhile."""

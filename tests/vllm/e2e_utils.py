@@ -54,6 +54,10 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_LOGGING_LEVEL": "INFO",
     "PYTHONUNBUFFERED": "1",
+    # vllm-router pools its HTTP connections to the engines; uvicorn closes one idle for 5 s (vLLM's default), and
+    # a request the router sends on it as it closes is reset: 8 of 50 requests got "Connection reset by peer"
+    # (os error 104) from the decode in a CI run. A server's keep-alive must outlast its client's pool idle time.
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300",
 }
 
 CONNECTOR = "KVBridgeConnector"

@@ -133,7 +133,9 @@ class DecodeConfig(_Config):
     """Options of a decode rank (:class:`~kvbridge.DecodeEndpoint`)."""
 
     handshake_timeout_s: float = 5.0
-    """Bound on each step of a handshake with one prefill rank (its metadata, its answer)."""
+    """Bound on each step of a handshake with one prefill rank (its metadata, its answer). A background
+    handshake's metadata fetch from a rank that accepted the TCP connection (alive, maybe busy) waits up to
+    ``connect_timeout_s`` instead; a closed port fails at once."""
     transfer_mode: TransferMode = AUTO
     """``auto`` (the cost model picks a path per prefill rank and request), or one path forced:
     ``direct``, ``staged``, ``host`` or ``push`` (:mod:`kvbridge.modes`); a pair that does not offer

@@ -170,6 +170,10 @@ class Handshaker:
     # called once a probed prefill rank accepted its TCP connection (the engine is up: a background
     # re-handshake is then bounded as a whole handshake, not by the short bound that fails a dead one fast)
     connected: Callable[[], None] | None = None
+    # a metadata fetch from a rank that just accepted the TCP connection (probed: the engine is up) waits up to
+    # this long instead of timeout_s (the peer's whole handshake bound): a restarted engine serving a burst on a
+    # busy machine answered its first GetMeta after more than 5 s, and the reads re-queued behind it failed
+    reached_timeout_s: float = 0.0
 
     def get_meta(self, prank: Rank) -> GetMeta:
         if not self.push:
@@ -262,10 +266,12 @@ class Handshaker:
         if prank not in endpoints:
             raise HandshakeError(f"no endpoint given for prefill rank {prank} of engine {engine_id!r}; "
                                  f"give one per rank, got {sorted(endpoints)}")
+        timeout_s = self.timeout_s
         if probe:
             self.probe(engine_id, endpoints, step, [prank])
+            timeout_s = max(timeout_s, self.reached_timeout_s)  # it accepted the connection: alive, maybe busy
         step(f"metadata from rank {prank}")
-        meta = fetch_meta(self.ctx, endpoints[prank], self.get_meta(prank), self.timeout_s)
+        meta = fetch_meta(self.ctx, endpoints[prank], self.get_meta(prank), timeout_s)
         if meta.engine_id != engine_id:
             raise HandshakeError(f"endpoint {endpoints[prank]} is engine {meta.engine_id!r}, expected {engine_id!r}")
         if tuple(meta.rank) != prank:

@@ -308,6 +308,7 @@ class PeerTable:
         def reached() -> None:
             peer.reached = True
         handshaker.connected = reached
+        handshaker.reached_timeout_s = self.connect_timeout_s  # (abandoned past _bound all the same)
 
         def run() -> tuple[RemoteEngine, dict[Rank, Prepared]]:
             peer.running = time.monotonic()  # the bound counts from here, not from the queue
