@@ -298,6 +298,7 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                             chosen[s], links[s] = _all(decode, "mode", s)[0]
                             _all(decode, "kvbridge", make(tokens, 1))  # warm-up (untimed)
                             p0 = _all(prefill, "stats")
+                            d0 = _all(decode, "stats")
                         for _ in range(reps):
                             reqs = make(tokens, k, register=s in modes)  # NIXL's READ needs no lease
                             c0d, c0p = _all(decode, "cpu"), _all(prefill, "cpu")
@@ -315,7 +316,11 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                             res[s]["lat"] += [float(x) for x in lat]
                             res[s]["wall"].append(float(max(lat)))
                         if s in modes:
-                            links[s] = _all(decode, "stats")[0].get("links", {})  # as the reads left them
+                            d1 = _all(decode, "stats")
+                            links[s] = d1[0].get("links", {})  # as the reads left them
+                            for a, b in zip(d0, d1):  # reads proven by the lease's tag (runtime/tags.py)
+                                for c in ("checked_reads", "optimistic_reads"):
+                                    res[s][c] = res[s].get(c, 0) + b["metrics"].get(c, 0) - a["metrics"].get(c, 0)
                             p1 = _all(prefill, "stats")
                             for a, b in zip(p0, p1):
                                 for ph, h in b["metrics"]["phase_seconds"].items():
@@ -349,6 +354,8 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                     if res[s]["phases"]:
                         row["phases_p50_ms"] = {ph: float(np.median([p.get(ph, 0.0) for p in res[s]["phases"]]) * 1e3)
                                                 for ph in DECODE_PHASES if any(ph in p for p in res[s]["phases"])}
+                    if res[s].get("optimistic_reads"):
+                        row["checked_of_optimistic"] = f"{res[s]['checked_reads']}/{res[s]['optimistic_reads']}"
                     if res[s]["pre"]:
                         row["prefill_mean_ms"] = {ph: v[0] / v[1] * 1e3 for ph, v in res[s]["pre"].items() if v[1]}
                     rows.append(row)

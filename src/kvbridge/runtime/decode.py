@@ -562,6 +562,7 @@ class DecodeRank:
         for peer in self.peers.old:
             self._drop_reads(peer, "decode rank closing")
         self.peers.close_old()
+        self.reads.drain_checks()
         self.transport.close()
         # its tables hold this rank's bound methods (reference cycles): cut, so that the rank and its NIXL
         # agent go when their owner drops them, not inside a later garbage collection on whatever thread

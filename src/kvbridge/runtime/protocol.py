@@ -101,6 +101,11 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     pin_s: float = 0.0
     min_read_rate: float = 0.0
     push: bool = False  # this rank serves push stage requests from the asking decode rank (it sent its metadata)
+    # live leases' tags (runtime/tags.py): host memory of ``tags_words`` uint64 words registered with the
+    # rank's agent at ``tags_addr`` (0: none; readers wait for grants), hashed under ``tag_salt``
+    tags_addr: int = 0
+    tags_words: int = 0
+    tag_salt: int = 0
 
 
 # the prefill answers (and the decode reads) a stage request per segment of about this size, so
@@ -246,7 +251,10 @@ class Done(msgspec.Struct, tag="done"):
     ``readers``: how many decode ranks of that decode engine read from this prefill rank (from the
     plan); the prefill settles the read ``read_id`` when it has heard from all of them. A Done releases
     the sender's pin ``(reader, read_id)`` (ignored if it holds none); ``decline``: the sender holds no
-    pin and settles its part without reading (nothing to read here, or aborted before reading).
+    pin and settles its part without reading (nothing to read here, or aborted before reading);
+    ``settle``: release the pin if the sender holds one, else decline (a read completed on its lease's tag
+    before its acquire was answered, ``runtime/tags.py``: whichever of its acquire and this Done the
+    prefill takes first, no pin of the read is left held, and its later grant needs no answer).
     """
 
     req_id: str
@@ -257,6 +265,7 @@ class Done(msgspec.Struct, tag="done"):
     attempt: int = 0  # the lease's attempt: a Done of another attempt (stale, forged) is ignored
     read_id: str = ""
     decline: bool = False
+    settle: bool = False
 
 
 Message = (GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired | PushProbe
