@@ -185,6 +185,11 @@ class DecodeConfig(_Config):
     reads again once granted; other refusals fail as before
     (:class:`~kvbridge.runtime.readmachine.RankRead`); a failed read may have written its own blocks.
     Staged reads are unchanged. False: the READ waits for the grant."""
+    tag_checks: bool = True
+    """With ``optimistic_reads``: a direct read whose READ ended before its grant READs its lease's tag from
+    the prefill rank (64 bytes, ``runtime/tags.py``) and completes at once if the lease is still live, which
+    proves what the grant would; the prefill's serving thread is then off the read's path. False: the
+    grant decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))

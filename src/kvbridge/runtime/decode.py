@@ -145,7 +145,8 @@ class DecodeRank:
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, mark_lost=self.peers.mark_lost, died=self._peer_died,
             host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
-            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads)
+            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads,
+            tag_checks=cfg.tag_checks)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
@@ -456,9 +457,10 @@ class DecodeRank:
 
     @property
     def busy(self) -> bool:
-        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
+        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages, lease-tag
+        checks in flight."""
         return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
-                    or self.peers.connecting() or self.peers.sending()
+                    or self.peers.connecting() or self.peers.sending() or self.reads.checks
                     or time.monotonic() < self.reads.linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:

@@ -145,7 +145,7 @@ class ReadLoop:
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
                  mark_lost: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
                  host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu",
-                 optimistic: bool = False):
+                 optimistic: bool = False, tag_checks: bool = True):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
         self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
         # host staging (same slots as the staging buffer): the host-staged path
@@ -154,7 +154,7 @@ class ReadLoop:
         # lease-tag checks (runtime/tags.py): bucket buffers in registered host memory, one per check in flight
         # (id of the RankRead -> its check; a check outliving its read is released once it settled)
         self.checks: dict[int, _TagCheck] = {}
-        self.check_buf = np.zeros(CHECK_SLOTS * BUCKET, dtype=np.uint64) if optimistic else None
+        self.check_buf = np.zeros(CHECK_SLOTS * BUCKET, dtype=np.uint64) if optimistic and tag_checks else None
         self.check_addr = 0
         self._check_free: list[int] = []
         # posted on this thread where the transport can (NIXL: 64 bytes, cheaper than the post thread's hand-off)
