@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.errors import (
     IllegalTransition,
@@ -555,3 +557,48 @@ def test_a_check_is_asked_only_of_an_unanswered_optimistic_read_whose_bytes_are_
     aborted.handle(XferDone(0), 0.01)
     aborted.handle(Abort(), 0.02)
     assert aborted.handle(Checked(True), 0.03) == [] and aborted.state is S.CANCELLED
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.just(("done",)), st.just(("xfail",)), st.tuples(st.just("checked"), st.booleans()),
+    st.just(("granted",)), st.tuples(st.just("refused"), st.sampled_from(["not_registered", "lease_expired", "done"])),
+    st.just(("tick",)), st.just(("abort",))), max_size=14), st.booleans())
+def test_optimistic_reads_complete_only_on_a_grant_or_a_live_tag_read_after_every_read_ended(script, ended_first):
+    """Random answers, transfer ends, tag checks and ticks on an optimistic read: it is DONE only pinned or
+    checked; checked only by a live tag answered while it was ACQUIRING, unanswered, with every READ ended
+    and none discarded; a Check is asked only then; a read proven by its tag takes no later answer (a
+    grant is let go, a refusal changes nothing)."""
+    rr, now = optimistic(), 0.0
+    if ended_first:  # (most scripts then reach a check)
+        script = [("done",), ("checked", True), *script]
+    for step in script:
+        now += 0.01
+        prev, ended = rr.state, bool(rr.reads) and all(t.done and not t.discard for t in rr.reads)
+        provable = prev is S.ACQUIRING and rr.retry_at is None and not rr.pinned and ended
+        if step[0] == "done" or step[0] == "xfail":
+            live = [i for i, t in enumerate(rr.reads) if not t.done and not t.cancelled]
+            if not live:
+                continue
+            ev = XferDone(live[-1]) if step[0] == "done" else XferFailed("x", live[-1])
+        else:
+            kind, arg = step[0], step[-1]
+            ev = (Checked(arg) if kind == "checked" else Granted(TTL) if kind == "granted"
+                  else Refused(arg, "no") if kind == "refused" else Tick() if kind == "tick" else Abort())
+        was_checked = rr.checked
+        acts = rr.handle(ev, now)
+        if any(isinstance(a, Check) for a in acts):
+            assert rr.state is S.ACQUIRING and not rr.pinned and rr.retry_at is None
+            assert all(t.done and not t.discard for t in rr.reads)
+        if isinstance(ev, Checked):
+            assert rr.checked == (was_checked or (ev.live and provable))
+            assert (rr.state is S.POSTED) == (prev is S.POSTED or (ev.live and provable)) or rr.terminal
+        if was_checked and isinstance(ev, Granted):
+            assert acts == [LetGo()] and not rr.pinned
+        if was_checked and isinstance(ev, Refused):
+            assert acts == []
+        if rr.state is S.DONE and prev is not S.DONE:
+            assert rr.pinned or rr.checked
+            assert all(t.finished for t in rr.reads) and not all(t.discard for t in rr.reads)
+            if rr.checked:
+                assert all(t.done and not t.discard for t in rr.reads)
