@@ -234,6 +234,7 @@ NIXL_PHASES = {"post": "vllm:nixl_post_time_seconds", "transfer": "vllm:nixl_xfe
 KVBRIDGE_PATH_COUNTERS = {"reads": "vllm:kvbridge_reads_done_total", "staged": "vllm:kvbridge_staged_transfers_total",
                           "host": "vllm:kvbridge_host_staged_transfers_total",
                           "push": "vllm:kvbridge_pushed_transfers_total",
+                          "tag_checks": "vllm:kvbridge_tag_checks_total",
                           "checked": "vllm:kvbridge_checked_reads_total"}  # completed on the lease's tag
 PREFILL_SHOWN = ("acquire", "stage_first", "serve_turn")
 KVBRIDGE_PHASES = ("queue", "grant", "post_queue", "post", "transfer", "scatter", "report")
