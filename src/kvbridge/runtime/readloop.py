@@ -767,7 +767,9 @@ class ReadLoop:
         _mark(f, M_DONE)
         phases = self.metrics.observe_marks(marks)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("read %s (%d B from %s): %s", rid, f.nbytes, f.peer.engine_id,
+            how = {str(p): ("checked" if rr.checked else "pinned" if rr.pinned else "-") + f"/{rr.path.value}"
+                   for p, rr in f.ranks.items()}
+            log.debug("read %s (%d B from %s, %s): %s", rid, f.nbytes, f.peer.engine_id, how,
                       ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in phases.items()))
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
