@@ -480,7 +480,8 @@ class ReadLoop:
             return False
         self.checks[id(rr)] = _TagCheck(rr, slot, xfer, tag)
         self.metrics.tag_checks += 1
-        return False
+        # posted on this thread (64 bytes; on cma the copy is done by now): its answer at once, not a poll later
+        return self._advance_check(f, rr, time.monotonic())
 
     def _check_settled(self, c: _TagCheck) -> bool | None:
         """None while ``c``'s READ is in progress; else whether the bucket held the tag (False: it failed).
