@@ -478,7 +478,7 @@ class ReadLoop:
             log.debug("read %s: lease-tag check not posted (%s); waiting for the grant", f.req.key, e)
             self._check_free.append(slot)
             return False
-        self.checks[id(rr)] = _TagCheck(rr, slot, xfer, tag)
+        self.checks[id(rr)] = _TagCheck(f, rr, slot, xfer, tag)
         self.metrics.tag_checks += 1
         # posted on this thread (64 bytes; on cma the copy is done by now): its answer at once, not a poll later
         return self._advance_check(f, rr, time.monotonic())
@@ -520,9 +520,10 @@ class ReadLoop:
             self._check_free.append(c.slot)
 
     def _reap_checks(self) -> None:
-        """Checks of reads answered meanwhile (granted, failed, aborted): released once settled."""
+        """Checks of reads answered meanwhile (granted, failed, aborted) or no longer in flight here (re-queued
+        behind a restarted prefill's re-handshake): released once settled."""
         for c in list(self.checks.values()):
-            if c.rr.state is not ReadState.ACQUIRING:
+            if c.rr.state is not ReadState.ACQUIRING or self.inflight.get(c.f.req.key) is not c.f:
                 self._check_settled(c)
 
     def _run_scatter(self, f: InFlight, rr: RankRead, a: Scatter, ids: tuple[str, int, str] | None) -> bool:
@@ -978,10 +979,10 @@ _RUNNERS: dict[type, Callable[[ReadLoop, InFlight, RankRead, Any, tuple[str, int
 class _TagCheck:
     """A lease-tag check in flight: the read it is for, its bucket buffer, the transport's handle, the tag."""
 
-    __slots__ = ("rr", "slot", "xfer", "tag")
+    __slots__ = ("f", "rr", "slot", "xfer", "tag")
 
-    def __init__(self, rr: RankRead, slot: int, xfer: Any, tag: int) -> None:
-        self.rr, self.slot, self.xfer, self.tag = rr, slot, xfer, tag
+    def __init__(self, f: InFlight, rr: RankRead, slot: int, xfer: Any, tag: int) -> None:
+        self.f, self.rr, self.slot, self.xfer, self.tag = f, rr, slot, xfer, tag
 
 
 def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: Rank, req: ReadRequest) -> None:
