@@ -401,7 +401,7 @@ class ReadLoop:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
                                  req.attempt_for(prank), req.key, decline, settle))
 
-    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str, ok: bool = False) -> None:
         """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
         or answered twice): release that pin once, so it does not hold the blocks until it times out."""
         key = (read_id, prank, attempt)
@@ -410,7 +410,7 @@ class ReadLoop:
         self._mark_released(key)
         agent = remote.agent(prank)
         if agent is not None:
-            self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+            self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], ok,
                                                   attempt, read_id)))
 
     def _mark_released(self, key: tuple[str, Rank, int]) -> None:
@@ -559,7 +559,9 @@ class ReadLoop:
 
     def _run_let_go(self, f: InFlight, rr: RankRead, a: LetGo, ids: tuple[str, int, str] | None) -> bool:
         prank = rr.prefill
-        self._let_go(f.peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+        # (a read completed on its lease's tag read everything: its release is a success, not a failure that
+        # would settle the whole claim under the engine's other ranks still reading this prefill rank)
+        self._let_go(f.peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)), ok=rr.checked)
         return False
 
     def _run_count(self, f: InFlight, rr: RankRead, a: Count, ids: tuple[str, int, str] | None) -> bool:
