@@ -324,7 +324,7 @@ def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_
         while d.metrics.finished_requests < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert d.metrics.checked_reads == 1 and driver.poll() == (["late"], {})
-        for _ in range(50):  # the prefill answers the acquire now (and takes the settling Done)
+        for _ in range(50):  # the prefill answers the acquire now (the driver lets the grant go: released)
             p.serve_once()
             time.sleep(0.002)
         time.sleep(0.1)

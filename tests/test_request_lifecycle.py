@@ -163,6 +163,7 @@ def test_inprocess_ranks_release_everything():
             freed = set()
 
             def all_freed():
+                dec.poll()  # (a read completed on its lease's tag lets its late grant go: runtime/tags.py)
                 with lock:
                     freed.update(pre.take_freed()["freed"])
                 return freed >= {j.rid for j in js}
@@ -280,37 +281,3 @@ def test_an_optimistic_read_completes_on_the_lease_tag_while_the_prefill_does_no
             dec.close()
         pre.close()
 
-
-def test_a_settling_done_releases_the_pin_its_acquire_made_or_declines_before_it():
-    """``Done.settle`` (a read completed on its lease's tag, its acquire unanswered): the prefill releases
-    the pin if the acquire came first, else settles the reader's part without one, and then refuses the
-    acquire; either way the lease is freed and no pin is left held."""
-    from kvbridge.runtime.protocol import Done, encode_notif
-
-    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
-    jobs = Jobs(dl, seed=8)
-    jobs.engine("ps", pl)
-    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="ps")
-    dec = None
-    try:
-        with served(pre):  # binds the reader to its agent
-            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dsettle",
-                             transfer_mode="direct")
-            dec.handshake("ps", {(0, 0): f"127.0.0.1:{pre.port}"})
-        idle, reader, agent = threading.Lock(), ("dsettle", (0, 0)), dec.transport.agent_name
-        first, second = jobs.make("ps", 2)
-        a1, a2 = hold(pre, idle, first), hold(pre, idle, second)
-        granted = pre.table.acquire(first.rid, a1, reader, first.rid, 1, time.monotonic())
-        assert granted.ttl_s > 0 and pre.table.pins_held(reader) == 1
-        ignored = pre.metrics.ignored_notifications
-        for j, a in ((first, a1), (second, a2)):  # first: pinned, then the Done; second: the Done first
-            pre._on_notif(agent, encode_notif(Done(j.rid, "dsettle", (0, 0), 1, True, a, j.rid, settle=True)))
-        assert sorted(pre.take_freed()["freed"]) == sorted([first.rid, second.rid])
-        assert not pre.table.pins_held(reader) and not pre.leases and len(pre.tags) == 0
-        assert pre.metrics.ignored_notifications == ignored
-        late = pre.table.acquire(second.rid, a2, reader, second.rid, 1, time.monotonic())  # its acquire, later
-        assert not hasattr(late, "ttl_s") and not pre.table.pins_held(reader)
-    finally:
-        if dec is not None:
-            dec.close()
-        pre.close()

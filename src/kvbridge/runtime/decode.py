@@ -461,7 +461,7 @@ class DecodeRank:
         checks in flight."""
         return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
                     or self.peers.connecting() or self.peers.sending() or self.reads.checks
-                    or time.monotonic() < self.reads.linger_until)
+                    or self.reads.awaiting or time.monotonic() < self.reads.linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call.

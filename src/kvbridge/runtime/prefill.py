@@ -420,9 +420,6 @@ class PrefillRank:
         read_id = d.read_id or d.req_id
         event = self.table.decline if d.decline else self.table.release
         outcome, effects = event(d.req_id, d.attempt, reader, read_id, d.readers, d.ok, time.monotonic())
-        if d.settle and outcome is Outcome.NOT_HOLDER:  # (its acquire comes later: refused "done" then)
-            outcome, effects = self.table.decline(d.req_id, d.attempt, reader, read_id, d.readers, d.ok,
-                                                  time.monotonic())
         if outcome is Outcome.UNKNOWN:
             self.metrics.unknown_notifications += 1
             log.info("notification for unknown or ended request %s from %s", d.req_id, agent)

@@ -251,10 +251,7 @@ class Done(msgspec.Struct, tag="done"):
     ``readers``: how many decode ranks of that decode engine read from this prefill rank (from the
     plan); the prefill settles the read ``read_id`` when it has heard from all of them. A Done releases
     the sender's pin ``(reader, read_id)`` (ignored if it holds none); ``decline``: the sender holds no
-    pin and settles its part without reading (nothing to read here, or aborted before reading);
-    ``settle``: release the pin if the sender holds one, else decline (a read completed on its lease's tag
-    before its acquire was answered, ``runtime/tags.py``: whichever of its acquire and this Done the
-    prefill takes first, no pin of the read is left held, and its later grant needs no answer).
+    pin and settles its part without reading (nothing to read here, or aborted before reading).
     """
 
     req_id: str
@@ -265,7 +262,6 @@ class Done(msgspec.Struct, tag="done"):
     attempt: int = 0  # the lease's attempt: a Done of another attempt (stale, forged) is ignored
     read_id: str = ""
     decline: bool = False
-    settle: bool = False
 
 
 Message = (GetMeta | RankMeta | ErrorReply | Done | Stage | Staged | StageError | Acquire | Acquired | PushProbe

@@ -187,6 +187,9 @@ class ReadLoop:
         self.push_holds: dict[tuple[str, Rank, str, int], tuple[Any, float]] = {}
         self._holds = 0
         self.linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
+        # reads completed on their lease's tag whose acquire is unanswered: (read key, prefill rank, attempt) ->
+        # how long its answer is waited for (replies are drained until it came: its grant is let go)
+        self.awaiting: dict[tuple[str, Rank, int], float] = {}
 
     def take(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """(finished read keys, {failed read key: typed failure}) since the last call."""
@@ -327,6 +330,10 @@ class ReadLoop:
                 self._complete(rid, f)
         if self.checks:
             self._reap_checks()
+        if self.awaiting:  # (an answer that never comes is waited for stage_timeout_s)
+            for k, until in list(self.awaiting.items()):
+                if now >= until:
+                    del self.awaiting[k]
         self._reap_zombies()
 
     def next_wake(self, now: float, wakes: bool) -> float:
@@ -397,9 +404,9 @@ class ReadLoop:
         return rr.progress() if rr is not None else (0, 0)
 
     def done_msg(self, req: ReadRequest, remote: Peer, prank: Rank, ok: bool = True,
-              decline: bool = False, settle: bool = False) -> bytes:
+              decline: bool = False) -> bytes:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
-                                 req.attempt_for(prank), req.key, decline, settle))
+                                 req.attempt_for(prank), req.key, decline))
 
     def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str, ok: bool = False) -> None:
         """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
@@ -407,17 +414,13 @@ class ReadLoop:
         key = (read_id, prank, attempt)
         if key in self._released or prank not in remote.agents:
             return
-        self._mark_released(key)
+        self._released[key] = True
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)
         agent = remote.agent(prank)
         if agent is not None:
             self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], ok,
                                                   attempt, read_id)))
-
-    def _mark_released(self, key: tuple[str, Rank, int]) -> None:
-        """No later grant of (read key, prefill rank, attempt) needs letting go."""
-        self._released[key] = True
-        while len(self._released) > 4096:
-            self._released.popitem(last=False)
 
     def apply(self, f: InFlight, rr: RankRead, actions: list[Any], ids: tuple[str, int, str] | None = None) -> bool:
         """Run what a read's machine asked for (the thin I/O half; one method per action type:
@@ -614,13 +617,16 @@ class ReadLoop:
         for rid, attempt, read_id, ttl_s in msg.granted:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
             if f is None or rr is None:
-                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
+                # a pin no live read of ours will use (read everything, on its lease's tag: a success)
+                ok = self.awaiting.pop((read_id, prank, attempt), None) is not None
+                self._let_go(peer, prank, rid, attempt, read_id, ok=ok)
                 continue
             _mark(f, M_GRANTED)
             # (a failed request needs nothing more here: it left ``inflight``, and every later entry of this
             # frame looks its read up afresh; one of a read no longer live is let go)
             self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
+            self.awaiting.pop((read_id, prank, attempt), None)
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
             if f is not None and rr is not None:  # (failed: as for a grant above)
                 self.apply(f, rr, rr.handle(Refused(code, text), now))
@@ -752,10 +758,11 @@ class ReadLoop:
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
             if rr.notify_at_end and rr.pinned:
                 self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank))
-            elif rr.checked and (key := (f.req.key, prank, f.req.attempt_for(prank))) not in self._released:
-                # its acquire unanswered (not let go already): release or decline; its grant needs no answer
-                self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank, settle=True))
-                self._mark_released(key)
+            elif rr.checked:
+                # its acquire is unanswered: its grant is let go (a success) when it comes, never a Done now,
+                # which could free a lease its n > 1 siblings' batched acquires have not pinned yet; the
+                # replies are drained until then
+                self.awaiting[(f.req.key, prank, f.req.attempt_for(prank))] = now + self.stage_timeout_s
             # direct reads' Done rode on the read (PinsReleased is a non-transition: no actions, fails nothing)
             self.apply(f, rr, rr.handle(PinsReleased(), now))
         self.metrics.observe_transfer(time.perf_counter() - f.started)

@@ -126,11 +126,11 @@ class RankRead:
     * **checked** (``runtime/tags.py``): once every READ ended with no grant yet, the loop READs the lease's
       tag from the prefill rank (:class:`Check`); found (:class:`Checked` ``live``), the lease had not
       ended when those READs did, which proves what a grant proves: the read moves to POSTED (CHECKED) and
-      completes with no pin. Its acquire is still out; the loop sends a *settling* Done at completion
-      (``Done.settle``: the prefill releases the pin if its acquire came first, else declines, and then
-      refuses the acquire "done"), so no pin of it is left held and its late grant needs no answer (the
-      loop does not let it go); a late refusal changes nothing. Not found, or the check's READ failed:
-      nothing changes, the grant decides."""
+      completes with no pin. Its acquire is still out and no Done is sent at completion: the grant,
+      when it comes, is let go as a success (released ``ok``), which settles this reader's part; a Done
+      sent before the pin could settle it unpinned and free a lease that vLLM ``n > 1`` siblings, whose
+      acquires are batched to pin together, still need. A late refusal changes nothing. Not found, or the
+      check's READ failed: nothing changes, the grant decides."""
 
     def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
                  work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
