@@ -72,7 +72,7 @@ SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the co
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 # also accepted: "kvbridge-<path>" (kvbridge with transfer_mode=<path>: direct, staged, host, push; auto is "kvbridge")
-# and "kvbridge-notags" (auto, tag_checks off: optimistic reads wait for the prefill's grant)
+# and "kvbridge-tags" / "kvbridge-notags" (auto, DecodeConfig.tag_checks on / off; off is the default)
 
 
 def specs(config: str, model: str, tmp: Path, max_model_len: int,
@@ -89,7 +89,8 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int,
         }
         if config.startswith("kvbridge"):
             mode = config.partition("-")[2]
-            opts = {"tag_checks": False} if mode == "notags" else {"transfer_mode": mode} if mode else {}
+            opts = ({"tag_checks": False} if mode == "notags" else {"tag_checks": True} if mode == "tags"
+                    else {"transfer_mode": mode} if mode else {})
             ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0, **opts)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:

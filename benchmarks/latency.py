@@ -16,8 +16,8 @@ Per row (request size, topology), alternating in one run, round after round:
 A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
 direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
 mode uses the config's default. ``+queued`` (``direct+queued``): every read goes through the post thread
-(``DecodeConfig.inline_post_bytes=0``, the default); ``+notags``: no lease-tag checks (optimistic reads wait for
-the grant, ``DecodeConfig.tag_checks=False``); ``+inline``: reads up to 4 MiB are posted on the
+(``DecodeConfig.inline_post_bytes=0``, the default); ``+tags`` / ``+notags``: lease-tag checks on / off
+(``DecodeConfig.tag_checks``; off by default); ``+inline``: reads up to 4 MiB are posted on the
 decode's own thread when the post thread is idle.
 ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
@@ -180,11 +180,9 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 mode, *flags = args[0].split("+")
                 dec.reads.optimistic = (False if "pinned" in flags else True if "optimistic" in flags
                                         else dec.config.optimistic_reads)
-                # +notags: no lease-tag checks (runtime/tags.py): an empty list of free bucket buffers
-                spare = getattr(dec, "_bench_check_free", None)
-                if spare is None:
-                    spare = dec._bench_check_free = list(dec.reads._check_free)
-                dec.reads._check_free = [] if "notags" in flags else list(spare)
+                # +tags / +notags: lease-tag checks (runtime/tags.py) on / off
+                dec.reads.tag_checks = (True if "tags" in flags else False if "notags" in flags
+                                        else dec.config.tag_checks)
                 if hasattr(dec.transport, "inline_post_bytes"):
                     dec.transport.inline_post_bytes = (0 if "queued" in flags else 4 << 20 if "inline" in flags
                                                        else dec.config.inline_post_bytes)

@@ -302,6 +302,7 @@ def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_
     import kvbridge
     from kvbridge.runtime.driver import DecodeDriver
     eng, p, d = _pair(False)
+    d.reads.tag_checks = True  # (DecodeConfig.tag_checks: off by default)
     lock, stop = threading.Lock(), threading.Event()
 
     def serve():

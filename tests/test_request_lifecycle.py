@@ -235,7 +235,8 @@ def test_an_optimistic_read_completes_on_the_lease_tag_while_the_prefill_does_no
     dec = None
     try:
         with served(pre):  # the handshake needs the prefill's answer
-            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dt", transfer_mode="direct")
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dt", transfer_mode="direct",
+                             tag_checks=True)
             buffer_of(dec.mem).fill(SENTINEL)
             dec.handshake("pt", {(0, 0): f"127.0.0.1:{pre.port}"})
         idle = threading.Lock()  # nobody serves the prefill from here

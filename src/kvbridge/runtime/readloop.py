@@ -154,7 +154,8 @@ class ReadLoop:
         # lease-tag checks (runtime/tags.py): bucket buffers in registered host memory, one per check in flight
         # (id of the RankRead -> its check; a check outliving its read is released once it settled)
         self.checks: dict[int, _TagCheck] = {}
-        self.check_buf = np.zeros(CHECK_SLOTS * BUCKET, dtype=np.uint64) if optimistic and tag_checks else None
+        self.tag_checks = tag_checks  # DecodeConfig.tag_checks (the buffers exist either way: it may be turned on)
+        self.check_buf = np.zeros(CHECK_SLOTS * BUCKET, dtype=np.uint64) if optimistic else None
         self.check_addr = 0
         self._check_free: list[int] = []
         # posted on this thread where the transport can (NIXL: 64 bytes, cheaper than the post thread's hand-off)
@@ -465,7 +466,7 @@ class ReadLoop:
         prank, peer = rr.prefill, f.peer
         tags = (getattr(peer.remote, "tags", None) or {}).get(prank)
         agent = peer.agents.get(prank)
-        if tags is None or agent is None or not self._check_free or id(rr) in self.checks:
+        if not self.tag_checks or tags is None or agent is None or not self._check_free or id(rr) in self.checks:
             return False
         addr, words, salt = tags
         tag = lease_tag(salt, f.req.req_id, f.req.attempt_for(prank))
