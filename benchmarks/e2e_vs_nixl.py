@@ -72,7 +72,6 @@ SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the co
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 # also accepted: "kvbridge-<path>" (kvbridge with transfer_mode=<path>: direct, staged, host, push; auto is "kvbridge")
-# and "kvbridge-tags" / "kvbridge-notags" (auto, DecodeConfig.tag_checks on / off; off is the default)
 
 
 def specs(config: str, model: str, tmp: Path, max_model_len: int,
@@ -89,9 +88,8 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int,
         }
         if config.startswith("kvbridge"):
             mode = config.partition("-")[2]
-            opts = ({"tag_checks": False} if mode == "notags" else {"tag_checks": True} if mode == "tags"
-                    else {"transfer_mode": mode} if mode else {})
-            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0, **opts)
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0,
+                            **({"transfer_mode": mode} if mode else {}))
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:
             ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
@@ -234,9 +232,7 @@ NIXL_PHASES = {"post": "vllm:nixl_post_time_seconds", "transfer": "vllm:nixl_xfe
 # read and prefill rank: the same count on TP1 -> TP1) staged (device or host), host-staged and pushed
 KVBRIDGE_PATH_COUNTERS = {"reads": "vllm:kvbridge_reads_done_total", "staged": "vllm:kvbridge_staged_transfers_total",
                           "host": "vllm:kvbridge_host_staged_transfers_total",
-                          "push": "vllm:kvbridge_pushed_transfers_total",
-                          "tag_checks": "vllm:kvbridge_tag_checks_total",
-                          "checked": "vllm:kvbridge_checked_reads_total"}  # completed on the lease's tag
+                          "push": "vllm:kvbridge_pushed_transfers_total"}
 PREFILL_SHOWN = ("acquire", "stage_first", "serve_turn")
 KVBRIDGE_PHASES = ("queue", "grant", "post_queue", "post", "transfer", "scatter", "report")
 

@@ -185,14 +185,6 @@ class DecodeConfig(_Config):
     reads again once granted; other refusals fail as before
     (:class:`~kvbridge.runtime.readmachine.RankRead`); a failed read may have written its own blocks.
     Staged reads are unchanged. False: the READ waits for the grant."""
-    tag_checks: bool = False
-    """With ``optimistic_reads``: a direct read whose READ ended before its grant READs its lease's tag from
-    the prefill rank (64 bytes, ``runtime/tags.py``) and completes at once if the lease is still live, which
-    proves what the grant would; the prefill's serving thread is then off the read's path. Its pin is
-    released when its grant arrives (a decode rank driven without its driver must keep polling until then).
-    Off by default for now: the ninth session's last fresh-clone CI run with it on failed four fault tests
-    that expect a completed read to leave nothing behind (busy, a pin held until the grant is taken);
-    measured gains in RESULTS Q0/Q2. False: the grant decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))

@@ -145,8 +145,7 @@ class DecodeRank:
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, mark_lost=self.peers.mark_lost, died=self._peer_died,
             host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
-            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads,
-            tag_checks=cfg.tag_checks)
+            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
@@ -457,11 +456,10 @@ class DecodeRank:
 
     @property
     def busy(self) -> bool:
-        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages, lease-tag
-        checks in flight."""
+        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
         return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
-                    or self.peers.connecting() or self.peers.sending() or self.reads.checks
-                    or self.reads.awaiting or time.monotonic() < self.reads.linger_until)
+                    or self.peers.connecting() or self.peers.sending()
+                    or time.monotonic() < self.reads.linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call.
@@ -564,7 +562,6 @@ class DecodeRank:
         for peer in self.peers.old:
             self._drop_reads(peer, "decode rank closing")
         self.peers.close_old()
-        self.reads.drain_checks()
         self.transport.close()
         # its tables hold this rank's bound methods (reference cycles): cut, so that the rank and its NIXL
         # agent go when their owner drops them, not inside a later garbage collection on whatever thread
