@@ -210,12 +210,14 @@ def test_delayed_transport_holds_back_the_kind_it_names():
     assert b.live_handles() == 0
 
 
-@pytest.mark.parametrize("slow,want_push", [("*:read:2:500", True), ("*:write:2:500", False)])
+@pytest.mark.parametrize("slow,want_push", [("*:read:20:5000", True), ("*:write:2:500", False)])
 def test_the_push_probe_measures_the_write_and_auto_follows_it(monkeypatch, slow, want_push):
     """In process (loopback agents; ``KVBRIDGE_DELAY_LINK`` wraps both ranks' transports, each rule inert
     in the other direction): with every READ of the decode slow, the push probe measures the prefill's
     WRITEs fast and ``auto`` pushes every request, byte-exact; with the prefill's WRITEs slow the probe
-    measures push slow and ``auto`` never pushes."""
+    measures push slow and ``auto`` never pushes. Slow READs cost 20 ms + 5 s per MiB: ``auto``
+    learns a push's fixed cost from the reads (the prefill's turn, the round trip), and on a loaded CI
+    machine that once exceeded a 2 ms + 500 ms/MiB direct READ of the 17-token request (2 of 3 pushed)."""
     from _helpers import Jobs, hold, layout, served
 
     from kvbridge.runtime.decode import DecodeRank
@@ -328,11 +330,13 @@ def test_every_path_is_byte_exact_between_processes(case, path):
 @pytest.mark.nixl
 @nixl
 @pytest.mark.parametrize("slow,want", [("device:read:2:500,*:write:2:500", "host"), ("host:read:2:500", "not host"),
-                                       ("*:read:2:500", "push"), ("*:write:2:500", "not push")])
+                                       ("*:read:20:5000", "push"), ("*:write:2:500", "not push")])
 def test_a_slow_path_flips_the_choice_stays_exact_and_is_named(monkeypatch, tmp_path, slow, want):
     """``KVBRIDGE_DELAY_LINK`` (set for both engines' processes: READ rules slow the decode ranks' READs,
     WRITE rules the prefill ranks' WRITEs) makes one memory kind or one direction slow (2 ms + 500 ms per
-    MiB, ~0.002 GB/s, far below any noise of a busy machine). Device READs and pushes slow: every pair
+    MiB, ~0.002 GB/s, far below any noise of a busy machine; every READ slow: 20 ms + 5 s per MiB, as a push's
+    fixed cost is learned from the reads, and on a loaded machine it has exceeded a slowed small direct
+    READ's 2 ms + 500 ms/MiB). Device READs and pushes slow: every pair
     moves over host staging and the warning names the device path. Host READs slow: none does, and
     nothing warns. Every READ slow: the push probe measured the WRITEs fast and every pair pushes. Every
     WRITE slow: the push probe measured them slow and no pair pushes."""
