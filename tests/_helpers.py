@@ -13,6 +13,7 @@ require an exact match for everything.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -297,8 +298,28 @@ def inproc_decode(lay: EngineLayout, engine_id: str, rank=(0, 0), **kw):
         d.close()
 
 
+_PORTS = random.SystemRandom()  # (not the seeded module generator: parallel workers must not draw the same ports)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range (32768+ here): a port the kernel hands out for
+    port 0 can be taken, before the test binds it, by any outgoing connection (ZMQ's, UCX's) of the processes
+    running beside it (a fresh-clone CI run: "Address already in use" on such a port)."""
+    lo, hi = 20000, 32000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = min(hi, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = _PORTS.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (no luck: any free port)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -63,7 +63,13 @@ def no_leaks(D, P=None, timeout: float = 10.0) -> None:
         if P is not None:
             ok = ok and all(s["leases"] == 0 and s["staging_used"] == 0 for s in P.call_all("stats").values())
         return ok
-    until(clean, timeout, "no leaked handles, leases or staging slots")
+    try:
+        until(clean, timeout, "no leaked handles, leases or staging slots")
+    except AssertionError as e:  # say what was left
+        keys = ("live_handles", "inflight", "parked_reads", "staging_used", "leases", "pinned_leases")
+        left = {f"{side}{r}": {k: s.get(k) for k in keys if k in s}
+                for side, who in (("D", D), ("P", P)) if who is not None for r, s in who.call_all("stats").items()}
+        raise AssertionError(f"{e}; left: {left}") from None
 
 
 # =================================================================================================

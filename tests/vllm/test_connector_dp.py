@@ -146,11 +146,12 @@ def test_decode_timeouts_from_the_extra_config_reach_the_endpoint():
         kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
         kv_role="kv_consumer", engine_id="d", kv_connector_extra_config=extra))
     c = ConnectorConfig.from_vllm(cfg, environ={})
+    from kvbridge.integrations.vllm.config import VLLM_DECODE_DEFAULTS
     from kvbridge.runtime.config import DecodeConfig
 
     # typed, the connector's own default for register_grace_s kept; lease_s is the prefill's
     assert c.decode == DecodeConfig(connect_timeout_s=240.0, stage_timeout_s=90.0, handshake_timeout_s=7.5,
-                                    register_grace_s=5.0)
+                                    register_grace_s=VLLM_DECODE_DEFAULTS["register_grace_s"])
     assert c.prefill.lease_s == c.lease_s == 3.0
 
 

@@ -86,7 +86,7 @@ def test_endpoint_options_from_the_extra_config_are_typed_and_checked():
                                         "staging_bytes": 0, "corrupt": True}), environ={})
     assert (c.prefill.lease_s, c.prefill.pin_s, c.prefill.staging_bytes) == (12.0, 50.0, 0)
     assert (c.decode.register_grace_s, c.decode.transfer_mode, c.decode.staging_bytes) == (1.5, "staged", 0)
-    assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode.register_grace_s == 5.0  # the connector's default
+    assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode.register_grace_s == 30.0  # the connector's default
     assert c.prefill_config((0, 0)) == dataclasses.replace(c.prefill, host=c.host, port=c.port)
     for extra, words in (({"lease_s": "soon"}, "PrefillConfig.lease_s must be float"),
                          ({"transfer_mode": "fast"}, "transfer_mode must be one of auto, direct, staged"),

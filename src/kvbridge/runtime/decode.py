@@ -456,7 +456,10 @@ class DecodeRank:
 
     @property
     def busy(self) -> bool:
-        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages."""
+        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages. Poll an
+        idle rank too, about once a second (as :class:`DecodeDriver` and an engine's step do): a late answer,
+        e.g. a prefill that was frozen granting a read that failed meanwhile, is let go then instead of
+        pinning that prefill's blocks until its pin bound."""
         return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
                     or self.peers.connecting() or self.peers.sending()
                     or time.monotonic() < self.reads.linger_until)

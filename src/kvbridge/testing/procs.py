@@ -20,6 +20,7 @@ import numpy as np
 from .. import errors
 from ..layout import EngineLayout, engine_from_dict, engine_to_dict
 from ..memory import rank_memory
+from ..runtime.driver import IDLE_POLL_S
 from . import rankbench
 from .engine import buffer_of, default_memory
 from .oracle import count_mismatches, fill_prefill, new_buffer, write_expected
@@ -97,6 +98,7 @@ class _Worker:
         self.role, self.obj = role, obj
         self.done: list[str] = []
         self.failed: dict[str, Any] = {}
+        self.idle_poll_at = 0.0
 
     def take(self) -> tuple[list[str], dict[str, Any]]:
         out = (self.done, self.failed)
@@ -156,7 +158,11 @@ class _Worker:
         obj = self.obj
         if self.role == "prefill":
             obj.serve_once()
-        elif obj.busy or obj.finished or obj.failed:
+        elif obj.busy or obj.finished or obj.failed or time.monotonic() >= self.idle_poll_at:
+            # an idle rank too, about once a second (as an engine's step, or DecodeDriver, polls it): a late
+            # answer (a thawed prefill granting a read that failed meanwhile) is then let go, not left
+            # pinning the prefill's blocks until its pin bound
+            self.idle_poll_at = time.monotonic() + IDLE_POLL_S
             d, f = obj.poll()
             self.done += d
             self.failed |= f

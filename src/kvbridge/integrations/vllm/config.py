@@ -65,8 +65,12 @@ DEFAULT_GIL_SWITCH_US = 500
 OPTION_ALIASES: dict[str, str] = {"lease_grace_s": "register_grace_s"}
 #: decode options whose default differs under vLLM (the only place the vLLM default is written): its prefill
 #: registers a request's lease when the step that finished it returns to the scheduler, and the router may hand
-#: the request to the decode before that
-VLLM_DECODE_DEFAULTS: dict[str, Any] = {"register_grace_s": 5.0}
+#: the request to the decode before that. 30 s: that step can be long (in a fresh-clone CI run a prefill engine
+#: restarted under 50 concurrent requests on the 2-core VM, its side-channel threads unserved for 12-42 s, had not
+#: registered one request 5 s after issuing its parameters, and that read failed);
+#: the cost: a read that can never be registered (its prefill restarted after issuing the parameters) fails
+#: after this long instead of 5 s
+VLLM_DECODE_DEFAULTS: dict[str, Any] = {"register_grace_s": 30.0}
 
 
 def dp_port_base(base: int, dp_index: int, tp: int, pp: int, pcp: int = 1) -> int:
