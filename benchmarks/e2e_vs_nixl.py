@@ -51,6 +51,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -72,6 +73,21 @@ SITE = HERE / "e2e_site"  # sitecustomize.py: the NIXL progress delay and the co
 
 CONFIGS = ("nixl-stock", "nixl-tuned", "kvbridge")
 # also accepted: "kvbridge-<path>" (kvbridge with transfer_mode=<path>: direct, staged, host, push; auto is "kvbridge")
+# and "kvbridge-tags" / "kvbridge-notags" (DecodeConfig.tag_checks on / off), "kvbridge-inline" (inline_post_bytes
+# INLINE_MIB MiB: the READ is posted on the caller's thread), "kvbridge-noinline" (inline_post_bytes 0); options
+# combine with "+": "kvbridge-tags+inline", "kvbridge-direct+notags" (the connector's defaults for the rest)
+INLINE_MIB = 64
+KVBRIDGE_OPTIONS: dict[str, dict[str, Any]] = {"tags": {"tag_checks": True}, "notags": {"tag_checks": False},
+                                               "inline": {"inline_post_bytes": INLINE_MIB << 20},
+                                               "noinline": {"inline_post_bytes": 0}}
+
+
+def kvbridge_options(config: str) -> dict[str, Any]:
+    """The connector options of a ``kvbridge[-OPT[+OPT...]]`` configuration (see :data:`CONFIGS`)."""
+    opts: dict[str, Any] = {}
+    for part in filter(None, config.partition("-")[2].split("+")):
+        opts.update(KVBRIDGE_OPTIONS.get(part, {"transfer_mode": part}))
+    return opts
 
 
 def specs(config: str, model: str, tmp: Path, max_model_len: int,
@@ -87,9 +103,8 @@ def specs(config: str, model: str, tmp: Path, max_model_len: int,
             "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / "src"), str(REPO / "tests" / "vllm")]),
         }
         if config.startswith("kvbridge"):
-            mode = config.partition("-")[2]
-            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0,
-                            **({"transfer_mode": mode} if mode else {}))
+            opts = kvbridge_options(config)
+            ktc = kv_config(f"{role}-0", "kv_both", port=free_ports(tp), stage_timeout_s=30.0, **opts)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         else:
             ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
@@ -232,7 +247,9 @@ NIXL_PHASES = {"post": "vllm:nixl_post_time_seconds", "transfer": "vllm:nixl_xfe
 # read and prefill rank: the same count on TP1 -> TP1) staged (device or host), host-staged and pushed
 KVBRIDGE_PATH_COUNTERS = {"reads": "vllm:kvbridge_reads_done_total", "staged": "vllm:kvbridge_staged_transfers_total",
                           "host": "vllm:kvbridge_host_staged_transfers_total",
-                          "push": "vllm:kvbridge_pushed_transfers_total"}
+                          "push": "vllm:kvbridge_pushed_transfers_total",
+                          "tag_checks": "vllm:kvbridge_tag_checks_total",
+                          "checked": "vllm:kvbridge_checked_reads_total"}  # completed on the lease's tag
 PREFILL_SHOWN = ("acquire", "stage_first", "serve_turn")
 KVBRIDGE_PHASES = ("queue", "grant", "post_queue", "post", "transfer", "scatter", "report")
 

@@ -16,7 +16,8 @@ Per row (request size, topology), alternating in one run, round after round:
 A mode may end in ``+optimistic`` or ``+pinned`` (``direct+optimistic``, ``auto+pinned``): that system's
 direct reads are posted beside their acquire (``DecodeConfig.optimistic_reads``) or once granted; a bare
 mode uses the config's default. ``+queued`` (``direct+queued``): every read goes through the post thread
-(``DecodeConfig.inline_post_bytes=0``, the default); ``+inline``: reads up to 4 MiB are posted on the
+(``DecodeConfig.inline_post_bytes=0``, the default); ``+tags`` / ``+notags``: lease-tag checks on / off
+(``DecodeConfig.tag_checks``; off by default); ``+inline``: reads up to 4 MiB are posted on the
 decode's own thread when the post thread is idle.
 ``BENCH_PREFILL_BUSY=0.5``: each prefill process also runs a Python thread
 spinning half of every 4 ms (an engine's busy-waiting threads starving the serving thread of the GIL).
@@ -179,6 +180,9 @@ def _decode_main(conn, p_tp: int, d_tp: int, rank, num_blocks: int, endpoints: d
                 mode, *flags = args[0].split("+")
                 dec.reads.optimistic = (False if "pinned" in flags else True if "optimistic" in flags
                                         else dec.config.optimistic_reads)
+                # +tags / +notags: lease-tag checks (runtime/tags.py) on / off
+                dec.reads.tag_checks = (True if "tags" in flags else False if "notags" in flags
+                                        else dec.config.tag_checks)
                 if hasattr(dec.transport, "inline_post_bytes"):
                     dec.transport.inline_post_bytes = (0 if "queued" in flags else 4 << 20 if "inline" in flags
                                                        else dec.config.inline_post_bytes)
@@ -298,6 +302,7 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                             chosen[s], links[s] = _all(decode, "mode", s)[0]
                             _all(decode, "kvbridge", make(tokens, 1))  # warm-up (untimed)
                             p0 = _all(prefill, "stats")
+                            d0 = _all(decode, "stats")
                         for _ in range(reps):
                             reqs = make(tokens, k, register=s in modes)  # NIXL's READ needs no lease
                             c0d, c0p = _all(decode, "cpu"), _all(prefill, "cpu")
@@ -315,7 +320,11 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                             res[s]["lat"] += [float(x) for x in lat]
                             res[s]["wall"].append(float(max(lat)))
                         if s in modes:
-                            links[s] = _all(decode, "stats")[0].get("links", {})  # as the reads left them
+                            d1 = _all(decode, "stats")
+                            links[s] = d1[0].get("links", {})  # as the reads left them
+                            for a, b in zip(d0, d1):  # reads proven by the lease's tag (runtime/tags.py)
+                                for c in ("checked_reads", "optimistic_reads", "tag_checks"):
+                                    res[s][c] = res[s].get(c, 0) + b["metrics"].get(c, 0) - a["metrics"].get(c, 0)
                             p1 = _all(prefill, "stats")
                             for a, b in zip(p0, p1):
                                 for ph, h in b["metrics"]["phase_seconds"].items():
@@ -349,6 +358,9 @@ def run_topology(p_tp: int, d_tp: int, sizes_mib: list[int], inflight: list[int]
                     if res[s]["phases"]:
                         row["phases_p50_ms"] = {ph: float(np.median([p.get(ph, 0.0) for p in res[s]["phases"]]) * 1e3)
                                                 for ph in DECODE_PHASES if any(ph in p for p in res[s]["phases"])}
+                    if res[s].get("optimistic_reads"):
+                        row["checked_of_optimistic"] = f"{res[s]['checked_reads']}/{res[s]['optimistic_reads']}"
+                        row["tag_checks"] = res[s]["tag_checks"]  # posted (a check answered after the grant: none)
                     if res[s]["pre"]:
                         row["prefill_mean_ms"] = {ph: v[0] / v[1] * 1e3 for ph, v in res[s]["pre"].items() if v[1]}
                     rows.append(row)

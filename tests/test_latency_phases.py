@@ -285,3 +285,57 @@ def test_a_direct_reads_link_time_leaves_out_the_wait_for_the_pin_and_staged_rea
     assert rl._direct_link_seconds(read([D, D], t0 + ms // 10, t0 + ms // 20, t0 + 3 * ms)) == pytest.approx(3e-3)
     assert rl._direct_link_seconds(read([D, S], t0 + ms // 10, t0 + 12 * ms, t0 + 14 * ms)) is None
     assert rl._direct_link_seconds(read([D], t0 + ms // 10, 0, t0 + 14 * ms)) is None
+
+
+@pytest.mark.nixl
+def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_driver():
+    """A read completes on its lease's tag while the prefill does not serve (runtime/tags.py); the prefill
+    then answers the acquire: that late grant lands on an idle driver's side channel. The driver takes it
+    (its socket would otherwise stay readable and wake the thread at once, again and again: 49,221 wake-ups
+    in 0.3 s were seen) and sleeps again; the prefill frees the lease."""
+    from kvbridge.transport.nixl import nixl_available
+    if not nixl_available():
+        pytest.skip("needs nixl")
+    import threading
+    import time
+
+    import kvbridge
+    from kvbridge.runtime.driver import DecodeDriver
+    eng, p, d = _pair(False)
+    d.reads.tag_checks = True  # (DecodeConfig.tag_checks: off by default)
+    lock, stop = threading.Lock(), threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            with lock:
+                p.serve_once()
+            time.sleep(2e-4)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    driver = DecodeDriver(d)
+    try:
+        driver.rank.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
+        stop.set()
+        server.join(5)  # nobody serves the prefill now
+        blocks = {g.name: kvbridge.GroupBlocks.of([0, 1]) for g in eng.model.groups}
+        att = p.add_request("late", blocks)
+        driver.rank.start(kvbridge.ReadRequest("late", "ev-p", 32, blocks, blocks, att))
+        deadline = time.monotonic() + 20.0
+        while d.metrics.finished_requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert d.metrics.checked_reads == 1 and driver.poll() == (["late"], {})
+        for _ in range(50):  # the prefill answers the acquire now (the driver lets the grant go: released)
+            p.serve_once()
+            time.sleep(0.002)
+        time.sleep(0.1)
+        w = driver.wakeups
+        time.sleep(0.3)
+        assert driver.wakeups - w <= 3, driver.wakeups - w
+        for _ in range(20):
+            p.serve_once()
+        assert "late" in p.take_freed()["freed"] and not p.leases
+    finally:
+        stop.set()
+        driver.close()
+        p.close()

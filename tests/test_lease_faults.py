@@ -203,7 +203,10 @@ def test_two_decode_engines_read_one_request(mode, other):
             db.start(j.read())
             db.abort(j.rid)  # aborted mid-read (or before the pin came: released when it arrives)
         db.release(_with_read_id(j.read(), "hedge-2"))  # dB declines a second read of it, never started
-        time.sleep(0.3)  # B's Done / release / decline reach the prefill
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 0.3:  # B's Done / release / decline reach the prefill (a read that
+            db.poll()                      # completed on its lease's tag releases its pin when it takes the grant)
+            time.sleep(0.01)
         with lock:
             lease = pre.leases.get(j.rid)
             assert lease is not None and j.rid not in ended, "freed under dA's pin"

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.errors import (
     IllegalTransition,
@@ -30,6 +32,8 @@ from kvbridge.runtime.readstate import (
     Abort,
     AlignRetry,
     Ask,
+    Check,
+    Checked,
     Count,
     Fail,
     Failed,
@@ -112,6 +116,7 @@ def cause(state, event):
     staged = state in (S.STAGE_REQUESTED, S.STAGING)
     return {
         E.GRANTED: ([Granted(TTL)], 0.2),
+        E.CHECKED: ([XferDone(0), Checked(True)], 0.2),  # (an optimistic read: its READ ended, its tag found)
         E.REFUSED: ([StageFailed("lease_expired", "gone", True, 0.0)] if staged
                     else [Refused("lease_expired", "gone")] if state is S.ACQUIRING
                     else [Failed(E.REFUSED, LeaseExpired, "refused")], 0.2),
@@ -138,7 +143,7 @@ KINDS = {E.REFUSED: LeaseExpired, E.NIXL_ERROR: TransferFailed, E.DISCONNECT: Pe
 
 @pytest.mark.parametrize("state, event", LIVE_CELLS, ids=[f"{s.name}-{e.name}" for s, e in LIVE_CELLS])
 def test_every_live_cell_through_handle(state, event):
-    rr = machine(state)
+    rr = optimistic() if event is E.CHECKED else machine(state)
     events, now = cause(state, event)
     actions = []
     for ev in events:
@@ -367,7 +372,7 @@ def test_sent_posts_nothing_unless_optimistic():
 
 def test_optimistic_transfer_done_before_the_grant_waits_for_it():
     rr = optimistic()
-    assert rr.handle(XferDone(0), 0.01) == []
+    assert rr.handle(XferDone(0), 0.01) == [Check()]  # (the loop checks the lease's tag: see below)
     for t in (0.02, 1.0, 2.0):  # every byte is here, but no pin: not done
         rr.handle(Tick(), t)
         assert rr.state is S.ACQUIRING and not rr.pinned
@@ -411,8 +416,8 @@ def test_optimistic_not_registered_discards_then_reads_again_once_settled_and_gr
     rr = optimistic()
     first = rr.reads[0]
     ended = XferDone(0) if settle == "done" else XferFailed("stale read failed", 0)
-    if first_settles == "before the refusal":
-        assert rr.handle(ended, 0.005) == []
+    if first_settles == "before the refusal":  # (a completed READ asks for the tag check; its answer is not here)
+        assert rr.handle(ended, 0.005) == ([Check()] if settle == "done" else [])
     acts = rr.handle(Refused("not_registered", "no lease yet"), 0.01)
     assert acts[:1] == [Count("register_retries")] and isinstance(acts[1], Retry)
     assert Count("discarded_reads") in acts and first.discard and not first.cancelled and rr.state is S.ACQUIRING
@@ -504,3 +509,96 @@ def test_optimistic_abort_timeout_disconnect_like_a_posted_read(how, granted):
         assert acts[-1].kind is PeerDisconnected and rr.state is S.FAILED
     assert Count("cancelled_reads") in acts and rr.reads[0].cancelled
     assert rr.handle(Granted(TTL), now + 1) == [LetGo()]  # a grant arriving after it ended is let go
+
+
+# ---- checked reads (runtime/tags.py): the lease's tag, read after the READ ended, proves it live ----
+def test_a_live_tag_completes_the_read_without_a_pin_and_a_late_grant_is_let_go():
+    rr = optimistic()
+    assert rr.handle(XferDone(0), 0.01) == [Check()]
+    assert rr.handle(Checked(True), 0.02) == [Count("checked_reads")]
+    assert rr.state is S.POSTED and rr.checked and not rr.pinned and not rr.holds_nothing
+    assert rr.handle(Tick(), 0.02) == [] and rr.state is S.DONE
+    assert rr.checked and not rr.pinned  # no Done at completion (nothing pinned): the late grant is let go
+    assert rr.handle(Granted(TTL), 0.5) == [LetGo()] and not rr.pinned  # the acquire's late grant: released
+    assert rr.handle(Refused("lease_expired", "gone"), 0.6) == [] and rr.state is S.DONE  # a late refusal: nothing
+
+
+def test_a_missing_tag_changes_nothing_and_the_grant_decides():
+    rr = optimistic()
+    rr.handle(XferDone(0), 0.01)
+    assert rr.handle(Checked(False), 0.02) == [] and rr.state is S.ACQUIRING and not rr.checked
+    rr.handle(Tick(), 0.03)
+    assert rr.state is S.ACQUIRING  # still not trusted
+    assert rr.handle(Granted(TTL), 0.1) == [] and rr.state is S.POSTED and rr.pinned
+    rr.handle(Tick(), 0.1)
+    assert rr.state is S.DONE and rr.notify_at_end and rr.pinned  # Done at completion, for the pin
+    refused = optimistic()
+    refused.handle(XferDone(0), 0.01)
+    refused.handle(Checked(False), 0.02)
+    acts = refused.handle(Refused("lease_expired", "gone"), 0.03)
+    assert isinstance(acts[-1], Fail) and acts[-1].kind is LeaseExpired and refused.state is S.FAILED
+
+
+def test_a_check_is_asked_only_of_an_unanswered_optimistic_read_whose_bytes_are_all_trusted_if_live():
+    assert machine(S.POSTED).handle(XferDone(0), 0.3) == []  # granted first: nothing to check
+    granted = optimistic()
+    granted.handle(Granted(TTL), 0.01)
+    assert granted.handle(XferDone(0), 0.02) == []
+    assert granted.handle(Checked(True), 0.03) == [] and not granted.checked  # (a stale answer: ignored)
+    discarded = optimistic()  # refused "not registered": its bytes are not trusted, a tag proves nothing
+    acts = discarded.handle(Refused("not_registered", "no lease yet"), 0.01)
+    assert discarded.handle(XferDone(0), 0.02) == []
+    assert discarded.handle(Checked(True), 0.03) == [] and discarded.state is S.ACQUIRING
+    assert discarded.retry_at == acts[1].at
+    failed = optimistic()
+    failed.handle(XferFailed("transport failed", 0), 0.01)
+    assert failed.handle(Checked(True), 0.02) == [] and failed.state is S.ACQUIRING  # failed bytes: never trusted
+    aborted = optimistic()
+    aborted.handle(XferDone(0), 0.01)
+    aborted.handle(Abort(), 0.02)
+    assert aborted.handle(Checked(True), 0.03) == [] and aborted.state is S.CANCELLED
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.just(("done",)), st.just(("xfail",)), st.tuples(st.just("checked"), st.booleans()),
+    st.just(("granted",)), st.tuples(st.just("refused"), st.sampled_from(["not_registered", "lease_expired", "done"])),
+    st.just(("tick",)), st.just(("abort",))), max_size=14), st.booleans())
+def test_optimistic_reads_complete_only_on_a_grant_or_a_live_tag_read_after_every_read_ended(script, ended_first):
+    """Random answers, transfer ends, tag checks and ticks on an optimistic read: it is DONE only pinned or
+    checked; checked only by a live tag answered while it was ACQUIRING, unanswered, with every READ ended
+    and none discarded; a Check is asked only then; a read proven by its tag takes no later answer (a
+    grant is let go, a refusal changes nothing)."""
+    rr, now = optimistic(), 0.0
+    if ended_first:  # (most scripts then reach a check)
+        script = [("done",), ("checked", True), *script]
+    for step in script:
+        now += 0.01
+        prev, ended = rr.state, bool(rr.reads) and all(t.done and not t.discard for t in rr.reads)
+        provable = prev is S.ACQUIRING and rr.retry_at is None and not rr.pinned and ended
+        if step[0] == "done" or step[0] == "xfail":
+            live = [i for i, t in enumerate(rr.reads) if not t.done and not t.cancelled]
+            if not live:
+                continue
+            ev = XferDone(live[-1]) if step[0] == "done" else XferFailed("x", live[-1])
+        else:
+            kind, arg = step[0], step[-1]
+            ev = (Checked(arg) if kind == "checked" else Granted(TTL) if kind == "granted"
+                  else Refused(arg, "no") if kind == "refused" else Tick() if kind == "tick" else Abort())
+        was_checked = rr.checked
+        acts = rr.handle(ev, now)
+        if any(isinstance(a, Check) for a in acts):
+            assert rr.state is S.ACQUIRING and not rr.pinned and rr.retry_at is None
+            assert all(t.done and not t.discard for t in rr.reads)
+        if isinstance(ev, Checked):
+            assert rr.checked == (was_checked or (ev.live and provable))
+            assert (rr.state is S.POSTED) == (prev is S.POSTED or (ev.live and provable)) or rr.terminal
+        if was_checked and isinstance(ev, Granted):
+            assert acts == [LetGo()] and not rr.pinned
+        if was_checked and isinstance(ev, Refused):
+            assert acts == []
+        if rr.state is S.DONE and prev is not S.DONE:
+            assert rr.pinned or rr.checked
+            assert all(t.finished for t in rr.reads) and not all(t.discard for t in rr.reads)
+            if rr.checked:
+                assert all(t.done and not t.discard for t in rr.reads)

@@ -9,6 +9,7 @@ prefill/decode ``pair`` fixture (one per module) in ``conftest.py``.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -162,6 +163,7 @@ def test_inprocess_ranks_release_everything():
             freed = set()
 
             def all_freed():
+                dec.poll()  # (a read completed on its lease's tag lets its late grant go: runtime/tags.py)
                 with lock:
                     freed.update(pre.take_freed()["freed"])
                 return freed >= {j.rid for j in js}
@@ -175,11 +177,13 @@ def test_inprocess_ranks_release_everything():
     for rank in (pre, dec):  # the KV buffer, the device and host staging buffers, the decode's probe buffers
         t, s = rank.transport, rank.transport.stats
         probe = rank.prober.buffers if rank is dec else 0
-        regions = 1 + bool(rank.staging.size) + bool(rank.host_staging.size) + probe
+        # (+1: the prefill's lease tags, the decode's tag-check buffer)
+        regions = 1 + bool(rank.staging.size) + bool(rank.host_staging.size) + probe + 1
         assert s.regions_registered == s.regions_deregistered == regions, (s, regions)
         assert s.handles_created == s.handles_released and s.peers_added == s.peers_removed, s
         assert t.live_handles() == 0
-    assert dec.transport.stats.handles_created == probe_handles + 8  # one READ per request
+    # one READ per request, and a lease-tag READ for each that ended before its grant (runtime/tags.py)
+    assert dec.transport.stats.handles_created == probe_handles + 8 + dec.metrics.tag_checks
 
 
 @pytest.mark.parametrize("optimistic", [True, False])
@@ -216,3 +220,65 @@ def test_a_failed_read_is_reported_only_once_its_read_settled(pair, optimistic):
         assert held == 0
         until(lambda: dec.poll() is not None and dec.stats()["live_handles"] == 0
               and dec.stats()["parked_reads"] == 0, 5, "the read's handles to be released")
+
+
+def test_an_optimistic_read_completes_on_the_lease_tag_while_the_prefill_does_not_serve():
+    """The prefill's serving thread does not run (a busy engine starving it): each decode's optimistic READ
+    ends, a READ of its lease's tag (runtime/tags.py) finds the lease live, and the read completes with no
+    answer from the prefill; the bytes verify. Once the prefill serves again the late grants are let go
+    and every lease is freed. A lease that ended before its read has no tag: that read waits for the
+    prefill's answer and fails typed."""
+    pl, dl = layout("prefill", 1, 128), layout("decode", 1, 128)
+    jobs = Jobs(dl, seed=7)
+    jobs.engine("pt", pl)
+    pre = PrefillRank(pl, (0, 0), memory=default_memory(pl, (0, 0)), engine_id="pt")
+    dec = None
+    try:
+        with served(pre):  # the handshake needs the prefill's answer
+            dec = DecodeRank(dl, (0, 0), memory=default_memory(dl, (0, 0)), engine_id="dt", transfer_mode="direct",
+                             tag_checks=True)
+            buffer_of(dec.mem).fill(SENTINEL)
+            dec.handshake("pt", {(0, 0): f"127.0.0.1:{pre.port}"})
+        idle = threading.Lock()  # nobody serves the prefill from here
+        js = jobs.make("pt", 3)
+        for j in js:
+            dec.start(j.read(hold(pre, idle, j)))
+        done: set = set()
+        deadline = time.monotonic() + 20
+        while len(done) < 3 and time.monotonic() < deadline:
+            got, failed = dec.wait(max(0.0, deadline - time.monotonic()))
+            assert not failed, failed
+            done.update(got)
+        assert done == {j.rid for j in js}
+        assert dec.metrics.checked_reads == 3 and dec.metrics.tag_checks == 3
+        assert verify_rank(dec, [(j.num, j.read()) for j in js])["mismatched_bytes"] == 0
+        assert set(pre.leases) == {j.rid for j in js} and len(pre.tags) == 3  # nothing answered: all held
+        freed: set = set()
+        with served(pre) as lock:
+            def all_freed():
+                dec.poll()  # (the decode's loop lets the late grants go)
+                with lock:
+                    freed.update(pre.take_freed()["freed"])
+                return freed >= {j.rid for j in js}
+            until(all_freed, 10, "the prefill to free the checked reads' leases (their grants let go)")
+            assert len(pre.tags) == 0 and not pre.tags.words.any()
+            late = jobs.make("pt", 1)[0]
+            e = hold(pre, lock, late, lease_s=0.05)
+            until(lambda: late.rid not in pre.leases, 5, "the lease to expire")
+        dec.start(late.read(e))
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 0.5:  # its READ ends, its tag is gone: it waits for the prefill
+            got, failed = dec.poll()
+            assert not got and not failed
+            time.sleep(0.01)
+        assert dec.metrics.tag_checks == 4 and dec.metrics.checked_reads == 3
+        with served(pre):
+            failed = {}
+            until(lambda: failed.update(dec.poll()[1]) or failed, 10, "the refusal")
+        assert isinstance(failed[late.rid], LeaseExpired), failed
+        until(lambda: dec.poll() is not None and dec.stats()["live_handles"] == 0, 5, "handles released")
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
+

@@ -10,6 +10,8 @@ each switched on by an environment variable:
   and per thread (the outermost connector call only: a connector method calling another is counted once), and
   written to ``<dir>/<pid>.json`` every 0.5 s and at exit. The same wrapper times ``NixlConnector`` and
   ``KVBridgeConnector``.
+* ``KVB_BENCH_READ_LOG``: a path prefix; kvbridge's read loop logs each read's phases (and how each prefill rank's
+  part was trusted: pinned or checked) to ``<prefix>.<pid>``.
 * ``KVB_BENCH_CONNECTOR_PROFILE`` (with ``KVB_BENCH_CONNECTOR_TIMES``): a comma-separated list of those methods
   (e.g. ``start_load_kv,get_finished``). Their outermost calls run under one cProfile profiler per process and
   thread, dumped to ``<dir>/<pid>.<thread>.prof`` every 2 s (from the profiled thread itself; read with
@@ -17,6 +19,17 @@ each switched on by an environment variable:
 """
 import os
 import sys
+
+_READ_LOG = os.environ.get("KVB_BENCH_READ_LOG")
+if _READ_LOG:  # every decode read's phases, one line each (kvbridge's debug log of the read loop)
+    import logging
+
+    _h = logging.FileHandler(f"{_READ_LOG}.{os.getpid()}")
+    _h.setFormatter(logging.Formatter("%(created).6f %(message)s"))
+    _lg = logging.getLogger("kvbridge.runtime.readloop")
+    _lg.setLevel(logging.DEBUG)
+    _lg.addHandler(_h)
+    _lg.propagate = False
 
 _delay = int(os.environ.get("KVB_BENCH_NIXL_PTHR_DELAY_US", "0"))
 if _delay:

@@ -149,9 +149,11 @@ def test_decode_timeouts_from_the_extra_config_reach_the_endpoint():
     from kvbridge.integrations.vllm.config import VLLM_DECODE_DEFAULTS
     from kvbridge.runtime.config import DecodeConfig
 
-    # typed, the connector's own default for register_grace_s kept; lease_s is the prefill's
-    assert c.decode == DecodeConfig(connect_timeout_s=240.0, stage_timeout_s=90.0, handshake_timeout_s=7.5,
-                                    register_grace_s=VLLM_DECODE_DEFAULTS["register_grace_s"])
+    # typed, the connector's own defaults (register_grace_s, tag_checks, inline_post_bytes) kept; lease_s is the
+    # prefill's
+    assert c.decode == DecodeConfig(**{**VLLM_DECODE_DEFAULTS, "connect_timeout_s": 240.0, "stage_timeout_s": 90.0,
+                                       "handshake_timeout_s": 7.5})
+    assert c.decode.tag_checks and c.decode.inline_post_bytes == 64 << 20 and c.decode.register_grace_s == 30.0
     assert c.prefill.lease_s == c.lease_s == 3.0
 
 

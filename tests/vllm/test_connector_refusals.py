@@ -87,6 +87,10 @@ def test_endpoint_options_from_the_extra_config_are_typed_and_checked():
     assert (c.prefill.lease_s, c.prefill.pin_s, c.prefill.staging_bytes) == (12.0, 50.0, 0)
     assert (c.decode.register_grace_s, c.decode.transfer_mode, c.decode.staging_bytes) == (1.5, "staged", 0)
     assert ConnectorConfig.from_vllm(_cfg(), environ={}).decode.register_grace_s == 30.0  # the connector's default
+    d = ConnectorConfig.from_vllm(_cfg(), environ={}).decode  # the connector's tag checks and inline posts: on
+    assert (d.tag_checks, d.inline_post_bytes) == (True, 64 << 20)
+    off = ConnectorConfig.from_vllm(_cfg({"tag_checks": "false", "inline_post_bytes": "0"}), environ={}).decode
+    assert (off.tag_checks, off.inline_post_bytes) == (False, 0)  # and off from the extra config, typed
     assert c.prefill_config((0, 0)) == dataclasses.replace(c.prefill, host=c.host, port=c.port)
     for extra, words in (({"lease_s": "soon"}, "PrefillConfig.lease_s must be float"),
                          ({"transfer_mode": "fast"}, "transfer_mode must be one of auto, direct, staged"),

@@ -151,8 +151,8 @@ class DecodeConfig(_Config):
     post_threads: int = 1
     """Threads that post reads to NIXL (its ``transfer()`` blocks for the whole copy on shared memory)."""
     inline_post_bytes: int = 0
-    """Off by default (0) until a fresh-clone CI run passes with it on (the one run so far had one e2e
-    request time out, in ``test_pd_prefill_tp2``, which passed alone; cause not found). When > 0, a direct
+    """Off by default (0) in this API; 64 MiB under vLLM (``VLLM_DECODE_DEFAULTS``: the READ posted on the
+    engine's thread, as NixlConnector posts its own). When > 0, a direct
     read of at most this many bytes is posted on the calling thread (the one that runs
     ``start``/``poll``/``wait``) when no post is queued or running on the post threads: it skips the
     thread hand-over (about 0.15 ms on a 2-core host), and on shared memory (cma) the caller then waits
@@ -185,6 +185,15 @@ class DecodeConfig(_Config):
     reads again once granted; other refusals fail as before
     (:class:`~kvbridge.runtime.readmachine.RankRead`); a failed read may have written its own blocks.
     Staged reads are unchanged. False: the READ waits for the grant."""
+    tag_checks: bool = False
+    """With ``optimistic_reads``: a direct read whose READ ended before its grant READs its lease's tag from
+    the prefill rank (64 bytes, ``runtime/tags.py``) and completes at once if the lease is still live, which
+    proves what the grant would; the prefill's serving thread is then off the read's path. Its pin is
+    released when its grant arrives, so the rank must keep being polled until then (``busy``; a
+    :class:`~kvbridge.runtime.driver.DecodeDriver` does): a caller that stops polling once ``wait`` returned
+    holds that pin until the prefill's ``pin_idle_s``. Hence off by default in this API and on under vLLM,
+    whose connector's driver thread keeps polling (``VLLM_DECODE_DEFAULTS``); the whole core suite passed
+    with it on (2026-12-06). Measured gains in RESULTS Q0/Q2. False: the grant decides."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_mode", parse_mode(self.transfer_mode, "DecodeConfig.transfer_mode"))

@@ -145,7 +145,8 @@ class DecodeRank:
             transfer_timeout_s=cfg.transfer_timeout_s, register_grace_s=cfg.register_grace_s,
             restarted=self._requeue_restarted, mark_lost=self.peers.mark_lost, died=self._peer_died,
             host_staging=self.host_staging, host_staging_addr=self.host_staging_addr,
-            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads)
+            staging_device=str(getattr(self._kv, "device", "cpu")), optimistic=cfg.optimistic_reads,
+            tag_checks=cfg.tag_checks)
 
     # ---- the read loop's state and settings (readloop.py) -----------------------------------------
     @property
@@ -456,13 +457,14 @@ class DecodeRank:
 
     @property
     def busy(self) -> bool:
-        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages. Poll an
-        idle rank too, about once a second (as :class:`DecodeDriver` and an engine's step do): a late answer,
-        e.g. a prefill that was frozen granting a read that failed meanwhile, is let go then instead of
-        pinning that prefill's blocks until its pin bound."""
+        """Something needs polling: reads in flight, parked reads, retired engines, unsent messages, lease-tag
+        checks in flight, answers awaited. Poll an idle rank too, about once a second (as :class:`DecodeDriver`
+        and an engine's step do): a late answer, e.g. a prefill that was frozen granting a read that failed
+        meanwhile, or the grant of a read completed on its lease's tag, is let go then instead of pinning that
+        prefill's blocks until its pin bound."""
         return bool(self.inflight or self._held or self.reads.zombies or self.reads.push_holds or self.peers.old
-                    or self.peers.connecting() or self.peers.sending()
-                    or time.monotonic() < self.reads.linger_until)
+                    or self.peers.connecting() or self.peers.sending() or self.reads.checks
+                    or self.reads.awaiting or time.monotonic() < self.reads.linger_until)
 
     def poll(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """Advance in-flight requests; return (finished ids, {failed id: typed failure}) since the last call.
@@ -565,6 +567,7 @@ class DecodeRank:
         for peer in self.peers.old:
             self._drop_reads(peer, "decode rank closing")
         self.peers.close_old()
+        self.reads.drain_checks()
         self.transport.close()
         # its tables hold this rank's bound methods (reference cycles): cut, so that the rank and its NIXL
         # agent go when their owner drops them, not inside a later garbage collection on whatever thread

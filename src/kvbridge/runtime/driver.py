@@ -117,7 +117,9 @@ class DecodeDriver:
         if clear is not None:
             clear()  # before looking: a post that ends from here on makes the fd readable again
         self._wake.clear()
-        if rank.busy:
+        # (readable with nothing in flight: a late answer, e.g. the grant of a read completed on its lease's
+        # tag; left on its socket, it would wake this thread at once, again and again)
+        if rank.busy or rank.peers.poller.readable():
             done, failed = rank.poll()
             self._done += done
             self._failed.update(failed)

@@ -28,6 +28,7 @@ from ..transport.base import Transport
 from . import prepped_hook as _prepped_hook
 from . import probe as _probe
 from .protocol import ErrorReply, GetMeta, RankMeta, pack, unpack
+from .tags import BUCKET
 
 if TYPE_CHECKING:
     from ..prepped import Prepared
@@ -116,6 +117,8 @@ class RemoteEngine:
     side_ranks: tuple[Rank, ...] = ()
     # prefill rank -> its figures: measured per path at handshake, kept current by completed reads
     links: dict[Rank, LinkFigures] = field(default_factory=dict)
+    # prefill rank -> (address, words, salt) of its lease tags (runtime/tags.py); absent: wait for grants
+    tags: dict[Rank, tuple[int, int, int]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Plain-data view (what a handshake RPC returns)."""
@@ -329,7 +332,9 @@ class Handshaker:
         from ..cost import pair_shapes
         return RemoteEngine(engine_id, layout, plan, lowered, agents, readers, endpoints, first.metadata_sha256,
                             modes, pair_shapes(lowered), digests={p: metas[p].metadata_sha256 for p in needed},
-                            can_stage=frozenset(can_stage), side_ranks=side, links=links)
+                            can_stage=frozenset(can_stage), side_ranks=side, links=links,
+                            tags={p: (int(m.tags_addr), int(m.tags_words), int(m.tag_salt)) for p, m in metas.items()
+                                  if p in agents and m.tags_addr and m.tags_words >= BUCKET})
 
     def _links(self, engine_id: str, endpoints: dict[Rank, str], reads: Sequence[Rank], metas: dict[Rank, RankMeta],
                mems: dict[Rank, KVMemory], agents: dict[Rank, str]) -> dict[Rank, LinkFigures]:

@@ -144,6 +144,8 @@ class Metrics:
     ignored_notifications: int = 0
     register_retries: int = 0
     optimistic_reads: int = 0
+    tag_checks: int = 0       # lease-tag READs posted (runtime/tags.py)
+    checked_reads: int = 0    # optimistic reads the lease's tag proved live before any grant
     discarded_reads: int = 0
     heartbeats: int = 0
     transfer_seconds_sum: float = 0.0
@@ -289,6 +291,8 @@ HELP = {
     "not_registered": ("counter", "acquire/stage requests refused because the lease was not registered yet (retried)"),
     "register_retries": ("counter", "acquire/stage requests retried after a not-registered refusal"),
     "optimistic_reads": ("counter", "direct reads posted beside their acquire, before the pin (optimistic_reads)"),
+    "tag_checks": ("counter", "lease-tag READs posted after an optimistic read ended before its grant"),
+    "checked_reads": ("counter", "optimistic reads completed on the lease's tag, before the prefill's grant"),
     "discarded_reads": ("counter", "optimistic reads whose bytes were discarded (not registered yet) and read again"),
     "heartbeats": ("counter", "lease heartbeats sent (queued requests and in-flight pins)"),
     "cancelled_reads": ("counter", "reads cancelled before the transport posted them (dead peer, failed request)"),

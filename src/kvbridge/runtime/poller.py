@@ -141,6 +141,12 @@ class ChannelPoller:
             del self.touched[ch]
         return False
 
+    def readable(self) -> bool:
+        """Whether a registered descriptor is readable now (nothing is taken: :meth:`ready` sees it too)."""
+        if self.closed:
+            return False
+        return bool(self._ep.poll(0, 1) if self._ep is not None else self._poll.poll(0))
+
     def wait(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s`` or until a registered descriptor is readable (call :meth:`pending`
         first)."""

@@ -51,6 +51,7 @@ from .protocol import (
 )
 from .readers import ReaderAuth
 from .stager import STAGE_PATHS, SlotKey, Stager, as_rank, read_id_of, reader_of, ttl_of
+from .tags import TagTable
 
 # re-exported: the names this module held before the stage packer, the lowering cache and reader
 # authentication moved to their own modules
@@ -101,6 +102,14 @@ class PrefillRank:
         self.transport = wrap_from_env(transport or NixlTransport(f"{engine_id}-p{rank[0]}t{rank[1]}",
                                                                   multi_threaded=True, **transport_device(self.mem)))
         register_memory(self.transport, self.mem)
+        # live leases' tags in registered host memory: a decode READs them to trust an optimistic READ
+        # without waiting for this rank's grant (runtime/tags.py); 0: this transport cannot register it
+        self.tags = TagTable()
+        try:
+            self.tags_addr = int(self.transport.register(self.tags.words))
+        except Exception as e:  # noqa: BLE001 - readers then wait for grants, as without tags
+            log.info("prefill rank %s: lease tags not registered (%r); readers wait for grants", self.rank, e)
+            self.tags_addr = 0
         # the stage packer (runtime/stager.py): staging buffers on the KV memory's device and their host
         # mirror, their slots, stage requests parked for space, the push path's WRITEs and probes
         kv = KVBytes(self.mem)
@@ -147,6 +156,8 @@ class PrefillRank:
         # re-registered: the old attempt's lease is REPLACED (its pins end, its staging slots go back)
         self._effects(self.table.register(req_id, blocks, attempt, time.monotonic(), lease_s, reads=reads,
                                           nbytes=self._bytes_of(blocks)))
+        if self.tags_addr:  # before the parameters are issued (this returns first)
+            self.tags.set(req_id, attempt)
         return attempt
 
     def _bytes_of(self, blocks: dict[str, GroupBlocks]) -> int:
@@ -179,6 +190,7 @@ class PrefillRank:
                     self.metrics.observe_phase("pin_held", (time.perf_counter_ns() - t) / 1e9)
                 self.stager.pin_ended((e.req_id, eng, tuple(rank), read_id))
             elif isinstance(e, LeaseEnded):
+                self.tags.clear(e.req_id, e.attempt)  # first: no reader may trust a READ ending after this
                 if e.state is LeaseState.FREED:
                     self.freed.append(e.req_id)
                     self.metrics.freed_requests += 1
@@ -349,7 +361,8 @@ class PrefillRank:
                              self.transport.agent_name, md, metadata_digest(md), self.mem.to_wire(),
                              self.staging_bytes, self.staging_addr, self.host_staging_addr,
                              staging_nbytes(self.host_staging), float(self.pin_s), float(self.min_read_rate),
-                             push=push))
+                             push=push, tags_addr=self.tags_addr, tags_words=int(self.tags.words.size) if
+                             self.tags_addr else 0, tag_salt=self.tags.salt))
 
     def _stage(self, msg: Stage, envelope: list[bytes]) -> Iterator[Staged | StageError]:
         """Answer a stage request: pin the lease for this reader's read (as an acquire does), pack this

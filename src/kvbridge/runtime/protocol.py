@@ -101,6 +101,11 @@ class RankMeta(msgspec.Struct, tag="rank_meta"):
     pin_s: float = 0.0
     min_read_rate: float = 0.0
     push: bool = False  # this rank serves push stage requests from the asking decode rank (it sent its metadata)
+    # live leases' tags (runtime/tags.py): host memory of ``tags_words`` uint64 words registered with the
+    # rank's agent at ``tags_addr`` (0: none; readers wait for grants), hashed under ``tag_salt``
+    tags_addr: int = 0
+    tags_words: int = 0
+    tag_salt: int = 0
 
 
 # the prefill answers (and the decode reads) a stage request per segment of about this size, so

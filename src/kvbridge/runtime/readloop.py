@@ -15,6 +15,7 @@ there is, not the number of peers.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -62,6 +63,8 @@ from .readstate import (
     Abort,
     AlignRetry,
     Ask,
+    Check,
+    Checked,
     Count,
     Fail,
     Failed,
@@ -92,6 +95,7 @@ from .readstate import (
 )
 from .request import InFlight, ReadRequest
 from .slots import SlotAllocator
+from .tags import BUCKET, CHECK_SLOTS, bucket_holds, bucket_of, lease_tag
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +145,28 @@ class ReadLoop:
                  register_grace_s: float, restarted: Callable[[InFlight], bool],
                  mark_lost: Callable[[Peer, PeerEvent], None], died: Callable[[Peer, Rank, str], None],
                  host_staging: Any = None, host_staging_addr: int = 0, staging_device: str = "cpu",
-                 optimistic: bool = False):
+                 optimistic: bool = False, tag_checks: bool = True):
         self.engine_id, self.rank, self.transport, self.metrics = engine_id, rank, transport, metrics
         self.kv, self.staging, self.staging_addr, self.slots = kv, staging, staging_addr, slots
         # host staging (same slots as the staging buffer): the host-staged path
         self.host_staging, self.host_staging_addr = host_staging, host_staging_addr
         self.staging_device = staging_device  # where the staging buffer lives (named in push stage requests)
+        # lease-tag checks (runtime/tags.py): bucket buffers in registered host memory, one per check in flight
+        # (id of the RankRead -> its check; a check outliving its read is released once it settled)
+        self.checks: dict[int, _TagCheck] = {}
+        self.tag_checks = tag_checks  # DecodeConfig.tag_checks (the buffers exist either way: it may be turned on)
+        self.check_buf = np.zeros(CHECK_SLOTS * BUCKET, dtype=np.uint64) if optimistic else None
+        self.check_addr = 0
+        self._check_free: list[int] = []
+        # posted on this thread where the transport can (NIXL: 64 bytes, cheaper than the post thread's hand-off)
+        inline = "inline" in inspect.signature(transport.read).parameters
+        self._check_kw: dict[str, Any] = {"inline": True} if inline else {}
+        if self.check_buf is not None:
+            try:
+                self.check_addr = int(transport.register(self.check_buf))
+                self._check_free = list(range(CHECK_SLOTS - 1, -1, -1))
+            except Exception as e:  # noqa: BLE001 - no checks: optimistic reads wait for their grants
+                log.info("decode rank %s: lease-tag check buffer not registered (%r)", rank, e)
         self.layout_dict, self.mem_wire = layout_dict, mem_wire  # sent with stage requests
         self.stage_segment_bytes = stage_segment_bytes
         self.stage_timeout_s, self.transfer_timeout_s = stage_timeout_s, transfer_timeout_s
@@ -168,6 +188,9 @@ class ReadLoop:
         self.push_holds: dict[tuple[str, Rank, str, int], tuple[Any, float]] = {}
         self._holds = 0
         self.linger_until = 0.0  # failed reads' requests may still be answered: drain replies until then
+        # reads completed on their lease's tag whose acquire is unanswered: (read key, prefill rank, attempt) ->
+        # how long its answer is waited for (replies are drained until it came: its grant is let go)
+        self.awaiting: dict[tuple[str, Rank, int], float] = {}
 
     def take(self) -> tuple[list[str], dict[str, ReadFailure]]:
         """(finished read keys, {failed read key: typed failure}) since the last call."""
@@ -306,6 +329,12 @@ class ReadLoop:
                 continue
             if all(rr.state is ReadState.DONE for rr in f.ranks.values()):
                 self._complete(rid, f)
+        if self.checks:
+            self._reap_checks()
+        if self.awaiting:  # (an answer that never comes is waited for stage_timeout_s)
+            for k, until in list(self.awaiting.items()):
+                if now >= until:
+                    del self.awaiting[k]
         self._reap_zombies()
 
     def next_wake(self, now: float, wakes: bool) -> float:
@@ -328,6 +357,8 @@ class ReadLoop:
                             pause = min(pause, XFER_POLL_S)
                     elif t.scatter is not None and not t.scatter.done() and not wakes:
                         pause = min(pause, XFER_POLL_S)
+        if self.checks:  # (a check's READ may complete with no event, as a transfer's)
+            pause = min(pause, XFER_POLL_S)
         if self.zombies:
             pause = min(pause, ZOMBIE_POLL_S)
         if self.push_holds:
@@ -378,7 +409,7 @@ class ReadLoop:
         return encode_notif(Done(req.req_id, self.engine_id, self.rank, remote.readers[prank], ok,
                                  req.attempt_for(prank), req.key, decline))
 
-    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str) -> None:
+    def _let_go(self, remote: Peer, prank: Rank, rid: str, attempt: int, read_id: str, ok: bool = False) -> None:
         """The prefill granted a pin (or staged) for a read that is no longer live here (failed, aborted,
         or answered twice): release that pin once, so it does not hold the blocks until it times out."""
         key = (read_id, prank, attempt)
@@ -389,7 +420,7 @@ class ReadLoop:
             self._released.popitem(last=False)
         agent = remote.agent(prank)
         if agent is not None:
-            self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], False,
+            self.notify(agent, encode_notif(Done(rid, self.engine_id, self.rank, remote.readers[prank], ok,
                                                   attempt, read_id)))
 
     def apply(self, f: InFlight, rr: RankRead, actions: list[Any], ids: tuple[str, int, str] | None = None) -> bool:
@@ -429,6 +460,76 @@ class ReadLoop:
         self.metrics.transfers += 1
         return False
 
+    def _run_check(self, f: InFlight, rr: RankRead, a: Check, ids: tuple[str, int, str] | None) -> bool:
+        """READ the lease's tag bucket from the prefill rank into a free bucket buffer (runtime/tags.py); with
+        no tags there, no free buffer or a failed post, nothing: the read waits for its grant."""
+        prank, peer = rr.prefill, f.peer
+        tags = (getattr(peer.remote, "tags", None) or {}).get(prank)
+        agent = peer.agents.get(prank)
+        if not self.tag_checks or tags is None or agent is None or not self._check_free or id(rr) in self.checks:
+            return False
+        addr, words, salt = tags
+        tag = lease_tag(salt, f.req.req_id, f.req.attempt_for(prank))
+        slot = self._check_free.pop()
+        assert self.check_buf is not None
+        self.check_buf[BUCKET * slot:BUCKET * (slot + 1)] = 0
+        one = np.ones(1, dtype=np.int64)
+        try:
+            xfer = self.transport.read(agent, one * (addr + 8 * bucket_of(tag, words)),
+                                       one * (self.check_addr + 8 * BUCKET * slot), one * (8 * BUCKET), b"",
+                                       remote_device="cpu", local_device="cpu", **self._check_kw)
+        except TransferError as e:
+            log.debug("read %s: lease-tag check not posted (%s); waiting for the grant", f.req.key, e)
+            self._check_free.append(slot)
+            return False
+        self.checks[id(rr)] = _TagCheck(f, rr, slot, xfer, tag)
+        self.metrics.tag_checks += 1
+        # posted on this thread (64 bytes; on cma the copy is done by now): its answer at once, not a poll later
+        return self._advance_check(f, rr, time.monotonic())
+
+    def _check_settled(self, c: _TagCheck) -> bool | None:
+        """None while ``c``'s READ is in progress; else whether the bucket held the tag (False: it failed).
+        A settled check's handle and bucket buffer are released."""
+        try:
+            state = self.transport.check(c.xfer)
+        except TransferError:
+            state = "ERR"
+        if state not in ("DONE", "ERR"):
+            return None
+        assert self.check_buf is not None
+        live = state == "DONE" and bucket_holds(self.check_buf[BUCKET * c.slot:BUCKET * (c.slot + 1)], c.tag)
+        self.checks.pop(id(c.rr), None)
+        try:
+            self.transport.release(c.xfer)
+        finally:
+            self._check_free.append(c.slot)
+        return live
+
+    def _advance_check(self, f: InFlight, rr: RankRead, now: float) -> bool:
+        """``rr``'s lease-tag check, if it settled, becomes an event. True if the request failed."""
+        c = self.checks.get(id(rr))
+        live = self._check_settled(c) if c is not None else None
+        if live is None:
+            return False
+        if live:
+            _mark(f, M_GRANTED)  # (the proof: the "grant" phase ends when the read was proven live)
+        return self.apply(f, rr, rr.handle(Checked(live), now))  # (fails nothing: a count at most)
+
+    def drain_checks(self, timeout_s: float = 1.0) -> None:
+        """Closing: wait (bounded) for every lease-tag check to settle and release it."""
+        for c in list(self.checks.values()):
+            self.transport.settle(c.xfer, timeout_s)
+            self.checks.pop(id(c.rr), None)
+            self.transport.release(c.xfer)
+            self._check_free.append(c.slot)
+
+    def _reap_checks(self) -> None:
+        """Checks of reads answered meanwhile (granted, failed, aborted) or no longer in flight here (re-queued
+        behind a restarted prefill's re-handshake): released once settled."""
+        for c in list(self.checks.values()):
+            if c.rr.state is not ReadState.ACQUIRING or self.inflight.get(c.f.req.key) is not c.f:
+                self._check_settled(c)
+
     def _run_scatter(self, f: InFlight, rr: RankRead, a: Scatter, ids: tuple[str, int, str] | None) -> bool:
         a.transfer.scatter = self.transport.submit(self._scatter, a.transfer, f)
         return False
@@ -462,7 +563,9 @@ class ReadLoop:
 
     def _run_let_go(self, f: InFlight, rr: RankRead, a: LetGo, ids: tuple[str, int, str] | None) -> bool:
         prank = rr.prefill
-        self._let_go(f.peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)))
+        # (a read completed on its lease's tag read everything: its release is a success, not a failure that
+        # would settle the whole claim under the engine's other ranks still reading this prefill rank)
+        self._let_go(f.peer, prank, *(ids or (f.req.req_id, f.req.attempt_for(prank), f.req.key)), ok=rr.checked)
         return False
 
     def _run_count(self, f: InFlight, rr: RankRead, a: Count, ids: tuple[str, int, str] | None) -> bool:
@@ -515,13 +618,16 @@ class ReadLoop:
         for rid, attempt, read_id, ttl_s in msg.granted:
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
             if f is None or rr is None:
-                self._let_go(peer, prank, rid, attempt, read_id)  # a pin no live read of ours will use
+                # a pin no live read of ours will use (read everything, on its lease's tag: a success)
+                ok = self.awaiting.pop((read_id, prank, attempt), None) is not None
+                self._let_go(peer, prank, rid, attempt, read_id, ok=ok)
                 continue
             _mark(f, M_GRANTED)
             # (a failed request needs nothing more here: it left ``inflight``, and every later entry of this
             # frame looks its read up afresh; one of a read no longer live is let go)
             self.apply(f, rr, rr.handle(Granted(ttl_s), now), (rid, attempt, read_id))
         for rid, attempt, read_id, code, text in msg.refused:
+            self.awaiting.pop((read_id, prank, attempt), None)
             f, rr = self._rank_read(peer, prank, rid, attempt, read_id)
             if f is not None and rr is not None:  # (failed: as for a grant above)
                 self.apply(f, rr, rr.handle(Refused(code, text), now))
@@ -632,6 +738,8 @@ class ReadLoop:
             return self.apply(f, rr, rr.handle(XferFailed(str(e), i), now))
         except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
             return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
+        if self.checks and self._advance_check(f, rr, now):
+            return True
         if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
             return False
         queued, latest = False, float("-inf")
@@ -651,6 +759,11 @@ class ReadLoop:
         for prank, rr in f.ranks.items():  # staged reads carry no notification: tell the prefill now
             if rr.notify_at_end and rr.pinned:
                 self.notify(f.peer.agents[prank], self.done_msg(f.req, f.peer, prank))
+            elif rr.checked:
+                # its acquire is unanswered: its grant is let go (a success) when it comes, never a Done now,
+                # which could free a lease its n > 1 siblings' batched acquires have not pinned yet; the
+                # replies are drained until then
+                self.awaiting[(f.req.key, prank, f.req.attempt_for(prank))] = now + self.stage_timeout_s
             # direct reads' Done rode on the read (PinsReleased is a non-transition: no actions, fails nothing)
             self.apply(f, rr, rr.handle(PinsReleased(), now))
         self.metrics.observe_transfer(time.perf_counter() - f.started)
@@ -666,7 +779,9 @@ class ReadLoop:
         _mark(f, M_DONE)
         phases = self.metrics.observe_marks(marks)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("read %s (%d B from %s): %s", rid, f.nbytes, f.peer.engine_id,
+            how = {str(p): ("checked" if rr.checked else "pinned" if rr.pinned else "-") + f"/{rr.path.value}"
+                   for p, rr in f.ranks.items()}
+            log.debug("read %s (%d B from %s, %s): %s", rid, f.nbytes, f.peer.engine_id, how,
                       ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in phases.items()))
         self.metrics.transfer_bytes += f.nbytes
         self.metrics.descriptors += f.ndescs
@@ -867,7 +982,17 @@ _RUNNERS: dict[type, Callable[[ReadLoop, InFlight, RankRead, Any, tuple[str, int
     Retry: ReadLoop._run_retry,
     Restarted: ReadLoop._run_restarted,
     Fail: ReadLoop._run_fail,
+    Check: ReadLoop._run_check,
 }
+
+
+class _TagCheck:
+    """A lease-tag check in flight: the read it is for, its bucket buffer, the transport's handle, the tag."""
+
+    __slots__ = ("f", "rr", "slot", "xfer", "tag")
+
+    def __init__(self, f: InFlight, rr: RankRead, slot: int, xfer: Any, tag: int) -> None:
+        self.f, self.rr, self.slot, self.xfer, self.tag = f, rr, slot, xfer, tag
 
 
 def queue_read(box: dict[Rank, list[tuple[str, int, str]]], peer: Peer, prank: Rank, req: ReadRequest) -> None:

@@ -25,6 +25,8 @@ from .readstate import (
     Action,
     AlignRetry,
     Ask,
+    Check,
+    Checked,
     Count,
     Event,
     Fail,
@@ -120,7 +122,15 @@ class RankRead:
       before; the transfer in flight is cancelled (never posted if the post thread has not reached it)
       and the loop parks its handle until it settles, as for every failed read with a posted transfer;
     * abort, timeout and disconnect: as for a posted read (cancelled, parked until settled);
-    * heartbeats, progress and the pin's deadline are unchanged once granted; staged paths unchanged."""
+    * heartbeats, progress and the pin's deadline are unchanged once granted; staged paths unchanged;
+    * **checked** (``runtime/tags.py``): once every READ ended with no grant yet, the loop READs the lease's
+      tag from the prefill rank (:class:`Check`); found (:class:`Checked` ``live``), the lease had not
+      ended when those READs did, which proves what a grant proves: the read moves to POSTED (CHECKED) and
+      completes with no pin. Its acquire is still out and no Done is sent at completion: the grant,
+      when it comes, is let go as a success (released ``ok``), which settles this reader's part; a Done
+      sent before the pin could settle it unpinned and free a lease that vLLM ``n > 1`` siblings, whose
+      acquires are batched to pin together, still need. A late refusal changes nothing. Not found, or the
+      check's READ failed: nothing changes, the grant decides."""
 
     def __init__(self, prefill: tuple[int, int], state: ReadState, now: float, ctx: ReadContext, *,
                  work: Any = None, lower: Callable[[], Any] | None = None, request: Any = None,
@@ -152,6 +162,7 @@ class RankRead:
         self.early = False               # its READ went out before a pin (optimistic_reads)
         self.notify_at_end = False       # no read carries this rank's Done: send it when the request completes
         self.pinned = False              # the prefill granted this rank's pin (only then is a Done sent for it)
+        self.checked = False             # optimistic: the lease's tag proved the READs' blocks live (no pin)
         self.asked = state is ReadState.STAGE_REQUESTED  # a request is out, unanswered (a pin may exist)
         self.retry_at: float | None = None  # not registered yet: ask again at this time
         self.refresh_at = float("inf")   # pinned: send a heartbeat (re-arms the pin) at this time
@@ -188,7 +199,7 @@ class RankRead:
     def early_only(self) -> bool:
         """No pin here, and every READ of this rank was posted before one (optimistic): nothing this read
         did is trusted yet, so it may start again elsewhere once those READs have settled."""
-        return not self.pinned and self.early and all(t.work is not None for t in self.reads)
+        return not self.pinned and not self.checked and self.early and all(t.work is not None for t in self.reads)
 
     @property
     def holds_nothing(self) -> bool:
@@ -224,7 +235,21 @@ class RankRead:
         t.done, self.progress_at = True, now
         if t.discard:  # optimistic bytes refused "not registered": settled, read again if granted
             return self._repost()
-        return [Scatter(t)] if t.runs is not None else []
+        if t.runs is not None:
+            return [Scatter(t)]
+        return [Check()] if self._checkable() else []
+
+    def _checkable(self) -> bool:
+        """Optimistic, no answer yet, every READ ended and trusted if the lease was live: check its tag."""
+        return (self.early and not self.pinned and self.state is ReadState.ACQUIRING and self.retry_at is None
+                and bool(self.reads) and all(t.done and not t.discard and t.work is not None for t in self.reads))
+
+    def _on_checked(self, ev: Checked, now: float) -> list[Action]:
+        if not ev.live or not self._checkable():
+            return []  # not proven (or answered meanwhile): the grant decides, as without tags
+        self.checked = True
+        self.sm.fire(ReadEvent.CHECKED)
+        return [Count("checked_reads")]
 
     def _on_scatter_done(self, ev: ScatterDone, now: float) -> list[Action]:
         self.reads[ev.index].scattered = True
@@ -542,4 +567,5 @@ _HANDLERS: dict[type, Callable[[RankRead, Any, float], list[Action]]] = {
     ScatterFailed: RankRead._on_scatter_failed,
     Failed: RankRead._on_failed,
     Abort: RankRead._on_abort,
+    Checked: RankRead._on_checked,
 }

@@ -13,6 +13,7 @@ actions); the machine is ``readmachine.py``.
 ::
 
     ACQUIRING ──GRANTED──▶ POSTED ──COMPLETED──▶ DONE
+    ACQUIRING ──CHECKED──▶ POSTED                        (optimistic: the lease's tag proved it live)
     STAGE_REQUESTED ──STAGE_SEGMENT──▶ STAGING ──STAGE_LAST──▶ SCATTERING ──COMPLETED──▶ DONE
     STAGE_REQUESTED ──STAGE_LAST──▶ SCATTERING           (one segment, or nothing to read)
     STAGE_REQUESTED ──STAGE_FULL──▶ POSTED               (no staging room: read directly, under the pin)
@@ -22,8 +23,9 @@ actions); the machine is ``readmachine.py``.
 DONE, FAILED and CANCELLED are terminal.
 
 With ``DecodeConfig.optimistic_reads`` a direct read posts its READ in ACQUIRING already, as its acquire
-goes out (:class:`Sent`); the table is the same: the read completes only in POSTED, i.e. once GRANTED too
-(``RankRead`` states the soundness rules).
+goes out (:class:`Sent`); it completes only in POSTED, i.e. once GRANTED, or once CHECKED: its READ ended
+and a READ of the lease's tag after it found the lease still live (``runtime/tags.py``; ``RankRead``
+states the soundness rules).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class ReadState(enum.Enum):
 
 class ReadEvent(enum.Enum):
     GRANTED = "granted"                # the prefill pinned the lease for this attempt
+    CHECKED = "checked"                # optimistic: the READ ended, then the lease's tag was read, still live
     REFUSED = "refused"                # the prefill refused (lease gone, other attempt, restarted)
     STAGE_SEGMENT = "stage_segment"    # a packed segment was announced (not the last)
     STAGE_LAST = "stage_last"          # the last packed segment was announced
@@ -69,7 +72,7 @@ _FAIL = {E.REFUSED: S.FAILED, E.NIXL_ERROR: S.FAILED, E.PROTOCOL_ERROR: S.FAILED
          E.TIMEOUT: S.FAILED, E.ABORT: S.CANCELLED}
 
 TRANSITIONS: dict[ReadState, dict[ReadEvent, ReadState]] = {
-    S.ACQUIRING: {E.GRANTED: S.POSTED, **_FAIL},
+    S.ACQUIRING: {E.GRANTED: S.POSTED, E.CHECKED: S.POSTED, **_FAIL},
     S.STAGE_REQUESTED: {E.STAGE_SEGMENT: S.STAGING, E.STAGE_LAST: S.SCATTERING, E.STAGE_FULL: S.POSTED, **_FAIL},
     S.POSTED: {E.COMPLETED: S.DONE, **_FAIL},
     S.STAGING: {E.STAGE_SEGMENT: S.STAGING, E.STAGE_LAST: S.SCATTERING, **_FAIL},
@@ -168,6 +171,14 @@ class AlignRetry:
 
 
 @dataclass(frozen=True, slots=True)
+class Checked:
+    """The READ of the lease's tag bucket, posted after every READ of this rank ended, settled: ``live``,
+    the tag was there (the lease had not ended when the READs did); False: not there, or the READ failed."""
+
+    live: bool
+
+
+@dataclass(frozen=True, slots=True)
 class XferDone:
     """Transfer ``index`` of :attr:`RankRead.reads` completed (NIXL state DONE)."""
 
@@ -225,7 +236,7 @@ class PinsReleased:
 
 
 Event = (Sent | Granted | Refreshed | Refused | Segment | StageFailed | AlignRetry | XferDone | XferFailed
-         | ScatterDone | ScatterFailed | Tick | Failed | Abort | PinsReleased)
+         | ScatterDone | ScatterFailed | Tick | Failed | Abort | PinsReleased | Checked)
 
 # events that never change a read's state (named non-transitions: they go through no table entry). Each
 # updates the read's own fields only: XferDone (a transfer completed: scatter it, or read again after
@@ -267,6 +278,13 @@ class PostSegment:
     addr: int
     local: int
     host: bool = False  # host staging on both sides (the host-staged path)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Optimistic, not granted yet, every READ ended: READ the lease's tag bucket from the prefill rank (the
+    loop answers :class:`Checked`; it posts nothing if the rank has no tags or no bucket buffer is free,
+    and the read waits for the grant)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +341,8 @@ class Count:
     name: str
 
 
-Action = Ask | Heartbeat | Post | PostSegment | Scatter | Landed | Notify | LetGo | Restarted | Retry | Fail | Count
+Action = (Ask | Heartbeat | Post | PostSegment | Scatter | Landed | Notify | LetGo | Restarted | Retry | Fail | Count
+          | Check)
 
 
 @dataclass(eq=False)

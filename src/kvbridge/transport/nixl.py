@@ -216,11 +216,13 @@ class NixlTransport(TransportBookkeeping):
 
     def read(self, peer: str, remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
              remote_device: str | None = None, cancel: Cancellable | None = None,
-             local_device: str | None = None) -> NixlXfer:
+             local_device: str | None = None, inline: bool = False) -> NixlXfer:
         """Post a READ of explicit descriptor lists off the caller's thread; returns a handle to :meth:`check`
         and :meth:`release`. ``remote_device``: where the peer's memory lives ("cpu" or "cuda:N", see
         :meth:`remote_mem`); ``local_device``: where ours does (None: this agent's own kind, e.g. "cpu" for a
-        host staging buffer of a GPU rank); ``cancel``: as in :meth:`post`."""
+        host staging buffer of a GPU rank); ``cancel``: as in :meth:`post`; ``inline``: post it on the
+        caller's thread if no post is queued (a few bytes, e.g. a lease-tag check: a hand-off to the post
+        thread would cost more than the READ)."""
         rtype, rdev = self.remote_mem(remote_device)
         ltype, ldev = (self.mem_type, self.device_id) if local_device is None else self.remote_mem(local_device)
         descs = Descriptors(None, remote, local, nbytes)  # no prefill rank: explicit lists
@@ -228,7 +230,7 @@ class NixlTransport(TransportBookkeeping):
         def arrays() -> tuple[np.ndarray, np.ndarray]:
             check_cancel(cancel, peer)
             return descs.nixl_arrays(ldev, rdev)
-        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype, ltype)
+        return self._post(peer, arrays, descs.count, descs.total_bytes, notif, rtype, ltype, inline=inline)
 
     def write(self, peer: str, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, notif: bytes = b"",
               remote_device: str | None = None, local_device: str | None = None) -> NixlXfer:
@@ -253,22 +255,23 @@ class NixlTransport(TransportBookkeeping):
         remote_type: str,
         local_type: str | None = None,
         op: str = "READ",
+        inline: bool = False,
     ) -> NixlXfer:
         def post(x: NixlXfer) -> str:
             local, remote = arrays()
             x.handle = self.agent.initialize_xfer(op, self.xfer_descs(local, local_type),
                                                   self.xfer_descs(remote, remote_type), peer, notif)
             return self._start(x.handle, peer)
-        return self._submit_post(peer, 0, 0, post, size=nbytes)
+        return self._submit_post(peer, 0, 0, post, size=nbytes, inline=inline)
 
     def _submit_post(self, peer: str, count: int, nbytes: int, post: Callable[[NixlXfer], str],
-                     size: int | None = None) -> NixlXfer:
+                     size: int | None = None, inline: bool = False) -> NixlXfer:
         """Track a new transfer and run ``post(x)`` (which sets ``x.handle``) on the post thread, or at once
         on the caller's thread when ``size`` (its bytes) is at most :attr:`inline_post_bytes` and the post
         threads are idle (the read's copy then runs here on cma; on RDMA ``transfer()`` returns at once)."""
         x = NixlXfer(peer, Future[str](), num_descs=count, nbytes=nbytes)
         self.track(id(x))
-        inline = size is not None and 0 < self.inline_post_bytes and size <= self.inline_post_bytes
+        inline = inline or (size is not None and 0 < self.inline_post_bytes and size <= self.inline_post_bytes)
 
         def run() -> str:
             x.posted_ns = time.perf_counter_ns()

@@ -34,6 +34,10 @@ PROM_COUNTERS = {
                                      "decode reads (per prefill rank) over host staging"),
     "decode_pushed_transfers": ("vllm:kvbridge_pushed_transfers",
                                 "decode reads (per prefill rank) over the push path (the prefill WRITEs; no READ)"),
+    "decode_tag_checks": ("vllm:kvbridge_tag_checks",
+                          "lease-tag READs posted after an optimistic read ended before its grant (decode)"),
+    "decode_checked_reads": ("vllm:kvbridge_checked_reads",
+                             "direct reads completed on their lease's tag, before the prefill's grant (decode)"),
     "decode_degraded_links": ("vllm:kvbridge_degraded_links",
                               "links to prefill ranks warned degraded (a device path far below the host path or a "
                               "floor: the warning in the log names the link and the likely causes)"),
