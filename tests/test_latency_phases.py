@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _helpers import served
 
 from kvbridge.runtime.metrics import (
     DECODE_PHASES,
@@ -296,28 +297,16 @@ def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_
     from kvbridge.transport.nixl import nixl_available
     if not nixl_available():
         pytest.skip("needs nixl")
-    import threading
     import time
 
     import kvbridge
     from kvbridge.runtime.driver import DecodeDriver
     eng, p, d = _pair(False)
     d.reads.tag_checks = True  # (DecodeConfig.tag_checks: off by default)
-    lock, stop = threading.Lock(), threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            with lock:
-                p.serve_once()
-            time.sleep(2e-4)
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
     driver = DecodeDriver(d)
     try:
-        driver.rank.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
-        stop.set()
-        server.join(5)  # nobody serves the prefill now
+        with served(p):  # the handshake needs the prefill's answer; nobody serves it after
+            driver.rank.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
         blocks = {g.name: kvbridge.GroupBlocks.of([0, 1]) for g in eng.model.groups}
         att = p.add_request("late", blocks)
         driver.rank.start(kvbridge.ReadRequest("late", "ev-p", 32, blocks, blocks, att))
@@ -336,7 +325,6 @@ def test_a_late_grant_after_a_read_completed_on_its_lease_tag_does_not_spin_the_
             p.serve_once()
         assert "late" in p.take_freed()["freed"] and not p.leases
     finally:
-        stop.set()
         driver.close()
         p.close()
 
@@ -351,7 +339,6 @@ def test_a_read_posted_on_the_callers_thread_is_proven_by_its_tag_before_any_pol
     from kvbridge.transport.nixl import nixl_available
     if not nixl_available():
         pytest.skip("needs nixl")
-    import threading
     import time
 
     import numpy as np
@@ -361,19 +348,9 @@ def test_a_read_posted_on_the_callers_thread_is_proven_by_its_tag_before_any_pol
     eng, p, d = _pair(False)
     d.reads.tag_checks = True
     d.transport.inline_post_bytes = 64 << 20
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            p.serve_once()
-            time.sleep(2e-4)
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
     try:
-        d.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
-        stop.set()
-        server.join(5)  # nobody serves the prefill from here on: no grant can come
+        with served(p):  # the handshake needs the prefill's answer; nobody serves it from here on: no grant
+            d.handshake("ev-p", {(0, 0): f"127.0.0.1:{p.port}"})
         blocks = {g.name: kvbridge.GroupBlocks.of([3, 5]) for g in eng.model.groups}
         att = p.add_request("now", blocks)
         inline0 = d.transport.stats.inline_posts
@@ -395,6 +372,5 @@ def test_a_read_posted_on_the_callers_thread_is_proven_by_its_tag_before_any_pol
             time.sleep(0.002)
         assert "now" in p.take_freed()["freed"] and not p.leases
     finally:
-        stop.set()
         d.close()
         p.close()
