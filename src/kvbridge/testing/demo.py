@@ -261,12 +261,24 @@ def _write_metrics(metrics_dir: str, eng: _Engines) -> None:
                   out / "prefill.json", out / "prefill.prom")
 
 
+def _leaked_handles(D: EngineProcs, timeout_s: float = 10.0) -> int:
+    """Transfer handles the decode ranks still hold once every transfer had ``timeout_s`` to settle: a probe
+    transfer given up at its deadline is released when it ends (on a link slowed to seconds per READ, after
+    the requests are done), which is no leak; a handle still held after that is one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = sum(s["live_handles"] for s in D.call_all("stats").values())
+        if not live or time.monotonic() >= deadline:
+            return live
+        time.sleep(0.05)
+
+
 def _sum(stats: dict, key: str) -> int:
     return sum(s["metrics"][key] for s in stats.values())
 
 
 def _result(eng: _Engines, n_reqs: int, n_ranks: int, stats: dict, ver: dict, memcpy: float, freed: dict,
-            warm: Phase | None, burst: Phase, big: Phase | None, ex: _Extras) -> DemoResult:
+            warm: Phase | None, burst: Phase, big: Phase | None, ex: _Extras, leaked: int) -> DemoResult:
     extra = ex.extra
     return DemoResult(
         requests=n_reqs,
@@ -279,7 +291,7 @@ def _result(eng: _Engines, n_reqs: int, n_ranks: int, stats: dict, ver: dict, me
         mismatched_bytes=sum(v["mismatched_bytes"] for v in ver.values()),
         checked_bytes=sum(v["checked_bytes"] for v in ver.values()),
         prefill_freed=sum(1 for v in freed.values() if v == len(eng.P.workers)),
-        leaked_handles=sum(s["live_handles"] for s in stats.values()),
+        leaked_handles=leaked,
         staged_transfers=_sum(stats, "staged_transfers") - extra["staged_transfers"],
         direct_transfers=sum(s["metrics"]["transfers"] - s["metrics"]["staged_transfers"] for s in stats.values())
         - extra["transfers"] + extra["staged_transfers"],
@@ -346,12 +358,13 @@ def run_demo(prefill: EngineLayout, decode: EngineLayout, num_requests: int = 32
             memcpy = next(iter(eng.D.workers.values())).call("memcpy_gbps", (big or burst).bytes_moved)
             prog.update(task, advance=1, description="waiting for the prefill to free blocks")
             freed = _wait_freed(eng.P, len(reqs))
+            leaked = _leaked_handles(eng.D)
             if metrics_dir:
                 _write_metrics(metrics_dir, eng)
             prog.update(task, advance=1)
         finally:
             eng.stop()
-    return _result(eng, len(reqs), len(decode.ranks()), stats, ver, memcpy, freed, warm, burst, big, ex)
+    return _result(eng, len(reqs), len(decode.ranks()), stats, ver, memcpy, freed, warm, burst, big, ex, leaked)
 
 
 AGAIN = "-again"  # suffix of the warm requests' timed re-reads
